@@ -1,0 +1,27 @@
+# The README's two commands. Both create .venv on first use and install everything.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?= -q -m "not slow and not gpu"
+
+.PHONY: run test install clean
+
+install: $(STAMP)
+
+# torch goes first and pinned, so that pip takes the CPU wheel instead of the newest CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/autodeploy run
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

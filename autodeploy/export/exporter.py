@@ -1,0 +1,133 @@
+"""``torch.export`` of a causal LM into a plain ``GraphModule``.
+
+The exported graph has the interface ``(input_ids [b, s], position_ids [b, s]) -> logits
+[b, s, vocab]`` with dynamic ``b`` and ``s`` (``s`` may be 1, so one graph serves prefill and
+decode). It is returned with plain FX codegen (no pytree specs, no guard module), parameters
+under their checkpoint names, and ``meta['val']`` on every node.
+"""
+
+import re
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Mapping, Optional
+
+import torch
+from torch import fx, nn
+from torch.export import Dim
+
+from ..utils.errors import ExportError
+from ..utils.logging import get_logger
+from .hf_attention import hf_attention_route
+from .patches import apply_export_patches
+
+logger = get_logger(__name__)
+
+INPUT_NAMES = ("input_ids", "position_ids")
+
+
+@contextmanager
+def _logits_only_forward(model: nn.Module) -> Iterator[None]:
+    """Export a forward that takes (input_ids, position_ids) and returns only the logits."""
+    original = model.forward
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = original(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        if hasattr(out, "logits"):
+            return out.logits
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    model.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del model.forward  # the instance attribute; the class method shows through again
+
+
+@contextmanager
+def _module_tracker(model: nn.Module, stack: List[str]) -> Iterator[None]:
+    """Keep the stack of modules being executed, to name the one where export fails."""
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def pre(module: nn.Module, args: Any) -> None:
+        stack.append(f"{names.get(id(module), '?') or '<root>'} ({type(module).__name__})")
+
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        if stack:
+            stack.pop()
+
+    handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
+    handles += [m.register_forward_hook(post) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _describe_failure(exc: BaseException, stack: List[str]) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    ops = sorted(set(re.findall(r"aten\.[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)?", text)))
+    where = f" in module {stack[-1]}" if stack else ""
+    op_text = f" (op: {', '.join(ops[:3])})" if ops else ""
+    return f"torch.export failed{where}{op_text}: {type(exc).__name__}: {first}"
+
+
+def export_causal_lm(
+    model: nn.Module,
+    *,
+    max_batch_size: int,
+    max_seq_len: int,
+    attn_implementation: str = "autodeploy",
+    patches: Optional[Mapping[str, bool]] = None,
+    example_batch: int = 2,
+    example_seq: int = 8,
+) -> fx.GraphModule:
+    """Export ``model`` (any device, usually meta) with dynamic batch and sequence dims."""
+    device = next(iter(model.parameters())).device
+    batch = min(example_batch, max(max_batch_size, 2))
+    seq = min(example_seq, max(max_seq_len, 2))
+    input_ids = torch.zeros((batch, seq), dtype=torch.long, device=device)
+    position_ids = torch.arange(seq, device=device).expand(batch, seq).contiguous()
+    b = Dim("batch", min=1, max=max(max_batch_size, 2))
+    s = Dim("seq", min=1, max=max(max_seq_len, 2))
+    dynamic_shapes = {"input_ids": {0: b, 1: s}, "position_ids": {0: b, 1: s}}
+    stack: List[str] = []
+    try:
+        with apply_export_patches(model, dict(patches or {})), hf_attention_route(
+            model, attn_implementation
+        ), _logits_only_forward(model), _module_tracker(model, stack):
+            ep = torch.export.export(
+                model, args=(), kwargs={"input_ids": input_ids, "position_ids": position_ids},
+                dynamic_shapes=dynamic_shapes, strict=False,
+            )
+    except Exception as exc:  # noqa: BLE001 - every export failure becomes one actionable message
+        raise ExportError(_describe_failure(exc, stack)) from exc
+    return _plain_graph_module(ep)
+
+
+def _plain_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
+    """``ep.module()`` without pytree codegen, guard module, or tuple output."""
+    gm = ep.module()
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards"):
+            graph.erase_node(node)
+    for name in [n for n, _ in gm.named_children() if n.startswith("_guards")]:
+        delattr(gm, name)
+    graph._codegen = fx.graph.CodeGen()
+    # ep.module() checks inputs against its pytree spec in a pre-hook; the plain module has none.
+    gm._forward_pre_hooks.clear()
+    output = next(n for n in graph.nodes if n.op == "output")
+    result = output.args[0]
+    if isinstance(result, (tuple, list)) and len(result) == 1:
+        output.args = (result[0],)
+    placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
+    if tuple(placeholders) != INPUT_NAMES:
+        raise ExportError(f"exported graph has inputs {placeholders}, expected {list(INPUT_NAMES)}")
+    gm.meta["autodeploy_export"] = {"dynamic_dims": {"batch": 0, "seq": 1}}
+    gm.recompile()
+    return gm
+
+
+def graph_input_values(gm: fx.GraphModule) -> Dict[str, Any]:
+    return {n.name: n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"}

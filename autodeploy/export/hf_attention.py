@@ -1,0 +1,206 @@
+"""How HF attention reaches the IR during export.
+
+transformers 5 routes every attention call of most models through ``AttentionInterface`` and
+every mask through ``AttentionMaskInterface``. During export we use both hooks:
+
+* Masks: for ``sdpa``, ``eager`` and ``autodeploy``, the mask builder is replaced by one that
+  reads the meaning of HF's mask function (plain causal, or causal with a sliding window) and
+  emits one ``torch_causal_mask`` node carrying that meaning. It produces exactly HF's mask
+  values, so the graph before canonicalisation is still HF's computation; matchers then read
+  causality and the window from one node. A mask it does not understand (chunked, bidirectional
+  overlays, padding) is built by HF's own function and left to the generic path, so nothing is
+  silently reinterpreted.
+* Attention: the ``autodeploy`` implementation calls ``torch_attention`` directly with the
+  module's own scale, window, soft-cap and sinks, in ``bsnd`` layout, with k/v unexpanded. The
+  ``sdpa`` and ``eager`` implementations stay HF's; the pattern matchers canonicalise them.
+"""
+
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+AD_ATTN_IMPL = "autodeploy"
+SUPPORTED_ATTN_IMPLS = (AD_ATTN_IMPL, "sdpa", "eager")
+
+# Masks emitted during the current export: id(tensor) -> (tensor, sliding_window). The tensor is
+# kept so its id cannot be reused while the export runs.
+_EMITTED_MASKS: Dict[int, Tuple[torch.Tensor, Optional[int]]] = {}
+
+
+def classify_mask_function(mask_function: Callable) -> Tuple[bool, Optional[int]]:
+    """``(understood, sliding_window)`` for an HF mask function built by ``masking_utils``.
+
+    Understood: ``causal_mask_function``; ``and_masks(sliding_window_overlay(w), causal)``; and
+    either of them wrapped for packed sequences (each exported batch row is one sequence, so the
+    packed wrapper changes nothing).
+    """
+    from transformers import masking_utils as mu
+
+    fn = mask_function
+    name = getattr(fn, "__qualname__", "")
+    if name == "and_masks.<locals>.and_mask":
+        parts = _closure(fn).get("mask_functions", ())
+        names = [getattr(p, "__qualname__", "") for p in parts]
+        if names == [
+            "packed_sequence_mask_function.<locals>.inner_mask",
+            "remap_positions_for_packed_sequence.<locals>.inner_mask",
+        ]:
+            fn = _closure(parts[1]).get("mask_function")
+            name = getattr(fn, "__qualname__", "")
+    if fn is mu.causal_mask_function:
+        return True, None
+    if name == "and_masks.<locals>.and_mask":
+        parts = _closure(fn).get("mask_functions", ())
+        if len(parts) == 2 and parts[1] is mu.causal_mask_function:
+            overlay = parts[0]
+            if getattr(overlay, "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask":
+                window = _closure(overlay).get("sliding_window")
+                if isinstance(window, int):
+                    return True, window
+    return False, None
+
+
+def _closure(fn: Callable) -> Dict[str, Any]:
+    code = getattr(fn, "__code__", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    if code is None:
+        return {}
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+
+
+def _make_mask_builder(impl: str, hf_builder: Optional[Callable]) -> Callable:
+    """A mask builder for ``impl`` that emits ``torch_causal_mask`` when it can."""
+
+    def build(
+        batch_size: int,
+        q_length: int,
+        kv_length: int,
+        q_offset: int = 0,
+        kv_offset: int = 0,
+        mask_function: Optional[Callable] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        dtype: torch.dtype = torch.float32,
+        device: Any = "cpu",
+        **kwargs: Any,
+    ) -> Optional[torch.Tensor]:
+        understood, window = classify_mask_function(mask_function) if mask_function is not None else (False, None)
+        plain = attention_mask is None and _is_zero(q_offset) and _is_zero(kv_offset)
+        if understood and plain:
+            mask_dtype = torch.bool if impl == "sdpa" else dtype
+            mask = torch.ops.autodeploy.torch_causal_mask(
+                batch_size, q_length, kv_length, window, mask_dtype, torch.device(device)
+            )
+            _EMITTED_MASKS[id(mask)] = (mask, window)
+            return mask
+        if hf_builder is None:
+            raise NotImplementedError(
+                f"attention mask {getattr(mask_function, '__qualname__', mask_function)} is not supported by "
+                f"the '{AD_ATTN_IMPL}' attention route; export with attn_implementation 'sdpa' or 'eager'"
+            )
+        logger.info("mask %s kept as HF builds it (generic path)", getattr(mask_function, "__qualname__", "?"))
+        return hf_builder(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+            mask_function=mask_function, attention_mask=attention_mask, dtype=dtype, device=device, **kwargs,
+        )
+
+    return build
+
+
+def _is_zero(x: Any) -> bool:
+    return isinstance(x, int) and x == 0
+
+
+def autodeploy_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    s_aux: Optional[torch.Tensor] = None,
+    **kwargs: Any,
+) -> Tuple[torch.Tensor, None]:
+    """HF attention-interface function: q/k/v arrive ``bnsd``, the output leaves ``bsnd``."""
+    sinks = kwargs.get("sinks", s_aux)
+    emitted = _EMITTED_MASKS.get(id(attention_mask)) if attention_mask is not None else None
+    if attention_mask is None or emitted is not None:
+        mask = None
+        is_causal = bool(getattr(module, "is_causal", True))
+        if emitted is not None:
+            window = emitted[1]
+            if sliding_window is not None and window is not None and sliding_window != window:
+                raise RuntimeError(
+                    f"attention layer {type(module).__name__} says sliding_window={sliding_window} but its mask "
+                    f"uses {window}"
+                )
+            sliding_window = window if window is not None else sliding_window
+    else:
+        # A mask we did not build: keep it explicit, the op honours any mask.
+        mask, is_causal = attention_mask, False
+    out = torch.ops.autodeploy.torch_attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        mask,
+        0.0,
+        is_causal,
+        scaling,
+        sinks,
+        sliding_window,
+        softcap,
+    )
+    return out, None
+
+
+@contextmanager
+def hf_attention_route(model: nn.Module, attn_implementation: str) -> Iterator[None]:
+    """Export ``model`` with the given attention implementation and our mask builders."""
+    if attn_implementation not in SUPPORTED_ATTN_IMPLS:
+        raise ValueError(f"attn_implementation must be one of {SUPPORTED_ATTN_IMPLS}, got '{attn_implementation}'")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(AD_ATTN_IMPL, autodeploy_attention)
+    mask_mapping = AttentionMaskInterface._global_mapping
+    saved_masks = {k: mask_mapping.get(k) for k in SUPPORTED_ATTN_IMPLS}
+    for impl in SUPPORTED_ATTN_IMPLS:
+        hf_builder = saved_masks[impl] if impl != AD_ATTN_IMPL else None
+        ALL_MASK_ATTENTION_FUNCTIONS.register(impl, _make_mask_builder(impl, hf_builder))
+    configs = _attn_configs(model)
+    saved_impls = [(cfg, getattr(cfg, "_attn_implementation", None)) for cfg in configs]
+    try:
+        for cfg in configs:
+            cfg._attn_implementation = attn_implementation
+        yield
+    finally:
+        for cfg, impl in saved_impls:
+            cfg._attn_implementation = impl
+        for impl, builder in saved_masks.items():
+            if builder is None:
+                mask_mapping.pop(impl, None)
+            else:
+                mask_mapping[impl] = builder
+        _EMITTED_MASKS.clear()
+
+
+def _attn_configs(model: nn.Module) -> list:
+    """Every distinct config object a module of the model holds (text sub-configs included)."""
+    seen: Dict[int, Any] = {}
+    for sub in model.modules():
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            seen[id(cfg)] = cfg
+            for name in ("text_config",):
+                child = getattr(cfg, name, None)
+                if child is not None and hasattr(child, "_attn_implementation"):
+                    seen[id(child)] = child
+    return list(seen.values())

@@ -1,0 +1,31 @@
+"""Lean custom models, registered per HF config class.
+
+A family whose HF implementation cannot be exported (Python loops over the sequence,
+value-dependent control flow) can register a self-contained ``nn.Module`` written with the
+canonical ops; the factory then builds it instead of the HF class. The class is constructed as
+``cls(config)`` and must use the checkpoint's parameter names, or provide ``load_hooks()``.
+"""
+
+from typing import Callable, Dict, Optional, Type
+
+from torch import nn
+
+_CUSTOM_MODELS: Dict[str, Type[nn.Module]] = {}
+
+
+def register_custom_model(config_class_name: str) -> Callable[[Type[nn.Module]], Type[nn.Module]]:
+    """Decorator: build ``cls(config)`` for configs whose class is named ``config_class_name``."""
+
+    def decorator(cls: Type[nn.Module]) -> Type[nn.Module]:
+        _CUSTOM_MODELS[config_class_name] = cls
+        return cls
+
+    return decorator
+
+
+def unregister_custom_model(config_class_name: str) -> None:
+    _CUSTOM_MODELS.pop(config_class_name, None)
+
+
+def custom_model_for(config: object) -> Optional[Type[nn.Module]]:
+    return _CUSTOM_MODELS.get(type(config).__name__)

@@ -1,0 +1,211 @@
+"""The model factory: model source -> HF config -> ``nn.Module`` on the meta device.
+
+A source is a preset name, a local HF checkpoint directory or a hub id. The factory builds the
+model without allocating its weights (parameters on the meta device) and remembers what the
+later stages need from the source: checkpoint files, load hooks, the initial values of
+buffers that are not in the checkpoint (e.g. RoPE ``inv_freq``), and the tokenizer.
+"""
+
+import json
+import os
+import re
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch import nn
+
+from ..utils.errors import ModelSourceError
+from ..utils.logging import get_logger
+from .checkpoint import CheckpointIndex, find_checkpoint
+from .custom import custom_model_for
+from .load_hooks import LoadHook
+from .presets import PRESETS, preset_dir
+
+logger = get_logger(__name__)
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+
+
+def resolve_source(source: str, revision: Optional[str] = None) -> str:
+    """Local checkpoint directory for a preset, a directory or a hub id."""
+    if source in PRESETS:
+        return preset_dir(source)
+    expanded = os.path.expanduser(source)
+    if os.path.isdir(expanded):
+        return os.path.abspath(expanded)
+    if os.path.exists(expanded):
+        raise ModelSourceError(f"model path '{source}' is a file; pass the checkpoint directory that holds config.json")
+    looks_like_path = source.startswith(("/", ".", "~")) or os.sep * 2 in source
+    if looks_like_path or not HUB_ID.match(source):
+        raise ModelSourceError(
+            f"model '{source}' is not a preset, an existing directory or a hub id (org/name); "
+            f"presets: {', '.join(sorted(PRESETS))}"
+        )
+    return download_from_hub(source, revision)
+
+
+def download_from_hub(repo_id: str, revision: Optional[str] = None) -> str:
+    """Fetch config, safetensors and tokenizer files of ``repo_id`` (never pickles or code)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+    except Exception as exc:  # noqa: BLE001 - any hub failure becomes one actionable message
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelSourceError(
+            f"could not fetch '{repo_id}' from the Hugging Face hub ({first}); without network, pass a "
+            "local checkpoint directory or a preset"
+        ) from None
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device while buffers stay real (their values matter:
+    RoPE tables are computed in ``__init__`` and are not in the checkpoint)."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+class ModelFactory:
+    """Knows one model source; builds its module and serves its weights and tokenizer."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        revision: Optional[str] = None,
+        trust_remote_code: bool = False,
+        allow_pickle: bool = False,
+        model_kwargs: Optional[Dict[str, Any]] = None,
+        tokenizer: Optional[str] = None,
+        load_hooks: Optional[List[LoadHook]] = None,
+    ):
+        self.source = model
+        self.revision = revision
+        self.trust_remote_code = trust_remote_code
+        self.allow_pickle = allow_pickle
+        self.model_kwargs = dict(model_kwargs or {})
+        self.tokenizer_source = tokenizer
+        self.load_hooks: List[LoadHook] = list(load_hooks or [])
+        self._directory: Optional[str] = None
+        self._config: Any = None
+        # Initial values of buffers, by name: restored at weight load for those not in the checkpoint.
+        self.initial_buffers: Dict[str, torch.Tensor] = {}
+        # Parameter names that share storage with another (tied embeddings), name -> canonical name.
+        self.tied_parameters: Dict[str, str] = {}
+        # The HF class's base prefix ("model" for *ForCausalLM): checkpoints saved from the base
+        # model lack it.
+        self.base_model_prefix: str = "model"
+
+    # ---- source ---------------------------------------------------------------------------
+    @property
+    def directory(self) -> str:
+        if self._directory is None:
+            self._directory = resolve_source(self.source, self.revision)
+        return self._directory
+
+    def checkpoint_index(self) -> CheckpointIndex:
+        return find_checkpoint(self.directory, allow_pickle=self.allow_pickle)
+
+    # ---- config ---------------------------------------------------------------------------
+    def _check_remote_code(self) -> None:
+        path = os.path.join(self.directory, "config.json")
+        if not os.path.exists(path):
+            raise ModelSourceError(f"{self.directory} has no config.json; is it an HF checkpoint directory?")
+        with open(path) as f:
+            raw = json.load(f)
+        if "auto_map" in raw and not self.trust_remote_code:
+            raise ModelSourceError(
+                f"{self.source} needs custom model code from its repository (config.json has auto_map); "
+                "running it executes that code. Opt in with trust_remote_code=True "
+                "(CLI: --trust-remote-code) only if you trust it"
+            )
+
+    @property
+    def config(self) -> Any:
+        if self._config is None:
+            from transformers import AutoConfig
+
+            self._check_remote_code()
+            try:
+                config = AutoConfig.from_pretrained(self.directory, trust_remote_code=self.trust_remote_code)
+            except (ValueError, KeyError, OSError) as exc:
+                raise ModelSourceError(f"cannot read the config of {self.source}: {str(exc).splitlines()[0]}") from None
+            for key, value in self.model_kwargs.items():
+                if not hasattr(config, key):
+                    raise ModelSourceError(f"model_kwargs.{key}: {type(config).__name__} has no field '{key}'")
+                setattr(config, key, value)
+            config.use_cache = False  # export without HF's cache objects; caches are ours
+            self._config = config
+        return self._config
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.get_text_config().vocab_size)
+
+    # ---- model ----------------------------------------------------------------------------
+    def build_model(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The model with parameters on the meta device, in eval mode."""
+        config = self.config
+        custom_cls = custom_model_for(config)
+        with _parameters_on_meta():
+            if custom_cls is not None:
+                logger.info("building custom model %s for %s", custom_cls.__name__, type(config).__name__)
+                model = custom_cls(config)
+                self.load_hooks.extend(getattr(custom_cls, "load_hooks", lambda: [])())
+            else:
+                from transformers import AutoModelForCausalLM
+
+                try:
+                    model = AutoModelForCausalLM.from_config(
+                        config, dtype=dtype, trust_remote_code=self.trust_remote_code
+                    )
+                except ValueError as exc:
+                    raise ModelSourceError(
+                        f"transformers has no causal-LM class for {type(config).__name__}: {str(exc).splitlines()[0]}"
+                    ) from None
+        model.eval()
+        self.initial_buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}
+        self.tied_parameters = _tied_parameters(model)
+        self.base_model_prefix = getattr(model, "base_model_prefix", "") or "model"
+        return model.to("meta")
+
+    # ---- tokenizer ------------------------------------------------------------------------
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        source = self.tokenizer_source or self.directory
+        try:
+            return AutoTokenizer.from_pretrained(source, trust_remote_code=self.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise ModelSourceError(f"cannot load a tokenizer from {source}: {str(exc).splitlines()[0]}") from None
+
+    def generation_config(self) -> Dict[str, Any]:
+        path = os.path.join(self.directory, "generation_config.json")
+        if not os.path.exists(path):
+            return {}
+        with open(path) as f:
+            return json.load(f)
+
+
+def _tied_parameters(model: nn.Module) -> Dict[str, str]:
+    """Map each duplicate parameter name to the first name that owns the same tensor."""
+    owner: Dict[int, str] = {}
+    tied: Dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first = owner.setdefault(id(param), name)
+        if first != name:
+            tied[name] = first
+    return tied

@@ -1,0 +1,41 @@
+"""Load hooks: how a model parameter is produced from checkpoint tensors when the names differ.
+
+The loader first looks a parameter up by its own name; when that fails it asks each hook in
+turn. A hook either renames (one checkpoint tensor) or combines several (concatenate along a
+dim, or stack a new leading dim, e.g. per-expert weights into one 3-D tensor).
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoadHook:
+    """``pattern`` matches a parameter name; ``sources`` are ``re`` replacement templates for
+    the checkpoint names; ``combine`` turns the source tensors into the parameter."""
+
+    pattern: str
+    sources: Sequence[str]
+    combine: Callable[[List[torch.Tensor]], torch.Tensor]
+    description: str = ""
+
+    def source_names(self, param_name: str) -> Optional[List[str]]:
+        m = re.fullmatch(self.pattern, param_name)
+        if m is None:
+            return None
+        return [m.expand(s) for s in self.sources]
+
+
+def rename(pattern: str, source: str) -> LoadHook:
+    return LoadHook(pattern, [source], lambda ts: ts[0], f"rename {source} -> {pattern}")
+
+
+def concat(pattern: str, sources: Sequence[str], dim: int = 0) -> LoadHook:
+    return LoadHook(pattern, list(sources), lambda ts: torch.cat(ts, dim=dim), f"cat({', '.join(sources)})")
+
+
+def stack(pattern: str, sources: Sequence[str], dim: int = 0) -> LoadHook:
+    return LoadHook(pattern, list(sources), lambda ts: torch.stack(ts, dim=dim), f"stack({', '.join(sources)})")

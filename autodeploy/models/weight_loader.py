@@ -1,0 +1,148 @@
+"""Load checkpoint tensors straight into a (graph) module's parameters and buffers.
+
+For each parameter or buffer name the loader finds its source in this order: the checkpoint
+tensor of the same name; a load hook (renamed or combined tensors); the same name with the
+model's base prefix added or removed; the name it is tied to; the value the buffer had when
+the model was built (RoPE tables and other non-persistent buffers). Anything left is an error
+that lists the names, so a wrong checkpoint never runs on uninitialised memory.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set
+
+import torch
+from torch import nn
+
+from ..utils.errors import ModelSourceError
+from ..utils.logging import get_logger
+from .checkpoint import CheckpointIndex, CheckpointReader
+from .load_hooks import LoadHook
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class LoadReport:
+    loaded: int = 0
+    from_hooks: int = 0
+    from_initial: int = 0
+    tied: int = 0
+    unused: List[str] = field(default_factory=list)
+    bytes: int = 0
+
+
+def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, is_param: bool) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if is_param:
+        owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        owner._buffers[leaf] = tensor
+
+
+def _prefix_variants(name: str, prefixes: Sequence[str]) -> List[str]:
+    out = []
+    for p in prefixes:
+        if name.startswith(p + "."):
+            out.append(name[len(p) + 1 :])
+        else:
+            out.append(f"{p}.{name}")
+    return out
+
+
+def load_into_module(
+    module: nn.Module,
+    index: CheckpointIndex,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    hooks: Sequence[LoadHook] = (),
+    tied: Optional[Dict[str, str]] = None,
+    initial_buffers: Optional[Dict[str, torch.Tensor]] = None,
+    base_prefixes: Sequence[str] = ("model",),
+    show_progress: bool = False,
+) -> LoadReport:
+    """Fill every parameter and buffer of ``module``; floating params are cast to ``dtype``."""
+    tied = tied or {}
+    initial_buffers = initial_buffers or {}
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    targets = {**{n: True for n in params}, **{n: False for n in buffers}}
+    report = LoadReport()
+    used: Set[str] = set()
+    missing: List[str] = []
+    loaded: Dict[str, torch.Tensor] = {}
+    progress = None
+    if show_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=index.total_bytes(), unit="B", unit_scale=True, desc="loading weights")
+    with CheckpointReader(index) as reader:
+
+        def fetch(key: str) -> torch.Tensor:
+            used.add(key)
+            t = reader.get(key)
+            if progress is not None:
+                progress.update(t.numel() * t.element_size())
+            return t
+
+        deferred_ties: Dict[str, str] = {}
+        for name, is_param in targets.items():
+            current = params[name] if is_param else buffers[name]
+            source: Optional[torch.Tensor] = None
+            if name in reader:
+                source = fetch(name)
+            else:
+                for hook in hooks:
+                    keys = hook.source_names(name)
+                    if keys is not None and all(k in reader for k in keys):
+                        source = hook.combine([fetch(k) for k in keys])
+                        report.from_hooks += 1
+                        break
+            if source is None:
+                alt = next((a for a in _prefix_variants(name, base_prefixes) if a in reader), None)
+                if alt is not None:
+                    source = fetch(alt)
+            if source is None and name in tied:
+                deferred_ties[name] = tied[name]
+                continue
+            if source is None and not is_param and name in initial_buffers:
+                source = initial_buffers[name]
+                report.from_initial += 1
+                tensor = source.to(device=device)  # buffers keep their dtype (fp32 RoPE tables)
+            elif source is None:
+                missing.append(name)
+                continue
+            else:
+                if tuple(source.shape) != tuple(current.shape):
+                    raise ModelSourceError(
+                        f"checkpoint tensor for '{name}' has shape {tuple(source.shape)}, the model expects "
+                        f"{tuple(current.shape)}; does the checkpoint match its config.json?"
+                    )
+                cast = dtype if source.is_floating_point() and is_param else source.dtype
+                tensor = source.to(device=device, dtype=cast).contiguous()
+            loaded[name] = tensor
+            report.loaded += 1
+            report.bytes += tensor.numel() * tensor.element_size()
+            _set_tensor(module, name, tensor, is_param)
+        for name, canonical in deferred_ties.items():
+            partner = loaded.get(canonical)
+            if partner is None:
+                # the tie may point from the canonical name to this one
+                partner = next((loaded[n] for n, c in tied.items() if c == name and n in loaded), None)
+            if partner is None:
+                missing.append(name)
+                continue
+            _set_tensor(module, name, partner, targets[name])
+            report.tied += 1
+    if progress is not None:
+        progress.close()
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelSourceError(f"checkpoint {index.directory} has no tensor for {shown}")
+    report.unused = sorted(set(index.weight_map) - used)
+    if report.unused:
+        logger.warning(
+            "%d checkpoint tensors were not used (e.g. %s)", len(report.unused), ", ".join(report.unused[:3])
+        )
+    return report

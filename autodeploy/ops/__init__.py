@@ -1,0 +1,8 @@
+"""Canonical ops: ``torch.ops.autodeploy.<backend>_<family>_<name>``.
+
+``torch_*`` ops are the reference implementation and the IR the transforms speak; each has a
+fake kernel so it survives ``torch.export`` and shape propagation. Backend implementations
+(other prefixes) live beside them and are chosen by later transforms.
+"""
+
+from . import attention, linear, normalization, rope  # noqa: F401

@@ -1,0 +1,77 @@
+"""Rotary position embeddings (RoPE), in the three forms HF models spell them.
+
+All three take q and k together because every model rotates both with the same angles: one
+node per attention layer keeps later fusions (cached attention with RoPE inside) simple.
+``unsqueeze_dim`` says where cos/sin (``[b, s, d]``) gain the head axis: 1 for ``bnsd``
+tensors, 2 for ``bsnd``.
+"""
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@torch.library.custom_op("autodeploy::torch_rope_with_explicit_cos_sin", mutates_args=())
+def torch_rope_with_explicit_cos_sin(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
+) -> Tuple[Tensor, Tensor]:
+    """Llama's rotate-half RoPE: ``x * cos + rotate_half(x) * sin``."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+@torch_rope_with_explicit_cos_sin.register_fake
+def _rope_explicit_fake(q, k, cos, sin, unsqueeze_dim=1):
+    dt = torch.promote_types(q.dtype, cos.dtype)
+    return torch.empty_like(q, dtype=dt), torch.empty_like(k, dtype=dt)
+
+
+def _deinterleave(x: Tensor) -> Tensor:
+    """``(x0, x1, x2, x3, ...)`` -> ``(x0, x2, ..., x1, x3, ...)``: pairs become halves."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+@torch.library.custom_op("autodeploy::torch_rope_with_qk_interleaving", mutates_args=())
+def torch_rope_with_qk_interleaving(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
+) -> Tuple[Tensor, Tensor]:
+    """DeepSeek's RoPE: q/k hold interleaved pairs ``(x0, x1), (x2, x3), ...``; the output is
+    the rotate-half RoPE of the de-interleaved tensor (first halves, then second halves).
+    ``cos``/``sin`` are the usual ``cat(freqs, freqs)`` tables of width d."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    qd, kd = _deinterleave(q), _deinterleave(k)
+    return qd * cos + _rotate_half(qd) * sin, kd * cos + _rotate_half(kd) * sin
+
+
+@torch_rope_with_qk_interleaving.register_fake
+def _rope_interleave_fake(q, k, cos, sin, unsqueeze_dim=1):
+    dt = torch.promote_types(q.dtype, cos.dtype)
+    return torch.empty_like(q, dtype=dt), torch.empty_like(k, dtype=dt)
+
+
+@torch.library.custom_op("autodeploy::torch_rope_with_complex_freqs", mutates_args=())
+def torch_rope_with_complex_freqs(
+    q: Tensor, k: Tensor, freqs_cis: Tensor, unsqueeze_dim: int = 2
+) -> Tuple[Tensor, Tensor]:
+    """Llama-4 / Meta-reference RoPE: pairs ``(x0, x1)`` are complex numbers multiplied by
+    ``freqs_cis`` (complex, ``[b, s, d/2]``); computed in fp32, cast back to the input dtype."""
+    freqs = freqs_cis.unsqueeze(unsqueeze_dim)
+
+    def rotate(x: Tensor) -> Tensor:
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs).flatten(-2).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+@torch_rope_with_complex_freqs.register_fake
+def _rope_complex_fake(q, k, freqs_cis, unsqueeze_dim=2):
+    return torch.empty_like(q), torch.empty_like(k)

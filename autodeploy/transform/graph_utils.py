@@ -1,0 +1,167 @@
+"""Small helpers over ``torch.fx`` graphs shared by the transforms."""
+
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Union
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch._ops import OpOverload, OpOverloadPacket
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+OpLike = Union[OpOverload, OpOverloadPacket, Callable]
+
+
+def is_op(node: Any, ops: Union[OpLike, Iterable[OpLike]]) -> bool:
+    """True when ``node`` calls one of ``ops``; a packet (``aten.linear``) matches any overload."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if not isinstance(ops, (list, tuple, set, frozenset)):
+        ops = (ops,)
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    for op in ops:
+        if target is op or (isinstance(op, OpOverloadPacket) and packet is op):
+            return True
+    return False
+
+
+def nodes_calling(gm: fx.GraphModule, ops: Union[OpLike, Iterable[OpLike]]) -> List[fx.Node]:
+    return [n for n in gm.graph.nodes if is_op(n, ops)]
+
+
+def count_op(gm: fx.GraphModule, ops: Union[OpLike, Iterable[OpLike]]) -> int:
+    return len(nodes_calling(gm, ops))
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """The argument at ``index`` or keyword ``name`` (whichever the call used)."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def val(node: Any) -> Any:
+    """The fake value shape propagation stored on a node (None if unknown)."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def graph_modules(mod: torch.nn.Module) -> Iterator[fx.GraphModule]:
+    """The model itself if it is a GraphModule, else every GraphModule submodule."""
+    if isinstance(mod, fx.GraphModule):
+        yield mod
+        return
+    for sub in mod.modules():
+        if isinstance(sub, fx.GraphModule):
+            yield sub
+
+
+def get_attr_value(gm: fx.GraphModule, node: fx.Node) -> Any:
+    """The tensor (or module) a ``get_attr`` node refers to."""
+    obj: Any = gm
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def is_impure(node: fx.Node) -> bool:
+    """FX's notion, except that random ops without mutation (dropout in an inference graph)
+    are pure: a dead one only advances the RNG."""
+    target = node.target
+    if node.op == "call_function" and isinstance(target, OpOverload):
+        if torch.Tag.nondeterministic_seeded in target.tags and not target._schema.is_mutable:
+            return False
+    return node.is_impure()
+
+
+def eliminate_dead_code(gm: fx.GraphModule) -> None:
+    gm.graph.eliminate_dead_code(is_impure_node=is_impure)
+
+
+def canonicalize_graph(gm: fx.GraphModule) -> None:
+    """Dead-code elimination, lint and recompile: the state every transform may assume."""
+    eliminate_dead_code(gm)
+    _delete_unused_get_attrs(gm)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _delete_unused_get_attrs(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+
+
+class _FakePropWithRealAttrs(FakeTensorProp):
+    """FakeTensorProp that also accepts loaded (real) parameters and buffers."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op == "get_attr":
+            value = get_attr_value(self.module, n)
+            if isinstance(value, torch.Tensor):
+                result = self._mode.from_tensor(value, static_shapes=True)
+                n.meta["val"] = result
+                return result
+        return super().run_node(n)
+
+
+def run_shape_prop(gm: fx.GraphModule) -> None:
+    """Recompute ``meta['val']`` for every node, keeping the graph's symbolic input shapes.
+
+    The fake mode (and its symbolic dims) comes from the placeholders' stored values, so a
+    graph exported with dynamic batch/sequence keeps them through any number of rewrites.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = [n.meta.get("val") for n in placeholders]
+    if any(v is None for v in inputs):
+        missing = [n.name for n, v in zip(placeholders, inputs) if v is None]
+        raise RuntimeError(f"shape propagation needs example values for inputs {missing}")
+    fake_mode = detect_fake_mode(inputs)
+    if fake_mode is None:
+        raise RuntimeError("shape propagation found no fake mode on the graph inputs")
+    with fake_mode:
+        _FakePropWithRealAttrs(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
+
+
+def replace_node_with(node: fx.Node, new: fx.Node, erase: bool = True) -> None:
+    node.replace_all_uses_with(new)
+    if erase:
+        node.graph.erase_node(node)
+
+
+def unique_users(node: fx.Node) -> Sequence[fx.Node]:
+    return list(node.users)
+
+
+def single_user(node: fx.Node) -> Optional[fx.Node]:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def move_graph_to_device(gm: fx.GraphModule, device: torch.device) -> int:
+    """Point device arguments baked in at export (``device='meta'`` in ``arange`` etc.) and the
+    graph inputs' example values at ``device``. Returns the number of nodes changed."""
+    device = torch.device(device)
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, torch.device) and value != device:
+            return device
+        if isinstance(value, (list, tuple)):
+            return type(value)(fix(v) for v in value)
+        return value
+
+    changed = 0
+    for node in gm.graph.nodes:
+        new_args, new_kwargs = fix(node.args), {k: fix(v) for k, v in node.kwargs.items()}
+        if new_args != node.args or new_kwargs != node.kwargs:
+            node.args, node.kwargs = new_args, new_kwargs
+            changed += 1
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
+    if fake_mode is not None:
+        with fake_mode:
+            for n in placeholders:
+                v = n.meta.get("val")
+                if isinstance(v, torch.Tensor) and v.device != device:
+                    n.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
+    gm.recompile()
+    return changed

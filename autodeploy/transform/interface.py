@@ -1,0 +1,320 @@
+"""The transform contract: stages, configs, the base class and the registry.
+
+A transform is a class registered under a key; the optimizer builds it from a pydantic config
+(common fields below plus its own), sorts the pipeline by stage and calls it on the model.
+The base class owns everything a transform should not have to think about: skipping when
+disabled, lazy graph cleanup and shape propagation, error handling, timing, memory accounting,
+history and visualisation. Subclasses implement ``_apply`` (per GraphModule) or
+``_apply_to_full_model`` (the whole model, for stages that create or replace it).
+"""
+
+import os
+import time
+from abc import ABC
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import fx, nn
+
+from ..utils.logging import get_logger
+from .graph_utils import canonicalize_graph, graph_modules, run_shape_prop
+
+logger = get_logger(__name__)
+
+
+class Stage(str, Enum):
+    """Pipeline stages in the order they run."""
+
+    FACTORY = "factory"
+    EXPORT = "export"
+    POST_EXPORT = "post_export"
+    PATTERN_MATCHER = "pattern_matcher"
+    SHARDING = "sharding"
+    WEIGHT_LOAD = "weight_load"
+    POST_LOAD_FUSION = "post_load_fusion"
+    CACHE_INIT = "cache_init"
+    VISUALIZE = "visualize"
+    COMPILE = "compile"
+
+    @property
+    def order(self) -> int:
+        return list(Stage).index(self)
+
+    def __lt__(self, other: "Stage") -> bool:  # type: ignore[override]
+        return self.order < other.order
+
+
+class TransformConfig(BaseModel):
+    """Fields every transform has. Unknown fields are rejected so typos in YAML surface."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    stage: Stage = Field(description="Pipeline stage the transform runs in.")
+    enabled: bool = Field(default=True, description="Run this transform.")
+    skip_on_error: bool = Field(
+        default=False, description="Log and continue when the transform raises, instead of failing."
+    )
+    run_graph_cleanup: bool = Field(
+        default=True, description="Dead-code-eliminate and recompile after the transform if it dirtied the graph."
+    )
+    run_shape_prop: bool = Field(
+        default=False, description="Re-run shape propagation after the transform if it invalidated shapes."
+    )
+    requires_clean_graph: bool = Field(
+        default=True, description="Clean up the graph first if an earlier transform left it dirty."
+    )
+    requires_shape_prop: bool = Field(
+        default=False, description="Propagate shapes first if an earlier transform left them stale."
+    )
+    debug_visualize_dir: Optional[str] = Field(
+        default=None, description="Write the graph after this transform as DOT + text into this directory."
+    )
+    expect_mem_change: bool = Field(
+        default=False, description="The transform is meant to change model memory (no warning when it does)."
+    )
+    run_per_gm: bool = Field(
+        default=True, description="Apply to each GraphModule of the model rather than to the model as a whole."
+    )
+
+
+@dataclass
+class TransformInfo:
+    """What a transform reports about one application."""
+
+    skipped: bool = False
+    num_matches: int = 0
+    is_clean: bool = False
+    has_valid_shapes: bool = False
+
+    def merge(self, other: "TransformInfo") -> "TransformInfo":
+        """Combine the infos of several GraphModules of one model."""
+        return TransformInfo(
+            skipped=self.skipped and other.skipped,
+            num_matches=self.num_matches + other.num_matches,
+            is_clean=self.is_clean and other.is_clean,
+            has_valid_shapes=self.has_valid_shapes and other.has_valid_shapes,
+        )
+
+
+@dataclass
+class TransformRecord:
+    """One row of the pipeline history (kept in ``gm.meta['autodeploy_history']``)."""
+
+    key: str
+    stage: str
+    status: str  # "ok" | "skipped" | "disabled" | "failed"
+    num_matches: int = 0
+    time_s: float = 0.0
+    mem_delta_mb: float = 0.0
+    error: Optional[str] = None
+
+
+@dataclass
+class PipelineContext:
+    """What transforms share besides the model: where it comes from and the deployment limits.
+
+    The factory object is kept untyped here so the IR never imports model-loading code paths
+    it does not need; the factory transforms know its interface.
+    """
+
+    factory: Any = None
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    max_batch_size: int = 8
+    max_seq_len: int = 512
+    max_num_tokens: int = 2048
+    history: List[TransformRecord] = field(default_factory=list)
+    extras: Dict[str, Any] = field(default_factory=dict)
+
+
+_META_LAST_INFO = "autodeploy_last_info"
+_META_HISTORY = "autodeploy_history"
+
+
+def model_tensor_bytes(mod: Optional[nn.Module]) -> int:
+    """Bytes held by the model's real (non-meta) parameters and buffers, each storage once."""
+    if mod is None:
+        return 0
+    seen, total = set(), 0
+    tensors = list(mod.parameters()) + list(mod.buffers())
+    for t in tensors:
+        if t.is_meta:
+            continue
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+class BaseTransform(ABC):
+    """Base class of all transforms (see module docstring).
+
+    Class attributes a subclass may set:
+      ``config_class``: its pydantic config (default: ``TransformConfig``).
+      ``requires``: keys that must be enabled and run before this one.
+      ``run_after``: keys that, when enabled, must run before this one.
+    """
+
+    config_class: ClassVar[Type[TransformConfig]] = TransformConfig
+    requires: ClassVar[Tuple[str, ...]] = ()
+    run_after: ClassVar[Tuple[str, ...]] = ()
+    _key: ClassVar[str] = ""
+
+    def __init__(self, config: TransformConfig):
+        self.config = config
+
+    @classmethod
+    def get_transform_key(cls) -> str:
+        return cls._key
+
+    @classmethod
+    def get_config_class(cls) -> Type[TransformConfig]:
+        return cls.config_class
+
+    # ---- what subclasses implement -------------------------------------------------------
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        raise NotImplementedError(f"{self._key} implements neither _apply nor _apply_to_full_model")
+
+    def _apply_to_full_model(
+        self, mod: Optional[nn.Module], ctx: PipelineContext
+    ) -> Tuple[nn.Module, TransformInfo]:
+        raise NotImplementedError(f"{self._key} sets run_per_gm=False but has no _apply_to_full_model")
+
+    def _run(self, mod: Optional[nn.Module], ctx: PipelineContext) -> Tuple[Optional[nn.Module], TransformInfo]:
+        if not self.config.run_per_gm:
+            return self._apply_to_full_model(mod, ctx)
+        gms = list(graph_modules(mod)) if mod is not None else []
+        if not gms:
+            raise RuntimeError(
+                f"transform '{self._key}' needs an exported graph but the model has none; "
+                "is 'export_to_gm' enabled and before it?"
+            )
+        info: Optional[TransformInfo] = None
+        for gm in gms:
+            gm_info = self._apply(gm, ctx)
+            info = gm_info if info is None else info.merge(gm_info)
+        assert info is not None
+        return mod, info
+
+    # ---- the driver ----------------------------------------------------------------------
+    def __call__(self, mod: Optional[nn.Module], ctx: PipelineContext) -> Optional[nn.Module]:
+        cfg = self.config
+        if not cfg.enabled:
+            ctx.history.append(TransformRecord(self._key, cfg.stage.value, "disabled"))
+            return mod
+        if mod is not None:
+            self._prepare(mod)
+        mem_before = model_tensor_bytes(mod)
+        start = time.perf_counter()
+        try:
+            mod, info = self._run(mod, ctx)
+        except Exception as exc:  # noqa: BLE001 - re-raised unless skip_on_error
+            if not cfg.skip_on_error:
+                raise
+            elapsed = time.perf_counter() - start
+            logger.warning("transform %s failed and was skipped (skip_on_error): %s", self._key, exc)
+            ctx.history.append(
+                TransformRecord(self._key, cfg.stage.value, "failed", time_s=elapsed, error=str(exc).splitlines()[0])
+            )
+            return mod
+        if mod is not None:
+            self._finish(mod, info)
+        elapsed = time.perf_counter() - start
+        mem_delta = model_tensor_bytes(mod) - mem_before
+        self._check_memory(mem_delta)
+        record = TransformRecord(
+            self._key,
+            cfg.stage.value,
+            "skipped" if info.skipped else "ok",
+            num_matches=info.num_matches,
+            time_s=elapsed,
+            mem_delta_mb=mem_delta / 2**20,
+        )
+        ctx.history.append(record)
+        for gm in graph_modules(mod) if mod is not None else []:
+            gm.meta.setdefault(_META_HISTORY, []).append(record)
+        if cfg.debug_visualize_dir and mod is not None:
+            from .visualize import write_graph
+
+            for i, gm in enumerate(graph_modules(mod)):
+                suffix = f"_{i}" if i else ""
+                write_graph(gm, os.path.join(cfg.debug_visualize_dir, f"{self._key}{suffix}"))
+        return mod
+
+    def _prepare(self, mod: nn.Module) -> None:
+        """Lazy cleanup / shape propagation before the transform, only where stale."""
+        for gm in graph_modules(mod):
+            last: Optional[TransformInfo] = gm.meta.get(_META_LAST_INFO)
+            clean = last is None or last.is_clean
+            shapes_ok = last is not None and last.has_valid_shapes
+            if self.config.requires_clean_graph and not clean:
+                canonicalize_graph(gm)
+                clean = True
+            if self.config.requires_shape_prop and not shapes_ok:
+                run_shape_prop(gm)
+                shapes_ok = True
+            gm.meta[_META_LAST_INFO] = TransformInfo(is_clean=clean, has_valid_shapes=shapes_ok)
+
+    def _finish(self, mod: nn.Module, info: TransformInfo) -> None:
+        """Lazy cleanup / shape propagation after the transform, as configured."""
+        for gm in graph_modules(mod):
+            prev: TransformInfo = gm.meta.get(_META_LAST_INFO) or TransformInfo()
+            # A transform that matched nothing leaves the graph as it found it.
+            untouched = info.skipped or info.num_matches == 0
+            clean = info.is_clean or (untouched and prev.is_clean)
+            shapes_ok = info.has_valid_shapes or (untouched and prev.has_valid_shapes)
+            if self.config.run_graph_cleanup and not clean:
+                canonicalize_graph(gm)
+                clean = True
+            if self.config.run_shape_prop and not shapes_ok:
+                run_shape_prop(gm)
+                shapes_ok = True
+            gm.meta[_META_LAST_INFO] = TransformInfo(is_clean=clean, has_valid_shapes=shapes_ok)
+
+    def _check_memory(self, delta_bytes: int) -> None:
+        threshold = 1 << 20
+        if abs(delta_bytes) > threshold and not self.config.expect_mem_change:
+            logger.warning(
+                "transform %s changed model memory by %+.1f MiB without expect_mem_change; "
+                "a fusion may be keeping two copies of its weights",
+                self._key,
+                delta_bytes / 2**20,
+            )
+
+
+class TransformRegistry:
+    """Key -> transform class. Transforms register with ``@TransformRegistry.register(key)``."""
+
+    _registry: ClassVar[Dict[str, Type[BaseTransform]]] = {}
+
+    @classmethod
+    def register(cls, key: str):
+        def decorator(transform_cls: Type[BaseTransform]) -> Type[BaseTransform]:
+            if key in cls._registry and cls._registry[key] is not transform_cls:
+                raise ValueError(f"transform key '{key}' is registered twice")
+            transform_cls._key = key
+            cls._registry[key] = transform_cls
+            return transform_cls
+
+        return decorator
+
+    @classmethod
+    def get(cls, key: str) -> Type[BaseTransform]:
+        return cls._registry[key]
+
+    @classmethod
+    def has(cls, key: str) -> bool:
+        return key in cls._registry
+
+    @classmethod
+    def keys(cls) -> List[str]:
+        return sorted(cls._registry)
+
+    @classmethod
+    def items(cls) -> List[Tuple[str, Type[BaseTransform]]]:
+        return sorted(cls._registry.items())

@@ -1,0 +1,28 @@
+"""``build_model`` (factory): the model source becomes an ``nn.Module`` on the meta device.
+
+Before: nothing. After: the HF (or registered custom) model with parameters on ``meta`` and the
+factory holding what later stages need (checkpoint, initial buffer values, tied names).
+"""
+
+from typing import Optional, Tuple
+
+from torch import nn
+
+from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+
+
+class BuildModelConfig(TransformConfig):
+    stage: Stage = Stage.FACTORY
+    run_per_gm: bool = False
+    requires_clean_graph: bool = False
+
+
+@TransformRegistry.register("build_model")
+class BuildModel(BaseTransform):
+    config_class = BuildModelConfig
+
+    def _apply_to_full_model(self, mod: Optional[nn.Module], ctx: PipelineContext) -> Tuple[nn.Module, TransformInfo]:
+        if ctx.factory is None:
+            raise RuntimeError("build_model needs a model factory in the pipeline context")
+        model = ctx.factory.build_model(dtype=ctx.dtype)
+        return model, TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)

@@ -1,0 +1,186 @@
+"""``match_rope_pattern`` (pattern_matcher): RoPE subgraphs -> ``torch_rope_*`` (q and k together).
+
+Before (rotate-half, Llama and most models; ``d2 = head_dim // 2``)::
+
+    c = unsqueeze(cos, 1); s = unsqueeze(sin, 1)
+    q2 = add(mul(q, c), mul(cat([neg(q[..., d2:]), q[..., :d2]], -1), s))      # same for k
+
+After::
+
+    q2, k2 = autodeploy.torch_rope_with_explicit_cos_sin(q, k, cos, sin, 1)
+
+Also: DeepSeek's interleaved pairs (``q[..., 0::2]``, ``q[..., 1::2]`` with half-width cos/sin)
+-> ``torch_rope_with_qk_interleaving``; Llama-4's complex form (``view_as_complex(q) *
+freqs_cis``) -> ``torch_rope_with_complex_freqs``. Partial rotary works unchanged: q is then
+the rotary slice. Near misses (a split other than the middle, q and k with different
+tables, a different unsqueeze dim than the replacement's) are left alone.
+"""
+
+import operator
+from typing import Callable, Optional
+
+import torch
+from torch import fx
+
+from ..graph_utils import arg, is_op
+from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+from ..pattern_matcher import Match, PatternSet
+
+aten = torch.ops.aten
+INT64_MAX = 2**63 - 1
+
+
+def _rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _explicit(q, k, cos, sin):
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _interleaved(q, k, cos, sin):
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    q_out = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+    k_out = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+    return q_out, k_out
+
+
+def _complex(q, k, freqs_cis):
+    q_ = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+    k_ = torch.view_as_complex(k.float().reshape(*k.shape[:-1], -1, 2))
+    freqs = freqs_cis.unsqueeze(2)
+    q_out = torch.view_as_real(q_ * freqs).flatten(3)
+    k_out = torch.view_as_real(k_ * freqs).flatten(3)
+    return q_out.type_as(q), k_out.type_as(k)
+
+
+def _unsqueeze_dim(match: Match) -> Optional[int]:
+    """The (single) dim at which the pattern unsqueezed its cos/sin or freqs table."""
+    dims = set()
+    for node in match.nodes:
+        if is_op(node, aten.unsqueeze):
+            rank = node.meta["val"].dim()
+            dims.add(arg(node, 1, "dim") % rank)
+    return dims.pop() if len(dims) == 1 else None
+
+
+def _looks_swapped(q: fx.Node, k: fx.Node, order: dict) -> bool:
+    """The pattern is symmetric in q and k, so the matcher may bind them either way. Queries
+    have at least as many heads as keys; with equal heads, HF computes q_proj first."""
+    qv, kv = q.meta.get("val"), k.meta.get("val")
+    if qv is not None and kv is not None and qv.dim() == kv.dim() == 4:
+        heads = [d for d in range(4) if isinstance(qv.shape[d], int) and qv.shape[d] != kv.shape[d]]
+        if heads:
+            return qv.shape[heads[0]] < kv.shape[heads[0]]
+    return order[q] > order[k]
+
+
+def _rope_handler(op: Callable) -> Callable:
+    """Replace the matched q/k outputs with one ``op(q, k, *tables, unsqueeze_dim)`` node."""
+
+    def handler(match: Match, graph: fx.Graph, q: fx.Node, k: fx.Node, **tables: fx.Node) -> None:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        old_q, old_k = match.output_nodes()
+        if _looks_swapped(q, k, order):
+            q, k, old_q, old_k = k, q, old_k, old_q
+        inputs = [q, k, *tables.values()]
+        anchor = max(inputs, key=lambda n: order[n])
+        with graph.inserting_after(anchor):
+            rope = graph.call_function(op, (*inputs, _unsqueeze_dim(match)))
+        with graph.inserting_after(rope):
+            q_out = graph.call_function(operator.getitem, (rope, 0))
+            k_out = graph.call_function(operator.getitem, (rope, 1))
+        old_q.replace_all_uses_with(q_out)
+        old_k.replace_all_uses_with(k_out)
+        match.erase_nodes()
+
+    return handler
+
+
+def _last_dim(node: fx.Node) -> Optional[int]:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return int(v.shape[-1]) if v is not None and isinstance(v.shape[-1], int) else None
+
+
+def _norm_dim(dim: int, node: fx.Node) -> Optional[int]:
+    v = node.meta.get("val")
+    return dim % v.dim() if v is not None else None
+
+
+def _check_structure(slice_kind: str) -> Callable[[Match], bool]:
+    """Check what inductor's wildcards cannot: one unsqueeze dim, slice bounds, cat dim."""
+
+    def check(match: Match) -> bool:
+        if _unsqueeze_dim(match) is None:
+            return False
+        for node in match.nodes:
+            if is_op(node, aten.slice.Tensor):
+                src = node.args[0]
+                if _norm_dim(arg(node, 1, "dim", 0), src) != src.meta["val"].dim() - 1:
+                    return False
+                size = _last_dim(src)
+                start, end, step = arg(node, 2, "start", 0), arg(node, 3, "end", INT64_MAX), arg(node, 4, "step", 1)
+                if size is None or size % 2:
+                    return False
+                first_half = start in (0, None) and end == size // 2 and step == 1
+                if slice_kind == "half":
+                    second_half = start == size // 2 and end in (size, INT64_MAX, None) and step == 1
+                    ok = first_half or second_half
+                else:  # "pairs": q[..., 0::2] / q[..., 1::2], and cos[..., :d//2]
+                    ok = (start in (0, 1) and step == 2 and end in (size, INT64_MAX, None)) or first_half
+                if not ok:
+                    return False
+            elif is_op(node, aten.cat):
+                inputs = node.args[0]
+                if _norm_dim(arg(node, 1, "dim", 0), inputs[0]) != inputs[0].meta["val"].dim() - 1:
+                    return False
+        return True
+
+    return check
+
+
+_PATTERNS: Optional[PatternSet] = None
+
+
+def rope_patterns() -> PatternSet:
+    global _PATTERNS
+    if _PATTERNS is None:
+        ops = torch.ops.autodeploy
+        ps = PatternSet("match_rope_pattern")
+        for dtype in (torch.float32, torch.bfloat16):
+            # The unsqueeze dim is a wildcard in the pattern: one trace serves bnsd and bsnd.
+            q, k = torch.randn(2, 4, 3, 8, dtype=dtype), torch.randn(2, 2, 3, 8, dtype=dtype)
+            cos, sin = torch.randn(2, 3, 8, dtype=dtype), torch.randn(2, 3, 8, dtype=dtype)
+            ps.add(_explicit, [q, k, cos, sin], handler=_rope_handler(ops.torch_rope_with_explicit_cos_sin.default),
+                   extra_check=_check_structure("half"))
+            ps.add(_interleaved, [q, k, cos, sin],
+                   handler=_rope_handler(ops.torch_rope_with_qk_interleaving.default),
+                   extra_check=_check_structure("pairs"))
+            q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+            freqs = torch.polar(torch.ones(2, 3, 4), torch.randn(2, 3, 4))
+            ps.add(_complex, [q, k, freqs], handler=_rope_handler(ops.torch_rope_with_complex_freqs.default),
+                   extra_check=_check_structure("none"))
+        _PATTERNS = ps
+    return _PATTERNS
+
+
+class MatchRopeConfig(TransformConfig):
+    stage: Stage = Stage.PATTERN_MATCHER
+    requires_shape_prop: bool = True
+
+
+@TransformRegistry.register("match_rope_pattern")
+class MatchRopePattern(BaseTransform):
+    config_class = MatchRopeConfig
+    run_after = ("cleanup_noop_cast", "cleanup_noop_slice", "cleanup_assert_metadata")
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        count = rope_patterns().apply(gm)
+        return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=count == 0)
