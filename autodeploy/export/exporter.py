@@ -105,7 +105,19 @@ def export_causal_lm(
     return _plain_graph_module(ep)
 
 
-def _plain_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
+def export_to_graph_module(
+    module: nn.Module,
+    args: tuple,
+    dynamic_shapes: Any = None,
+    patches: Optional[Mapping[str, bool]] = None,
+) -> fx.GraphModule:
+    """Export any module to a plain GraphModule (used for small modules: tests, custom code)."""
+    with apply_export_patches(module, dict(patches or {})):
+        ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+    return _plain_graph_module(ep, check_inputs=False)
+
+
+def _plain_graph_module(ep: torch.export.ExportedProgram, check_inputs: bool = True) -> fx.GraphModule:
     """``ep.module()`` without pytree codegen, guard module, or tuple output."""
     gm = ep.module()
     graph = gm.graph
@@ -122,7 +134,7 @@ def _plain_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
     if isinstance(result, (tuple, list)) and len(result) == 1:
         output.args = (result[0],)
     placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
-    if tuple(placeholders) != INPUT_NAMES:
+    if check_inputs and tuple(placeholders) != INPUT_NAMES:
         raise ExportError(f"exported graph has inputs {placeholders}, expected {list(INPUT_NAMES)}")
     gm.meta["autodeploy_export"] = {"dynamic_dims": {"batch": 0, "seq": 1}}
     gm.recompile()

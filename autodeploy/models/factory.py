@@ -37,8 +37,9 @@ def resolve_source(source: str, revision: Optional[str] = None) -> str:
         return os.path.abspath(expanded)
     if os.path.exists(expanded):
         raise ModelSourceError(f"model path '{source}' is a file; pass the checkpoint directory that holds config.json")
-    looks_like_path = source.startswith(("/", ".", "~")) or os.sep * 2 in source
-    if looks_like_path or not HUB_ID.match(source):
+    if source.startswith(("/", ".", "~")):
+        raise ModelSourceError(f"model path '{source}' does not exist")
+    if not HUB_ID.match(source):
         raise ModelSourceError(
             f"model '{source}' is not a preset, an existing directory or a hub id (org/name); "
             f"presets: {', '.join(sorted(PRESETS))}"

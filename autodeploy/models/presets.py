@@ -58,7 +58,7 @@ def _tiny(model_type: str, **overrides: Any) -> Dict[str, Any]:
 PRESETS: Dict[str, Preset] = {
     p.name: p
     for p in [
-        Preset("tiny-llama", "2-layer Llama, hidden 64, GQA 4/2 heads, random weights (tests, default)",
+        Preset("tiny-llama", "2-layer Llama, hidden 64, GQA 4/2 heads, random weights",
                _tiny("llama")),
         Preset("tiny-mistral", "2-layer Mistral with a 16-token sliding window, random weights",
                _tiny("mistral", sliding_window=16)),

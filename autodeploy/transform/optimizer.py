@@ -70,11 +70,12 @@ class InferenceOptimizer:
                         f"(stage {dep_stage}); move '{dep}' to an earlier stage or '{key}' to a later one"
                     )
 
-    def __call__(self, ctx: PipelineContext, mod: Optional[nn.Module] = None) -> nn.Module:
+    def __call__(self, ctx: PipelineContext, mod: Optional[nn.Module] = None, log_summary: bool = True) -> nn.Module:
         for transform in self.transforms:
             logger.debug("running transform %s", transform.get_transform_key())
             mod = transform(mod, ctx)
-        logger.info("transform pipeline summary\n%s", format_summary(ctx.history))
+        if log_summary:
+            logger.info("transform pipeline summary\n%s", format_summary(ctx.history))
         assert mod is not None, "the pipeline produced no model: is 'build_model' enabled?"
         return mod
 

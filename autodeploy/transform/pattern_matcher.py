@@ -41,11 +41,15 @@ def make_trace_fn(static_last_dim: bool = True) -> Callable:
     """A ``trace_fn`` for ``register_replacement``: export for patterns, fwd_only otherwise."""
 
     def trace(fn: Callable, args: Sequence[Any], **kwargs: Any) -> fx.GraphModule:
-        if not all(isinstance(a, torch.Tensor) for a in args) or any(
-            isinstance(a, torch._subclasses.FakeTensor) for a in args
-        ):
-            # Replacement tracing on the matched nodes' fake values.
-            return ipm.fwd_only(fn, args, get_decomp_fn=lambda: {})
+        symbolic = (torch._subclasses.FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+        if any(isinstance(a, symbolic) for a in args):
+            # Tracing on a match's fake values (replacements, and inductor's re-trace of the
+            # search function with the matched scalars): pre-dispatch IR, like export's.
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            gm = make_fx(fn, pre_dispatch=True)(*args)
+            cleanup_for_matching(gm)
+            return gm
 
         class _Pattern(torch.nn.Module):
             def forward(self, *inputs: Any) -> Any:

@@ -1,0 +1,234 @@
+"""``autodeploy`` command line: a thin layer over the Python API.
+
+Bad input (unknown transform key, bad field, bad YAML, missing model path...) prints one line
+``autodeploy: error: ...`` and exits with code 2; ``--debug`` shows the traceback instead.
+"""
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .utils.errors import AutoDeployError
+from .utils.logging import configure_cli_logging
+
+
+def _config_from_args(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
+    from .config import load_deploy_config
+
+    settings = {
+        "model": getattr(args, "model", None),
+        "device": getattr(args, "device", None),
+        "dtype": getattr(args, "dtype", None),
+        "trust_remote_code": True if getattr(args, "trust_remote_code", False) else None,
+        "allow_pickle": True if getattr(args, "allow_pickle", False) else None,
+    }
+    return load_deploy_config(getattr(args, "yaml", None) or [], overrides=list(overrides), **settings)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="preset name, HF checkpoint directory or hub id (default: from YAML)")
+    p.add_argument("--yaml", action="append", metavar="FILE", help="YAML config layered over the defaults (repeatable)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint repo")
+    p.add_argument("--allow-pickle", action="store_true", help="allow pickled .bin/.pt weights")
+
+
+# ---- transforms --------------------------------------------------------------------------------
+def _transform_rows(stage: Optional[str], key: Optional[str]) -> List[Dict[str, Any]]:
+    import autodeploy.transform.library  # noqa: F401
+    from .config.deploy_config import DEFAULT_YAML
+    from .config.merge import load_yaml_file
+    from .transform.interface import TransformConfig, TransformRegistry
+    from .transform.optimizer import close_matches
+
+    defaults = load_yaml_file(DEFAULT_YAML).get("transforms", {})
+    if key is not None and not TransformRegistry.has(key):
+        raise AutoDeployError(f"unknown transform '{key}'{close_matches(key, TransformRegistry.keys())}")
+    common = set(TransformConfig.model_fields) - {"stage"}
+    rows = []
+    for name, cls in TransformRegistry.items():
+        if key is not None and name != key:
+            continue
+        cfg_cls = cls.get_config_class()
+        st = cfg_cls.model_fields["stage"].default.value
+        if stage is not None and st != stage:
+            continue
+        in_default = name in defaults
+        yaml_fields = defaults.get(name) or {}
+        enabled = in_default and yaml_fields.get("enabled", cfg_cls.model_fields["enabled"].default)
+        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
+        summary = doc[0].split(":", 1)[1].strip() if doc and ":" in doc[0] else (doc[0] if doc else "")
+        fields = []
+        for fname, finfo in cfg_cls.model_fields.items():
+            if fname == "stage" or (fname in common and key is None and fname not in yaml_fields):
+                continue
+            default = yaml_fields.get(fname, finfo.default if finfo.default_factory is None else finfo.default_factory())
+            base = TransformConfig.model_fields.get(fname)
+            description = finfo.description or (base.description if base is not None else "") or ""
+            fields.append({"name": fname, "type": _type_name(finfo.annotation), "default": default,
+                           "description": description})
+        rows.append({"key": name, "stage": st, "default": "on" if enabled else "off", "in_default_pipeline": in_default,
+                     "summary": summary, "fields": fields,
+                     "requires": list(cls.requires), "run_after": list(cls.run_after)})
+    from .transform.interface import Stage
+
+    rows.sort(key=lambda r: (Stage(r["stage"]).order, r["key"]))
+    return rows
+
+
+def _type_name(annotation: Any) -> str:
+    if getattr(annotation, "__args__", None):
+        return str(annotation).replace("typing.", "")
+    return getattr(annotation, "__name__", None) or str(annotation)
+
+
+def cmd_transforms(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    rows = _transform_rows(args.stage, args.key)
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    from .transform.interface import TransformConfig
+
+    if args.key is None:
+        print("Common fields of every transform (set per transform in YAML under transforms.<key>):")
+        for fname, finfo in TransformConfig.model_fields.items():
+            default = "per transform" if fname == "stage" else finfo.default
+            print(f"  {fname} = {default!r}: {finfo.description}")
+        print()
+    for r in rows:
+        state = r["default"] + ("" if r["in_default_pipeline"] else " (not in the default pipeline)")
+        print(f"{r['key']}  [stage {r['stage']}, default {state}]")
+        if r["summary"]:
+            print(f"    {r['summary']}")
+        if r["requires"] or r["run_after"]:
+            print(f"    runs after: {', '.join(r['requires'] + r['run_after'])}")
+        for f in r["fields"]:
+            print(f"    {f['name']}: {f['type']} = {f['default']!r}  {f['description']}")
+    return 0
+
+
+# ---- models ------------------------------------------------------------------------------------
+def cmd_models(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .models.presets import DEFAULT_PRESET, PRESETS, cache_root
+
+    rows = []
+    for name, preset in sorted(PRESETS.items()):
+        cached = preset.bundled_dir is not None or os.path.exists(os.path.join(cache_root(), "presets", name))
+        rows.append({"name": name, "description": preset.description, "default": name == DEFAULT_PRESET,
+                     "model_type": preset.config.get("model_type"), "materialised": cached})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        mark = " (default)" if r["default"] else ""
+        print(f"{r['name'].ljust(width)}  {r['description']}{mark}")
+    print(f"\nPresets are written on first use to {os.path.join(cache_root(), 'presets')} (AUTODEPLOY_CACHE).")
+    return 0
+
+
+# ---- export ------------------------------------------------------------------------------------
+def _op_histogram(gm: Any) -> Dict[str, int]:
+    counts: Counter = Counter()
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            name = str(getattr(node.target, "__name__", node.target))
+            if hasattr(node.target, "namespace"):
+                name = f"{node.target.namespace}.{name}"
+            counts[name] += 1
+    return dict(counts.most_common())
+
+
+def cmd_export(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .pipeline import build_graph
+
+    config = _config_from_args(args, overrides)
+    result = build_graph(config, log_summary=False)
+    gm = result.graph
+    print(result.summary)
+    histogram = _op_histogram(gm)
+    print("\nops in the transformed graph:")
+    for name, n in histogram.items():
+        print(f"  {n:5d}  {name}")
+    if args.print_graph:
+        print("\n" + gm.code)
+    if args.out:
+        from .transform.visualize import write_graph
+
+        os.makedirs(args.out, exist_ok=True)
+        written = write_graph(gm, os.path.join(args.out, "graph"))
+        with open(os.path.join(args.out, "graph.py"), "w") as f:
+            f.write(gm.code)
+        with open(os.path.join(args.out, "summary.txt"), "w") as f:
+            f.write(result.summary + "\n")
+        with open(os.path.join(args.out, "config.json"), "w") as f:
+            f.write(config.model_dump_json(indent=2))
+        print(f"\nwrote {', '.join(written + [os.path.join(args.out, n) for n in ('graph.py', 'summary.txt', 'config.json')])}")
+    return 0
+
+
+# ---- entry point -------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autodeploy",
+        description="Compile a HuggingFace causal LM into an optimized inference graph.",
+        epilog="Any setting can be overridden with dotted flags, e.g. --max_seq_len 1024 "
+        "--transforms.match_rope_pattern.enabled false",
+    )
+    parser.add_argument("--debug", action="store_true", help="debug logging and full tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("transforms", help="list every registered transform with its config fields")
+    p.add_argument("--stage", help="only transforms of this stage")
+    p.add_argument("--key", help="one transform, with all its fields")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_transforms, accepts_overrides=False)
+
+    p = sub.add_parser("export", help="build the model, run the pipeline, print the summary and graph")
+    _add_model_args(p)
+    p.add_argument("--print-graph", action="store_true", help="print the transformed graph's code")
+    p.add_argument("--out", metavar="DIR", help="write graph (DOT/SVG, text, code), summary and config here")
+    p.set_defaults(func=cmd_export, accepts_overrides=True)
+
+    p = sub.add_parser("models", help="list the built-in model presets")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models, accepts_overrides=False)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(argv)
+    debug = bool(args.debug)
+    configure_cli_logging(debug)
+    func: Callable[[argparse.Namespace, Sequence[str]], int] = args.func
+    if extra and not args.accepts_overrides:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return func(args, extra)
+    except AutoDeployError as exc:
+        if debug:
+            raise
+        print(f"autodeploy: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # output piped into e.g. `head`
+        sys.stderr.close()
+        return 0
+    except Exception as exc:  # noqa: BLE001 - one line for users, the traceback with --debug
+        if debug:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"autodeploy: internal error: {type(exc).__name__}: {first} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""From a ``DeployConfig`` to an optimized ``GraphModule``: the factory plus the transform pipeline."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import fx
+
+from .config import DeployConfig
+from .models.factory import ModelFactory
+from .transform.interface import PipelineContext
+from .transform.optimizer import InferenceOptimizer, format_summary
+from .utils.errors import ConfigError
+
+
+@dataclass
+class BuildResult:
+    graph: fx.GraphModule
+    context: PipelineContext
+    factory: ModelFactory
+    config: DeployConfig
+
+    @property
+    def summary(self) -> str:
+        return format_summary(self.context.history)
+
+
+def make_factory(config: DeployConfig) -> ModelFactory:
+    return ModelFactory(
+        config.model,
+        revision=config.revision,
+        trust_remote_code=config.trust_remote_code,
+        allow_pickle=config.allow_pickle,
+        model_kwargs=config.model_kwargs,
+        tokenizer=config.tokenizer,
+    )
+
+
+def build_graph(
+    config: DeployConfig, factory: Optional[ModelFactory] = None, log_summary: bool = True
+) -> BuildResult:
+    """Validate the pipeline, then build the model and run every transform on it."""
+    if config.world_size != 1:
+        raise ConfigError("world_size > 1 needs tensor-parallel sharding, which this version does not have yet")
+    if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device '{config.device}' asked for, but torch sees no CUDA GPU; use device: cpu")
+    optimizer = InferenceOptimizer(config.transforms)
+    factory = factory or make_factory(config)
+    checkpoint_dtype = getattr(factory.config, "dtype", None)
+    ctx = PipelineContext(
+        factory=factory,
+        device=config.device,
+        dtype=config.torch_dtype(checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else None),
+        max_batch_size=config.max_batch_size,
+        max_seq_len=config.max_seq_len,
+        max_num_tokens=config.max_num_tokens,
+    )
+    gm = optimizer(ctx, log_summary=log_summary)
+    return BuildResult(gm, ctx, factory, config)  # type: ignore[arg-type]
