@@ -17,9 +17,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-# Until the runtime lands, the main job builds the default model and prints the transformed graph.
 run: $(STAMP)
-	$(VENV)/bin/autodeploy export
+	$(VENV)/bin/autodeploy run
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

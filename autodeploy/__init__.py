@@ -7,3 +7,18 @@ transform of the library, so that a YAML pipeline can name them.
 from . import ops as _ops  # noqa: F401  (registers torch.ops.autodeploy.*)
 
 __version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: importing the package (e.g. for the ops) does not build the runtime.
+    if name == "LLM":
+        from .runtime.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from .runtime.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'autodeploy' has no attribute '{name}'")

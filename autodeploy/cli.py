@@ -171,6 +171,61 @@ def cmd_export(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     return 0
 
 
+# ---- run ---------------------------------------------------------------------------------------
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from .runtime.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+    )
+
+
+def _read_prompts(args: argparse.Namespace) -> List[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file) as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as exc:
+            raise AutoDeployError(f"cannot read prompts file '{args.prompts_file}': {exc.strerror}") from None
+    return prompts or list(DEFAULT_PROMPTS)
+
+
+DEFAULT_PROMPTS = ("The for statement", "A class definition", "The import statement", "Exceptions are")
+
+
+def cmd_run(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    import time
+
+    from .runtime.llm import LLM
+
+    prompts = _read_prompts(args)
+    params = _sampling_params(args)
+    config = _config_from_args(args, overrides)
+    start = time.perf_counter()
+    llm = LLM(**config.model_dump(exclude_none=True), show_progress=sys.stderr.isatty())
+    build_s = time.perf_counter() - start
+    print(llm.summary)
+    print(f"\nbuilt {config.model} in {build_s:.1f} s "
+          f"(KV cache: {llm.build.cache.num_pages} pages x {llm.build.cache.page_size} tokens)\n")
+    start = time.perf_counter()
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    gen_s = time.perf_counter() - start
+    for prompt, out in zip(prompts, outputs):
+        for completion in out.outputs:
+            print(f"--- prompt: {prompt!r}  [{completion.finish_reason}, {len(completion.token_ids)} tokens]")
+            print(f"{prompt}{completion.text}" if not args.chat else completion.text)
+    st = llm.engine.stats
+    print(f"\n{len(prompts)} prompts in {gen_s:.2f} s: prefill {st.prefill_tokens} tokens at "
+          f"{st.prefill_tokens_per_s:.0f} tok/s, decode {st.decode_tokens} tokens at {st.decode_tokens_per_s:.0f} tok/s, "
+          f"{st.steps} steps")
+    return 0
+
+
 # ---- entry point -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -193,6 +248,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-graph", action="store_true", help="print the transformed graph's code")
     p.add_argument("--out", metavar="DIR", help="write graph (DOT/SVG, text, code), summary and config here")
     p.set_defaults(func=cmd_export, accepts_overrides=True)
+
+    p = sub.add_parser("run", help="build the model and generate for some prompts")
+    _add_model_args(p)
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt (default 48)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating after the EOS token")
+    p.set_defaults(func=cmd_run, accepts_overrides=True)
 
     p = sub.add_parser("models", help="list the built-in model presets")
     p.add_argument("--json", action="store_true")

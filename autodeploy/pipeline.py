@@ -21,6 +21,11 @@ class BuildResult:
     config: DeployConfig
 
     @property
+    def cache(self):
+        """The cache interface (``None`` when the pipeline stops before cache_init)."""
+        return self.context.cache
+
+    @property
     def summary(self) -> str:
         return format_summary(self.context.history)
 
@@ -37,7 +42,8 @@ def make_factory(config: DeployConfig) -> ModelFactory:
 
 
 def build_graph(
-    config: DeployConfig, factory: Optional[ModelFactory] = None, log_summary: bool = True
+    config: DeployConfig, factory: Optional[ModelFactory] = None, log_summary: bool = True,
+    show_progress: bool = False,
 ) -> BuildResult:
     """Validate the pipeline, then build the model and run every transform on it."""
     if config.world_size != 1:
@@ -54,6 +60,7 @@ def build_graph(
         max_batch_size=config.max_batch_size,
         max_seq_len=config.max_seq_len,
         max_num_tokens=config.max_num_tokens,
+        page_size=config.page_size,
     )
-    gm = optimizer(ctx, log_summary=log_summary)
+    gm = optimizer(ctx, log_summary=log_summary, show_progress=show_progress)
     return BuildResult(gm, ctx, factory, config)  # type: ignore[arg-type]

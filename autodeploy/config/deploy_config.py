@@ -35,6 +35,13 @@ class DeployConfig(BaseModel):
     max_batch_size: int = Field(default=8, ge=1, description="Most sequences in one step.")
     max_seq_len: int = Field(default=512, ge=2, description="Longest sequence (prompt + generated tokens).")
     max_num_tokens: int = Field(default=2048, ge=1, description="Most tokens in one step (prefill budget).")
+    page_size: int = Field(default=16, ge=1, description="Tokens per KV-cache page.")
+    attn_backend: str = Field(
+        default="sdpa", description="Cached attention backend (sets transforms.insert_cached_attention.backend)."
+    )
+    compile_backend: str = Field(
+        default="torch-simple", description="Compile backend (sets transforms.compile_model.backend)."
+    )
     transforms: Dict[str, Optional[Dict[str, Any]]] = Field(
         default_factory=dict, description="The transform pipeline: {key: {field: value}}."
     )
@@ -97,8 +104,24 @@ def load_deploy_config(
         config = DeployConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
+    config = config.model_copy(update={"transforms": _apply_shortcuts(config)})
     validate_pipeline(config.transforms)
     return config
+
+
+# Top-level settings that are the user-facing knob of one transform field.
+SHORTCUTS = {
+    "attn_backend": ("insert_cached_attention", "backend"),
+    "compile_backend": ("compile_model", "backend"),
+}
+
+
+def _apply_shortcuts(config: DeployConfig) -> Dict[str, Any]:
+    transforms = {k: dict(v or {}) for k, v in config.transforms.items()}
+    for setting, (key, field) in SHORTCUTS.items():
+        if key in transforms:
+            transforms[key][field] = getattr(config, setting)
+    return transforms
 
 
 def validate_pipeline(transforms: Mapping[str, Any]) -> List[str]:

@@ -127,6 +127,12 @@ def _plain_graph_module(ep: torch.export.ExportedProgram, check_inputs: bool = T
     for name in [n for n, _ in gm.named_children() if n.startswith("_guards")]:
         delattr(gm, name)
     graph._codegen = fx.graph.CodeGen()
+    # Inputs first (ep.module() lists parameters before them), so inputs can be appended later.
+    first = next(iter(graph.nodes))
+    for ph in [n for n in graph.nodes if n.op == "placeholder"]:
+        if ph is not first:
+            first.prepend(ph)
+        first = ph.next if ph is first else first
     # ep.module() checks inputs against its pytree spec in a pre-hook; the plain module has none.
     gm._forward_pre_hooks.clear()
     output = next(n for n in graph.nodes if n.op == "output")

@@ -169,6 +169,8 @@ def hf_attention_route(model: nn.Module, attn_implementation: str) -> Iterator[N
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+    attn_mapping = AttentionInterface._global_mapping
+    saved_attn = attn_mapping.get(AD_ATTN_IMPL)
     AttentionInterface.register(AD_ATTN_IMPL, autodeploy_attention)
     mask_mapping = AttentionMaskInterface._global_mapping
     saved_masks = {k: mask_mapping.get(k) for k in SUPPORTED_ATTN_IMPLS}
@@ -184,6 +186,10 @@ def hf_attention_route(model: nn.Module, attn_implementation: str) -> Iterator[N
     finally:
         for cfg, impl in saved_impls:
             cfg._attn_implementation = impl
+        if saved_attn is None:
+            attn_mapping.pop(AD_ATTN_IMPL, None)
+        else:
+            attn_mapping[AD_ATTN_IMPL] = saved_attn
         for impl, builder in saved_masks.items():
             if builder is None:
                 mask_mapping.pop(impl, None)

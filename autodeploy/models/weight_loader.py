@@ -86,30 +86,38 @@ def load_into_module(
                 progress.update(t.numel() * t.element_size())
             return t
 
-        deferred_ties: Dict[str, str] = {}
+        # Tied names form groups; a checkpoint may store the shared tensor under any member.
+        groups: Dict[str, List[str]] = {}
+        for alias, canonical in tied.items():
+            groups.setdefault(canonical, [canonical]).append(alias)
+        group_of = {n: members for members in groups.values() for n in members}
+
+        def find(name: str) -> Optional[torch.Tensor]:
+            if name in reader:
+                return fetch(name)
+            for hook in hooks:
+                keys = hook.source_names(name)
+                if keys is not None and all(k in reader for k in keys):
+                    report.from_hooks += 1
+                    return hook.combine([fetch(k) for k in keys])
+            alt = next((a for a in _prefix_variants(name, base_prefixes) if a in reader), None)
+            return fetch(alt) if alt is not None else None
+
         for name, is_param in targets.items():
             current = params[name] if is_param else buffers[name]
-            source: Optional[torch.Tensor] = None
-            if name in reader:
-                source = fetch(name)
-            else:
-                for hook in hooks:
-                    keys = hook.source_names(name)
-                    if keys is not None and all(k in reader for k in keys):
-                        source = hook.combine([fetch(k) for k in keys])
-                        report.from_hooks += 1
-                        break
-            if source is None:
-                alt = next((a for a in _prefix_variants(name, base_prefixes) if a in reader), None)
-                if alt is not None:
-                    source = fetch(alt)
-            if source is None and name in tied:
-                deferred_ties[name] = tied[name]
+            partner = next((loaded[m] for m in group_of.get(name, []) if m in loaded), None)
+            if partner is not None:
+                _set_tensor(module, name, partner, is_param)
+                report.tied += 1
                 continue
+            source = None
+            for candidate in [name] + [m for m in group_of.get(name, []) if m != name]:
+                source = find(candidate)
+                if source is not None:
+                    break
             if source is None and not is_param and name in initial_buffers:
-                source = initial_buffers[name]
                 report.from_initial += 1
-                tensor = source.to(device=device)  # buffers keep their dtype (fp32 RoPE tables)
+                tensor = initial_buffers[name].to(device=device)  # buffers keep their dtype (fp32 RoPE tables)
             elif source is None:
                 missing.append(name)
                 continue
@@ -125,16 +133,6 @@ def load_into_module(
             report.loaded += 1
             report.bytes += tensor.numel() * tensor.element_size()
             _set_tensor(module, name, tensor, is_param)
-        for name, canonical in deferred_ties.items():
-            partner = loaded.get(canonical)
-            if partner is None:
-                # the tie may point from the canonical name to this one
-                partner = next((loaded[n] for n, c in tied.items() if c == name and n in loaded), None)
-            if partner is None:
-                missing.append(name)
-                continue
-            _set_tensor(module, name, partner, targets[name])
-            report.tied += 1
     if progress is not None:
         progress.close()
     if missing:

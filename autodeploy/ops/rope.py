@@ -33,22 +33,21 @@ def _rope_explicit_fake(q, k, cos, sin, unsqueeze_dim=1):
     return torch.empty_like(q, dtype=dt), torch.empty_like(k, dtype=dt)
 
 
-def _deinterleave(x: Tensor) -> Tensor:
-    """``(x0, x1, x2, x3, ...)`` -> ``(x0, x2, ..., x1, x3, ...)``: pairs become halves."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-
-
 @torch.library.custom_op("autodeploy::torch_rope_with_qk_interleaving", mutates_args=())
 def torch_rope_with_qk_interleaving(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
 ) -> Tuple[Tensor, Tensor]:
-    """DeepSeek's RoPE: q/k hold interleaved pairs ``(x0, x1), (x2, x3), ...``; the output is
-    the rotate-half RoPE of the de-interleaved tensor (first halves, then second halves).
-    ``cos``/``sin`` are the usual ``cat(freqs, freqs)`` tables of width d."""
+    """DeepSeek's RoPE: q/k hold interleaved pairs ``(x0, x1), (x2, x3), ...``, pair j rotated by
+    angle j; ``cos``/``sin`` are ``[b, s, d/2]`` (one angle per pair). The output is
+    de-interleaved: ``cat(x_even * cos - x_odd * sin, x_odd * cos + x_even * sin)``."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    qd, kd = _deinterleave(q), _deinterleave(k)
-    return qd * cos + _rotate_half(qd) * sin, kd * cos + _rotate_half(kd) * sin
+
+    def rotate(x: Tensor) -> Tensor:
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+    return rotate(q), rotate(k)
 
 
 @torch_rope_with_qk_interleaving.register_fake

@@ -23,32 +23,53 @@ INT64_MAX = 2**63 - 1
 
 
 def _same_meta(a: Any, b: Any) -> bool:
+    """Same dtype, device, shape and strides (a later ``view`` may depend on the layout)."""
     va, vb = val(a), val(b)
     if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
         return False
     if va.dtype != vb.dtype or va.device != vb.device or va.dim() != vb.dim():
         return False
-    return all(statically_known_true(x == y) for x, y in zip(va.shape, vb.shape))
+    if not all(statically_known_true(x == y) for x, y in zip(va.shape, vb.shape)):
+        return False
+    # strides only matter along dims longer than one
+    return all(
+        statically_known_true(size == 1) or statically_known_true(x == y)
+        for size, x, y in zip(va.shape, va.stride(), vb.stride())
+    )
 
 
-def _is_mutated(node: fx.Node) -> bool:
-    """Whether any user writes into ``node``'s tensor (in-place or ``out=`` ops)."""
-    for user in node.users:
-        schema = getattr(user.target, "_schema", None)
-        if schema is None:
+def _view_base(node: Any) -> Any:
+    """The node whose storage ``node`` aliases (itself unless it is a view op's output)."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.arguments or schema.arguments[0].alias_info is None:
+            break
+        if schema.arguments[0].alias_info.is_write:
+            break
+        node = node.args[0]
+    return node
+
+
+def _mutated_bases(graph: fx.Graph) -> set:
+    """Storages some op writes into (in-place or ``out=``), as their base nodes."""
+    bases = set()
+    for user in graph.nodes:
+        schema = getattr(user.target, "_schema", None) if user.op == "call_function" else None
+        if schema is None or not schema.is_mutable:
             continue
         for i, a in enumerate(schema.arguments):
             if a.alias_info is not None and a.alias_info.is_write:
                 value = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
-                if value is node:
-                    return True
-    return False
+                if isinstance(value, fx.Node):
+                    bases.add(_view_base(value))
+    return bases
 
 
 def _replace_if_identity(node: fx.Node, source: Any) -> bool:
     if not isinstance(source, fx.Node) or not _same_meta(node, source):
         return False
-    if _is_mutated(node) or _is_mutated(source):
+    mutated = _mutated_bases(node.graph)
+    if mutated and (_view_base(node) in mutated or _view_base(source) in mutated):
         return False
     node.replace_all_uses_with(source)
     node.graph.erase_node(node)

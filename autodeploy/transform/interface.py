@@ -126,6 +126,9 @@ class PipelineContext:
     max_batch_size: int = 8
     max_seq_len: int = 512
     max_num_tokens: int = 2048
+    page_size: int = 16
+    # The cache interface (``autodeploy.cache.CachedSequenceInterface``) once cache_init made one.
+    cache: Any = None
     history: List[TransformRecord] = field(default_factory=list)
     extras: Dict[str, Any] = field(default_factory=dict)
 

@@ -70,10 +70,26 @@ class InferenceOptimizer:
                         f"(stage {dep_stage}); move '{dep}' to an earlier stage or '{key}' to a later one"
                     )
 
-    def __call__(self, ctx: PipelineContext, mod: Optional[nn.Module] = None, log_summary: bool = True) -> nn.Module:
-        for transform in self.transforms:
-            logger.debug("running transform %s", transform.get_transform_key())
-            mod = transform(mod, ctx)
+    def __call__(
+        self, ctx: PipelineContext, mod: Optional[nn.Module] = None, log_summary: bool = True,
+        show_progress: bool = False,
+    ) -> nn.Module:
+        progress = None
+        if show_progress:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(self.transforms), desc="building", unit="transform", leave=False)
+        try:
+            for transform in self.transforms:
+                logger.debug("running transform %s", transform.get_transform_key())
+                if progress is not None:
+                    progress.set_postfix_str(transform.get_transform_key())
+                mod = transform(mod, ctx)
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
         if log_summary:
             logger.info("transform pipeline summary\n%s", format_summary(ctx.history))
         assert mod is not None, "the pipeline produced no model: is 'build_model' enabled?"

@@ -65,10 +65,34 @@ def make_trace_fn(static_last_dim: bool = True) -> Callable:
             if node.op == "call_module":
                 graph.erase_node(node)
         graph._codegen = fx.graph.CodeGen()
+        _concretize_shape_lists(gm)
         cleanup_for_matching(gm)
         return gm
 
     return trace
+
+
+def _concretize_shape_lists(gm: fx.GraphModule) -> None:
+    """Replace symbolic sizes inside list arguments (``reshape(x, [sym_size(y, 0), ...])``) by
+    their example values. Which input export takes a size symbol from is arbitrary, so a pattern
+    must not depend on it; lists of ints are wildcards to inductor, and a pattern that cares
+    about the shapes checks them in ``extra_check``."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        new_args = []
+        for a in node.args:
+            nodes = [x for x in a if isinstance(x, fx.Node)] if isinstance(a, (list, tuple)) else []
+            if nodes and all(isinstance(x.meta.get("val"), (int, torch.SymInt)) for x in nodes):
+                a = type(a)(_hint(x.meta["val"]) if isinstance(x, fx.Node) else x for x in a)
+            new_args.append(a)
+        node.args = tuple(new_args)
+
+
+def _hint(value: Any) -> int:
+    if isinstance(value, torch.SymInt):
+        return int(value.node.hint)
+    return int(value)
 
 
 @contextmanager

@@ -80,8 +80,16 @@ def test_bf16_norm_with_casts():
     assert_same_outputs(reference, gm, [(torch.randn(2, 3, 16, dtype=torch.bfloat16),)], tol=1e-2)
 
 
+def test_any_weight_expression_is_a_norm_weight():
+    """``x_normed * (2 + w)`` is an RMSNorm whose weight is ``2 + w``: canonical and exact."""
+    x = torch.randn(2, 5, 16)
+    reference, gm, record = _run(GemmaNorm(16, offset=2.0).eval(), x)
+    assert record.num_matches == 1
+    assert_same_outputs(reference, gm, [(torch.randn(2, 5, 16),), (torch.randn(1, 2, 16),)])
+
+
 def test_near_misses_are_left_alone():
-    for module in (LlamaNorm(16, exponent=4), LlamaNorm(16, dim=1), GemmaNorm(16, offset=2.0)):
+    for module in (LlamaNorm(16, exponent=4), LlamaNorm(16, dim=1)):
         x = torch.randn(2, 16, 16)
         reference, gm, record = _run(module.eval(), x)
         assert record.num_matches == 0, type(module).__name__

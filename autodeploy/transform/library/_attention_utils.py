@@ -4,6 +4,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graph_utils import arg, is_op
 
@@ -18,6 +19,20 @@ def is_transpose_12(node: Any) -> bool:
     rank = v.dim() if v is not None else 4
     dims = {arg(node, 1, "dim0") % rank, arg(node, 2, "dim1") % rank}
     return rank == 4 and dims == {1, 2}
+
+
+def all_rank4(*nodes: Any) -> bool:
+    """q/k/v in ``[b, heads, s, d]``: the only layout the matchers rewrite."""
+    for n in nodes:
+        v = n.meta.get("val") if isinstance(n, fx.Node) else None
+        if not isinstance(v, torch.Tensor) or v.dim() != 4:
+            return False
+    return True
+
+
+def same_seq_len(q: fx.Node, k: fx.Node) -> bool:
+    """Query and key lengths provably equal (bnsd), so top-left and bottom-right causal agree."""
+    return statically_known_true(q.meta["val"].shape[2] == k.meta["val"].shape[2])
 
 
 def swap_12(graph: fx.Graph, node: fx.Node) -> fx.Node:

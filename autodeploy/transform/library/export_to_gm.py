@@ -6,10 +6,11 @@ logits``, aten ops plus canonical attention/mask ops emitted by the HF attention
 
 from typing import Dict, Literal, Optional, Tuple
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from torch import nn
 
 from ...export.exporter import export_causal_lm
+from ...export.patches import export_patches
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
 
@@ -26,6 +27,15 @@ class ExportToGMConfig(TransformConfig):
         default_factory=dict, description="Switch export patches on/off by name (all registered patches are on)."
     )
 
+    @field_validator("patches")
+    @classmethod
+    def _known_patches(cls, value: Dict[str, bool]) -> Dict[str, bool]:
+        known = sorted(p.name for p in export_patches())
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"unknown export patch(es) {unknown}; known: {known}")
+        return value
+
 
 @TransformRegistry.register("export_to_gm")
 class ExportToGM(BaseTransform):
@@ -39,7 +49,8 @@ class ExportToGM(BaseTransform):
         gm = export_causal_lm(
             mod,
             max_batch_size=ctx.max_batch_size,
-            max_seq_len=ctx.max_seq_len,
+            # the cached graph runs all tokens of a step in one row: up to max_num_tokens long
+            max_seq_len=max(ctx.max_seq_len, ctx.max_num_tokens),
             attn_implementation=cfg.attn_implementation,
             patches=cfg.patches,
         )

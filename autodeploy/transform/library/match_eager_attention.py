@@ -23,7 +23,7 @@ from torch import fx
 
 from ..graph_utils import arg, eliminate_dead_code, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._attention_utils import emit_attention_bnsd, read_mask
+from ._attention_utils import all_rank4, emit_attention_bnsd, read_mask
 
 aten = torch.ops.aten
 CASTS = (aten.to, aten._to_copy, torch.ops.prims.convert_element_type)
@@ -101,6 +101,8 @@ def match_eager(o: fx.Node) -> Optional[dict]:
     if not is_op(s, aten.matmul) or not _is_kt(s.args[1]) or len(s.users) != 1:
         return None
     q, k = s.args[0], s.args[1].args[0]
+    if not all_rank4(q, k, v):
+        return None
     if scale is None:
         q, scale = _scale_of(q)  # some models scale q before the product
         scale = 1.0 if scale is None else scale

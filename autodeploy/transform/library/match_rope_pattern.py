@@ -9,8 +9,9 @@ After::
 
     q2, k2 = autodeploy.torch_rope_with_explicit_cos_sin(q, k, cos, sin, 1)
 
-Also: DeepSeek's interleaved pairs (``q[..., 0::2]``, ``q[..., 1::2]`` with half-width cos/sin)
--> ``torch_rope_with_qk_interleaving``; Llama-4's complex form (``view_as_complex(q) *
+Also: DeepSeek's interleaved pairs (``q[..., 0::2]``, ``q[..., 1::2]`` rotated by half-width
+cos/sin tables) -> ``torch_rope_with_qk_interleaving`` (on those half tables, exact for any
+table); Llama-4's complex form (``view_as_complex(q) *
 freqs_cis``) -> ``torch_rope_with_complex_freqs``. Partial rotary works unchanged: q is then
 the rotary slice. Near misses (a split other than the middle, q and k with different
 tables, a different unsqueeze dim than the replacement's) are left alone.
@@ -21,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graph_utils import arg, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
@@ -43,8 +45,9 @@ def _explicit(q, k, cos, sin):
 
 
 def _interleaved(q, k, cos, sin):
-    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
-    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+    # cos/sin here are the half-width (one angle per pair) tables, e.g. HF's cos[..., :d//2]
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
     q1, q2 = q[..., 0::2], q[..., 1::2]
     k1, k2 = k[..., 0::2], k[..., 1::2]
     q_out = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
@@ -58,6 +61,15 @@ def _complex(q, k, freqs_cis):
     freqs = freqs_cis.unsqueeze(2)
     q_out = torch.view_as_real(q_ * freqs).flatten(3)
     k_out = torch.view_as_real(k_ * freqs).flatten(3)
+    return q_out.type_as(q), k_out.type_as(k)
+
+
+def _complex_unshared(q, k, freqs_cis):
+    """Llama-4 writes ``freqs_cis[:, :, None, :]`` once for q and once for k."""
+    q_ = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+    k_ = torch.view_as_complex(k.float().reshape(*k.shape[:-1], -1, 2))
+    q_out = torch.view_as_real(q_ * freqs_cis.unsqueeze(2)).flatten(3)
+    k_out = torch.view_as_real(k_ * freqs_cis.unsqueeze(2)).flatten(3)
     return q_out.type_as(q), k_out.type_as(k)
 
 
@@ -118,7 +130,7 @@ def _check_structure(slice_kind: str) -> Callable[[Match], bool]:
     """Check what inductor's wildcards cannot: one unsqueeze dim, slice bounds, cat dim."""
 
     def check(match: Match) -> bool:
-        if _unsqueeze_dim(match) is None:
+        if _unsqueeze_dim(match) is None or match.kwargs.get("q") is match.kwargs.get("k"):
             return False
         for node in match.nodes:
             if is_op(node, aten.slice.Tensor):
@@ -133,9 +145,19 @@ def _check_structure(slice_kind: str) -> Callable[[Match], bool]:
                 if slice_kind == "half":
                     second_half = start == size // 2 and end in (size, INT64_MAX, None) and step == 1
                     ok = first_half or second_half
-                else:  # "pairs": q[..., 0::2] / q[..., 1::2], and cos[..., :d//2]
-                    ok = (start in (0, 1) and step == 2 and end in (size, INT64_MAX, None)) or first_half
+                else:  # "pairs": q[..., 0::2] / q[..., 1::2]
+                    ok = start in (0, 1) and step == 2 and end in (size, INT64_MAX, None)
                 if not ok:
+                    return False
+            elif is_op(node, aten.reshape) and slice_kind == "complex":
+                src, out = node.args[0].meta["val"], node.meta["val"]
+                if out.dim() != src.dim() + 1 or out.shape[-1] != 2 or out.shape[-2] * 2 != src.shape[-1]:
+                    return False
+                if not all(statically_known_true(a == b) for a, b in zip(out.shape[:-2], src.shape[:-1])):
+                    return False
+            elif is_op(node, aten.flatten) and slice_kind == "complex":
+                src, out = node.args[0].meta["val"], node.meta["val"]
+                if out.dim() != src.dim() - 1 or out.shape[-1] != src.shape[-1] * src.shape[-2]:
                     return False
             elif is_op(node, aten.cat):
                 inputs = node.args[0]
@@ -160,13 +182,15 @@ def rope_patterns() -> PatternSet:
             cos, sin = torch.randn(2, 3, 8, dtype=dtype), torch.randn(2, 3, 8, dtype=dtype)
             ps.add(_explicit, [q, k, cos, sin], handler=_rope_handler(ops.torch_rope_with_explicit_cos_sin.default),
                    extra_check=_check_structure("half"))
-            ps.add(_interleaved, [q, k, cos, sin],
+            half_cos, half_sin = cos[..., :4].contiguous(), sin[..., :4].contiguous()
+            ps.add(_interleaved, [q, k, half_cos, half_sin],
                    handler=_rope_handler(ops.torch_rope_with_qk_interleaving.default),
                    extra_check=_check_structure("pairs"))
             q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
             freqs = torch.polar(torch.ones(2, 3, 4), torch.randn(2, 3, 4))
-            ps.add(_complex, [q, k, freqs], handler=_rope_handler(ops.torch_rope_with_complex_freqs.default),
-                   extra_check=_check_structure("none"))
+            for search in (_complex, _complex_unshared):
+                ps.add(search, [q, k, freqs], handler=_rope_handler(ops.torch_rope_with_complex_freqs.default),
+                       extra_check=_check_structure("complex"))
         _PATTERNS = ps
     return _PATTERNS
 

@@ -1,0 +1,85 @@
+"""The per-step batch description the cached graph takes.
+
+After ``cache_init`` the graph is called with every token of the step flattened into one row
+(``input_ids [1, T]``, ``position_ids [1, T]``) plus this metadata, which tells the cached
+attention ops where each sequence's tokens are and where its keys live in the paged cache.
+Prefill sequences (several new tokens) come first, decode sequences (one new token) last, so
+decode rows are contiguous. The runtime builds a fresh ``SequenceInfo`` for each step; nothing
+lives in module globals.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+import torch
+
+# Graph inputs after input_ids/position_ids, in this order.
+METADATA_NAMES = ("batch_info", "seq_len", "input_pos", "cu_seqlen", "page_table")
+
+
+@dataclass
+class SequenceInfo:
+    input_ids: torch.Tensor  # [1, T] int64
+    position_ids: torch.Tensor  # [1, T] int64
+    batch_info: torch.Tensor  # [3] int32: num_prefill, num_prefill_tokens, num_decode
+    seq_len: torch.Tensor  # [B] int32: new tokens of each sequence in this step
+    input_pos: torch.Tensor  # [B] int32: tokens of each sequence already in the cache
+    cu_seqlen: torch.Tensor  # [B+1] int32: offsets of each sequence's tokens in the row
+    page_table: torch.Tensor  # [B, P] int32: cache pages of each sequence (padded with 0)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.seq_len.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Row index of each sequence's last new token (where its next-token logits are)."""
+        return (self.cu_seqlen[1:] - 1).long()
+
+    def as_inputs(self) -> Dict[str, torch.Tensor]:
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            **{name: getattr(self, name) for name in METADATA_NAMES},
+        }
+
+
+def build_sequence_info(
+    tokens: Sequence[Sequence[int]],
+    start_positions: Sequence[int],
+    page_tables: Sequence[Sequence[int]],
+    device: torch.device | str = "cpu",
+) -> SequenceInfo:
+    """Metadata for one step: ``tokens[i]`` are sequence i's new tokens, which start at position
+    ``start_positions[i]``; ``page_tables[i]`` lists its cache pages. Prefill sequences (more
+    than one new token, or a first chunk) must come before single-token decode sequences."""
+    if not tokens:
+        raise ValueError("a step needs at least one sequence")
+    lengths = [len(t) for t in tokens]
+    if min(lengths) < 1:
+        raise ValueError("every scheduled sequence needs at least one new token")
+    is_decode = [n == 1 and s > 0 for n, s in zip(lengths, start_positions)]
+    num_decode = sum(is_decode)
+    num_prefill = len(tokens) - num_decode
+    if any(is_decode[:num_prefill]):
+        raise ValueError("prefill sequences must come before decode sequences")
+    flat: List[int] = [t for seq in tokens for t in seq]
+    positions: List[int] = [s + i for s, n in zip(start_positions, lengths) for i in range(n)]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    width = max(1, max(len(p) for p in page_tables))
+    table = [list(p) + [0] * (width - len(p)) for p in page_tables]
+    i32 = dict(dtype=torch.int32, device=device)
+    return SequenceInfo(
+        input_ids=torch.tensor([flat], dtype=torch.long, device=device),
+        position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+        batch_info=torch.tensor([num_prefill, cu[num_prefill], num_decode], **i32),
+        seq_len=torch.tensor(lengths, **i32),
+        input_pos=torch.tensor(list(start_positions), **i32),
+        cu_seqlen=torch.tensor(cu, **i32),
+        page_table=torch.tensor(table, **i32),
+    )

@@ -1,0 +1,201 @@
+"""Cached attention over a paged KV cache, for the flattened-token graph.
+
+Inputs are the canonical attention's q/k/v for every token of the step (``[1, T, heads, dim]``,
+bsnd) plus the step metadata (``autodeploy.cache.sequence_info``). Each op writes the step's
+keys/values into the cache pages first, then attends each sequence's queries to all of its
+keys so far (bottom-right causal, optional sliding window, soft-cap, sinks).
+
+Two implementations with one signature:
+
+* ``torch_cached_attention_with_cache``: the reference, one sequence at a time with the
+  canonical ``torch_attention`` math. Easy to read, used to check the others.
+* ``sdpa_cached_attention_with_cache``: batched decode (all one-token sequences in one
+  ``scaled_dot_product_attention`` call over their gathered pages) and ``is_causal`` SDPA for
+  fresh prefills. Falls back to the reference math for soft-cap and sinks, which SDPA lacks.
+
+The cache pages of a sequence hold positions ``[0, input_pos + seq_len)`` in order:
+position p lives in page ``page_table[i, p // page_size]`` at offset ``p % page_size``.
+"""
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import attention  # noqa: F401  (torch_attention, the math of the reference path)
+
+
+@torch.library.custom_op("autodeploy::torch_cached_attention_prepare_metadata", mutates_args=())
+def torch_cached_attention_prepare_metadata(
+    position_ids: Tensor, seq_len: Tensor, cu_seqlen: Tensor, page_table: Tensor, page_size: int
+) -> Tensor:
+    """Cache slot (``page * page_size + offset``) of every new token of the step, ``[T]`` int64.
+
+    Computed once per step and shared by every layer's cached attention.
+    """
+    num_tokens = position_ids.shape[-1]
+    seq_idx = torch.repeat_interleave(
+        torch.arange(seq_len.numel(), device=seq_len.device), seq_len.long(), output_size=num_tokens
+    )
+    pos = position_ids.reshape(-1).long()
+    pages = page_table.long()[seq_idx, pos // page_size]
+    return pages * page_size + pos % page_size
+
+
+@torch_cached_attention_prepare_metadata.register_fake
+def _prepare_fake(position_ids, seq_len, cu_seqlen, page_table, page_size):
+    return position_ids.new_empty(position_ids.shape[-1], dtype=torch.long)
+
+
+def _write_cache(k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    n_kv, d_k, d_v = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+    k_cache.view(-1, n_kv, d_k).index_copy_(0, slots, k.reshape(-1, n_kv, d_k).to(k_cache.dtype))
+    v_cache.view(-1, n_kv, d_v).index_copy_(0, slots, v.reshape(-1, n_kv, d_v).to(v_cache.dtype))
+
+
+def _gather(cache: Tensor, pages: Tensor, length: int) -> Tensor:
+    """The first ``length`` cached positions of one sequence, ``[length, heads, dim]``."""
+    page_size = cache.shape[1]
+    needed = pages[: (length + page_size - 1) // page_size].long()
+    return cache[needed].reshape(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+@torch.library.custom_op(
+    "autodeploy::torch_cached_attention_with_cache", mutates_args=("k_cache", "v_cache")
+)
+def torch_cached_attention_with_cache(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    batch_info: Tensor,
+    seq_len: Tensor,
+    input_pos: Tensor,
+    cu_seqlen: Tensor,
+    page_table: Tensor,
+    slot_mapping: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    scale: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
+    sliding_window: Optional[int] = None,
+    logit_cap: Optional[float] = None,
+) -> Tensor:
+    """Reference: write the step's k/v, then attend each sequence separately."""
+    _write_cache(k, v, slot_mapping, k_cache, v_cache)
+    return _attend_each_sequence(
+        q, v_cache.shape[-1], seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache,
+        scale, sinks, sliding_window, logit_cap,
+    )
+
+
+def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache, scale, sinks,
+                          sliding_window, logit_cap) -> Tensor:
+    """Each sequence's queries against its gathered keys, with ``torch_attention``'s math."""
+    out = q.new_empty(*q.shape[:-1], d_v)
+    lengths, starts, offsets = seq_len.tolist(), input_pos.tolist(), cu_seqlen.tolist()
+    for i, (n, start) in enumerate(zip(lengths, starts)):
+        total = start + n
+        keys = _gather(k_cache, page_table[i], total)[None].to(q.dtype)
+        values = _gather(v_cache, page_table[i], total)[None].to(q.dtype)
+        rows = slice(offsets[i], offsets[i] + n)
+        out[:, rows] = torch.ops.autodeploy.torch_attention(
+            q[:, rows], keys, values, None, 0.0, True, scale, sinks, sliding_window, logit_cap
+        )
+    return out
+
+
+@torch_cached_attention_with_cache.register_fake
+def _torch_cached_fake(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache,
+                       v_cache, scale=None, sinks=None, sliding_window=None, logit_cap=None):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+def _window_mask(key_pos: Tensor, query_pos: Tensor, lengths: Tensor, sliding_window: Optional[int]) -> Tensor:
+    """Boolean keep-mask ``[..., q, kv]`` for keys below each sequence's length and window."""
+    keep = (key_pos <= query_pos) & (key_pos < lengths)
+    if sliding_window is not None:
+        keep &= key_pos > query_pos - sliding_window
+    return keep
+
+
+@torch.library.custom_op(
+    "autodeploy::sdpa_cached_attention_with_cache", mutates_args=("k_cache", "v_cache")
+)
+def sdpa_cached_attention_with_cache(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    batch_info: Tensor,
+    seq_len: Tensor,
+    input_pos: Tensor,
+    cu_seqlen: Tensor,
+    page_table: Tensor,
+    slot_mapping: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    scale: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
+    sliding_window: Optional[int] = None,
+    logit_cap: Optional[float] = None,
+) -> Tensor:
+    """Batched: fresh prefills with causal SDPA on their own k/v, all decodes in one SDPA."""
+    _write_cache(k, v, slot_mapping, k_cache, v_cache)
+    if sinks is not None or (logit_cap is not None and logit_cap > 0):
+        return _attend_each_sequence(
+            q, v_cache.shape[-1], seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache,
+            scale, sinks, sliding_window, logit_cap,
+        )
+    num_prefill, _, num_decode = batch_info.tolist()
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    lengths, starts, offsets = seq_len.tolist(), input_pos.tolist(), cu_seqlen.tolist()
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    for i in range(num_prefill):
+        n, start = lengths[i], starts[i]
+        rows = slice(offsets[i], offsets[i] + n)
+        qi = q[0, rows].transpose(0, 1)  # [n_heads, n, d]
+        if start == 0 and (sliding_window is None or n <= sliding_window):
+            ki, vi = k[0, rows].transpose(0, 1), v[0, rows].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            total = start + n
+            ki = _gather(k_cache, page_table[i], total).to(q.dtype).transpose(0, 1)
+            vi = _gather(v_cache, page_table[i], total).to(q.dtype).transpose(0, 1)
+            qpos = torch.arange(start, total, device=q.device)[:, None]
+            kpos = torch.arange(total, device=q.device)[None, :]
+            mask = _window_mask(kpos, qpos, torch.tensor(total, device=q.device), sliding_window)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[0, rows] = o.transpose(0, 1)
+    if num_decode:
+        first = num_prefill
+        dec = slice(first, first + num_decode)
+        totals = (input_pos[dec] + seq_len[dec]).long()  # [B_d]
+        page_size = k_cache.shape[1]
+        max_pages = (int(totals.max()) + page_size - 1) // page_size
+        pages = page_table[dec, :max_pages].long()  # [B_d, P]
+        n_kv = k_cache.shape[2]
+        keys = k_cache[pages].reshape(num_decode, -1, n_kv, k_cache.shape[3]).to(q.dtype).transpose(1, 2)
+        values = v_cache[pages].reshape(num_decode, -1, n_kv, v_cache.shape[3]).to(q.dtype).transpose(1, 2)
+        kpos = torch.arange(keys.shape[2], device=q.device)[None, None, None, :]
+        qpos = (totals - 1)[:, None, None, None]
+        mask = _window_mask(kpos, qpos, totals[:, None, None, None], sliding_window)
+        row0 = offsets[first]
+        qd = q[0, row0 : row0 + num_decode].unsqueeze(2)  # [B_d, n_heads, 1, d]
+        o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[0, row0 : row0 + num_decode] = o.squeeze(2)
+    return out
+
+
+@sdpa_cached_attention_with_cache.register_fake
+def _sdpa_cached_fake(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache,
+                      v_cache, scale=None, sinks=None, sliding_window=None, logit_cap=None):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+__all__: List[str] = [
+    "torch_cached_attention_prepare_metadata",
+    "torch_cached_attention_with_cache",
+    "sdpa_cached_attention_with_cache",
+]

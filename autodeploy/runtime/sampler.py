@@ -1,0 +1,48 @@
+"""Turn next-token logits into tokens: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens before it already reach top_p (the first always stays)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[Optional[torch.Generator]],
+) -> List[int]:
+    """One token per row of ``logits`` ([B, V], any float dtype; computed in fp32)."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, (p, gen) in enumerate(zip(params, generators)):
+        if p.greedy:
+            continue
+        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+        probs = torch.softmax(row, dim=-1)
+        tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+    return tokens
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> List[Tuple[int, float]]:
+    """The chosen token's log probability first, then the ``top`` most likely tokens."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    out = [(token, float(logp[token]))]
+    if top > 0:
+        values, ids = torch.topk(logp, top)
+        out += [(int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist()) if int(t) != token]
+    return out

@@ -1,0 +1,65 @@
+"""``SamplingParams``: how one request is decoded (vLLM's conventions)."""
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+from ..utils.errors import AutoDeployError
+
+
+class InvalidRequestError(AutoDeployError, ValueError):
+    """A request the engine cannot serve (bad parameter, empty or too-long prompt)."""
+
+
+@dataclass
+class SamplingParams:
+    """``temperature=0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+
+    ``stop`` strings end the output (the text is cut before them); ``stop_token_ids`` and the
+    model's EOS token end it too unless ``ignore_eos``. ``seed`` makes sampling reproducible per
+    request. ``n`` completions per prompt; ``logprobs`` returns the chosen token's log
+    probability and that many top alternatives per step.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: Optional[int] = None
+    stop_strings: List[str] = field(init=False, default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling parameter: {msg}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise bad(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise bad(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise bad(f"n must be an integer >= 1, got {self.n!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise bad("stop must be a non-empty string or a list of them")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

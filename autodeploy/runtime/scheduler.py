@@ -1,0 +1,121 @@
+"""Forms each step's batch within the token budget, the batch size and the page pool.
+
+Every step: running sequences that decode get one token each, oldest first; then prefills
+(continuing chunks first, then waiting requests in arrival order) take what is left of the
+``max_num_tokens`` budget, split into chunks when they do not fit. When a decoding sequence
+needs a page and none is free, the youngest running sequence is preempted: its pages are freed
+and it waits, at the front of the queue, to be recomputed (prompt and generated tokens) later.
+No request is dropped: one sequence always fits because the pool holds at least a full
+``max_seq_len`` sequence.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, List, Optional, Set, Tuple
+
+from .page_pool import PagePool
+from .sequence import Sequence
+
+
+@dataclass
+class ScheduledStep:
+    prefill: List[Tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    decode: List[Sequence] = field(default_factory=list)
+
+    @property
+    def sequences(self) -> List[Tuple[Sequence, int]]:
+        """Prefill first, then decode: the order the cached graph expects."""
+        return self.prefill + [(s, 1) for s in self.decode]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefill) + len(self.decode)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, *, max_batch_size: int, max_num_tokens: int, chunked_prefill: bool = True):
+        self.pool = pool
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: Deque[Sequence] = deque()
+        self.running: List[Sequence] = []  # in arrival order
+        self.num_preemptions = 0
+
+    # ---- queue ---------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished (or aborted) sequence wherever it is."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.free(seq.pages)
+        seq.pages = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give ``seq`` the pages to hold ``num_tokens`` tokens, if the pool has them."""
+        need = self.pool.pages_for(num_tokens) - len(seq.pages)
+        if need > self.pool.num_free:
+            return False
+        if need > 0:
+            seq.pages += self.pool.allocate(need)
+        return True
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> Optional[ScheduledStep]:
+        step = ScheduledStep()
+        budget = self.max_num_tokens
+        preempted: Set[int] = set()
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if not seq.is_decode or id(seq) in preempted or budget < 1:
+                continue
+            while not self._grow(seq, seq.num_computed + 1):
+                unscheduled = [s for s in self.running if s not in step.decode]
+                victim = max(unscheduled, key=lambda s: s.arrival)  # the youngest; may be seq itself
+                self._preempt(victim)
+                preempted.add(id(victim))
+                if victim is seq:
+                    break
+            if id(seq) in preempted:
+                continue
+            step.decode.append(seq)
+            budget -= 1
+        continuing = sorted((s for s in self.running if not s.is_decode), key=lambda s: s.arrival)
+        for seq in continuing + list(self.waiting):
+            if budget < 1 or id(seq) in preempted:
+                break
+            admitting = seq not in self.running
+            if admitting and len(self.running) >= self.max_batch_size:
+                break
+            n = seq.remaining
+            if n > budget:
+                if not self.chunked_prefill:
+                    break
+                n = budget
+            if not self._grow(seq, seq.num_computed + n):
+                if not self.chunked_prefill:
+                    break
+                fits = (len(seq.pages) + self.pool.num_free) * self.pool.page_size - seq.num_computed
+                if fits < 1 or not self._grow(seq, seq.num_computed + fits):
+                    break
+                n = fits
+            if admitting:
+                self.waiting.remove(seq)
+                self.running.append(seq)
+            step.prefill.append((seq, n))
+            budget -= n
+        return step if step.prefill or step.decode else None

@@ -1,0 +1,52 @@
+"""``initialize_cache`` (cache_init): allocate the paged caches the cached ops read and write.
+
+Before: cache inputs registered by ``insert_cached_*`` but no tensors.
+After: one ``[num_pages, page_size, ...]`` tensor per cache input, zeroed, on the device. With
+``num_pages`` unset the pool is just large enough for ``resize_kv_cache``'s sizing forward
+(one step of ``max_num_tokens``), which then grows it.
+"""
+
+from typing import Optional
+
+from pydantic import Field
+from torch import fx
+
+from ...utils.logging import get_logger
+from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+
+logger = get_logger(__name__)
+
+
+class InitializeCacheConfig(TransformConfig):
+    stage: Stage = Stage.CACHE_INIT
+    expect_mem_change: bool = True
+    num_pages: Optional[int] = Field(
+        default=None, ge=1, description="Fixed pool size in pages (resize_kv_cache then keeps it)."
+    )
+
+
+def sizing_pages(cache) -> int:
+    """Pages for one step of max_num_tokens spread over max_seq_len-long sequences."""
+    tokens = cache.max_num_tokens
+    sequences = -(-tokens // cache.max_seq_len)
+    return max(cache.min_pages, -(-tokens // cache.page_size) + sequences)
+
+
+@TransformRegistry.register("initialize_cache")
+class InitializeCache(BaseTransform):
+    config_class = InitializeCacheConfig
+    requires = ("insert_cached_attention",)
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        cfg: InitializeCacheConfig = self.config  # type: ignore[assignment]
+        cache = ctx.cache
+        if cache is None or not cache.handlers:
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+        pages = cfg.num_pages if cfg.num_pages is not None else sizing_pages(cache)
+        cache.allocate(pages)
+        cache.fixed_size = cfg.num_pages is not None
+        logger.info(
+            "KV cache: %d pages x %d tokens, %.1f MiB (%d cache tensors)",
+            pages, cache.page_size, cache.cache_bytes() / 2**20, len(cache.caches),
+        )
+        return TransformInfo(num_matches=len(cache.caches), is_clean=True, has_valid_shapes=True)

@@ -1,0 +1,135 @@
+"""``insert_cached_attention`` (cache_init): ``torch_attention`` -> the backend's cached op.
+
+Before (per layer; the graph takes ``input_ids``/``position_ids``)::
+
+    o = autodeploy.torch_attention(q, k, v, None, 0.0, True, scale, sinks, window, cap)
+
+After (one prepare node per graph; metadata and per-layer cache inputs added)::
+
+    graph(input_ids, position_ids, batch_info, seq_len, input_pos, cu_seqlen, page_table,
+          k_cache_0, v_cache_0, k_cache_1, ...)
+    slots = autodeploy.torch_cached_attention_prepare_metadata(position_ids, seq_len, cu_seqlen, page_table, P)
+    o = autodeploy.sdpa_cached_attention_with_cache(q, k, v, batch_info, seq_len, input_pos, cu_seqlen,
+                                                    page_table, slots, k_cache_0, v_cache_0, scale, sinks, window, cap)
+
+After this the graph is called with every token of a step flattened into one row
+(``[1, total_tokens]``); see ``autodeploy.cache.sequence_info``. An attention that is not
+causal or still carries an explicit mask cannot be cached correctly, so it is an error naming
+the layer rather than a silently wrong answer.
+"""
+
+from typing import Dict, List
+
+import torch
+from pydantic import Field
+from torch import fx
+
+from ...cache import CachedSequenceInterface
+from ...cache.attention_backends import attention_backends, get_attention_backend
+from ...cache.sequence_info import METADATA_NAMES
+from ...utils.errors import ConfigError
+from ..graph_utils import arg, is_op
+from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+
+
+class InsertCachedAttentionConfig(TransformConfig):
+    stage: Stage = Stage.CACHE_INIT
+    requires_shape_prop: bool = True
+    backend: str = Field(default="sdpa", description="Attention backend: " + ", ".join(["torch", "sdpa"]) + ".")
+
+
+def _example_meta(name: str, max_batch: int, device: torch.device) -> torch.Tensor:
+    """Example values for metadata inputs: only their dtype/rank matter downstream."""
+    i32 = dict(dtype=torch.int32, device=device)
+    return {
+        "batch_info": lambda: torch.zeros(3, **i32),
+        "seq_len": lambda: torch.zeros(max_batch, **i32),
+        "input_pos": lambda: torch.zeros(max_batch, **i32),
+        "cu_seqlen": lambda: torch.zeros(max_batch + 1, **i32),
+        "page_table": lambda: torch.zeros(max_batch, 4, **i32),
+    }[name]()
+
+
+@TransformRegistry.register("insert_cached_attention")
+class InsertCachedAttention(BaseTransform):
+    config_class = InsertCachedAttentionConfig
+    requires = ("load_weights",)
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        cfg: InsertCachedAttentionConfig = self.config  # type: ignore[assignment]
+        if cfg.backend not in attention_backends():
+            raise ConfigError(
+                f"transforms.insert_cached_attention.backend: unknown attention backend '{cfg.backend}'; "
+                f"available: {', '.join(sorted(attention_backends()))}"
+            )
+        backend = get_attention_backend(cfg.backend)
+        device = torch.device(ctx.device)
+        if device.type not in backend.devices:
+            raise ConfigError(f"attention backend '{backend.name}' does not run on {device.type}")
+        graph = gm.graph
+        attn_nodes = [n for n in graph.nodes if is_op(n, torch.ops.autodeploy.torch_attention)]
+        if not attn_nodes:
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        if [p.name for p in placeholders] != ["input_ids", "position_ids"]:
+            raise RuntimeError(f"insert_cached_attention expects inputs (input_ids, position_ids), got {placeholders}")
+        for node in attn_nodes:
+            self._check_cacheable(node)
+        if ctx.cache is None:
+            ctx.cache = CachedSequenceInterface(
+                page_size=ctx.page_size, max_batch_size=ctx.max_batch_size, max_seq_len=ctx.max_seq_len,
+                max_num_tokens=ctx.max_num_tokens, device=device,
+            )
+        cache: CachedSequenceInterface = ctx.cache
+        fake_mode = placeholders[0].meta["val"].fake_mode
+
+        last = placeholders[-1]
+        meta: Dict[str, fx.Node] = {}
+        for name in METADATA_NAMES:
+            with graph.inserting_after(last):
+                last = meta[name] = graph.placeholder(name)
+            meta[name].meta["val"] = fake_mode.from_tensor(_example_meta(name, ctx.max_batch_size, device))
+        layer_caches: List[List[fx.Node]] = []
+        for layer, node in enumerate(attn_nodes):
+            handlers = backend.cache_handlers(node.args[1].meta["val"], node.args[2].meta["val"], ctx.dtype)
+            layer_caches.append([])
+            for kind, handler in handlers.items():
+                name = f"{kind}_{layer}"
+                cache.add_cache(name, handler)
+                with graph.inserting_after(last):
+                    last = graph.placeholder(name)
+                last.meta["val"] = fake_mode.from_tensor(handler.allocate(1, cache.page_size, device))
+                layer_caches[-1].append(last)
+        with graph.inserting_after(last):
+            slots = graph.call_function(
+                backend.prepare_metadata_op,
+                (placeholders[1], meta["seq_len"], meta["cu_seqlen"], meta["page_table"], cache.page_size),
+            )
+        for node, cache_nodes in zip(attn_nodes, layer_caches):
+            q, k, v = node.args[:3]
+            with graph.inserting_before(node):
+                cached = graph.call_function(
+                    backend.cached_op,
+                    (q, k, v, *(meta[m] for m in backend.metadata), slots, *cache_nodes,
+                     arg(node, 6, "scale"), arg(node, 7, "sinks"), arg(node, 8, "sliding_window"),
+                     arg(node, 9, "logit_cap")),
+                )
+            cached.meta["val"] = node.meta.get("val")
+            node.replace_all_uses_with(cached)
+            graph.erase_node(node)
+        gm.meta["autodeploy_cached"] = {"attn_backend": backend.name, "layers": len(attn_nodes)}
+        return TransformInfo(num_matches=len(attn_nodes), is_clean=False, has_valid_shapes=False)
+
+    @staticmethod
+    def _check_cacheable(node: fx.Node) -> None:
+        where = node.meta.get("stack_trace", "").strip().splitlines()
+        layer = node.name + (f" ({where[-2].strip()})" if len(where) >= 2 else "")
+        if arg(node, 3, "attn_mask") is not None:
+            raise RuntimeError(
+                f"attention {layer} still has an explicit mask the matchers could not read as causal/windowed; "
+                "cached attention would ignore it. Export with attn_implementation 'autodeploy', or report the model"
+            )
+        if not arg(node, 5, "is_causal", False):
+            raise RuntimeError(f"attention {layer} is not causal; a decoder KV cache cannot serve bidirectional attention")
+        if arg(node, 4, "dropout_p", 0.0) != 0.0:
+            raise RuntimeError(f"attention {layer} has dropout; inference graphs must not")

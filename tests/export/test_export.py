@@ -1,0 +1,158 @@
+"""The exporter: failures name the module, HF's global registries and eager runs are untouched,
+export patches are registered by name, small modules export with dynamic dims."""
+
+import pytest
+import torch
+from torch import fx, nn
+from torch.export import Dim
+from transformers import AutoModelForCausalLM
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from autodeploy.export.exporter import export_causal_lm, export_to_graph_module
+from autodeploy.export.patches import export_patches
+from autodeploy.models.factory import ModelFactory
+from autodeploy.utils.errors import AutoDeployError, ExportError
+from helpers import family_checkpoint
+
+IMPLS = ("sdpa", "eager")
+
+
+def _meta_llama():
+    return ModelFactory(family_checkpoint("llama")).build_model()
+
+
+def _registry_snapshot():
+    masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    attns = ALL_ATTENTION_FUNCTIONS._global_mapping
+    return {
+        "masks": {k: masks.get(k) for k in IMPLS},
+        "attns": {k: attns.get(k) for k in IMPLS},
+        "mask_keys": list(masks),
+    }
+
+
+def _assert_registries_restored(before):
+    after = _registry_snapshot()
+    for kind in ("masks", "attns"):
+        for impl in IMPLS:
+            assert after[kind][impl] is before[kind][impl], (kind, impl)
+    assert "autodeploy" not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    assert after["mask_keys"] == before["mask_keys"]
+
+
+def _no_hooks_left(model: nn.Module) -> bool:
+    return all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def test_data_dependent_control_flow_names_the_module():
+    model = _meta_llama()
+    before = _registry_snapshot()
+    impl_before = model.config._attn_implementation
+    mlp = model.model.layers[0].mlp
+    original = mlp.forward
+
+    def branchy(x):
+        if x.sum() > 0:  # data-dependent: not exportable
+            return original(x)
+        return original(-x)
+
+    mlp.forward = branchy
+    try:
+        with pytest.raises(ExportError) as exc:
+            export_causal_lm(model, max_batch_size=4, max_seq_len=32)
+    finally:
+        del mlp.forward
+    msg = str(exc.value)
+    assert isinstance(exc.value, AutoDeployError)
+    assert "model.layers.0.mlp" in msg and "LlamaMLP" in msg
+    assert "model.layers.1" not in msg
+    assert msg.count("\n") == 0, "one actionable line"
+    # a failed export leaves nothing behind either
+    _assert_registries_restored(before)
+    assert model.config._attn_implementation == impl_before
+    assert "forward" not in vars(model)
+    assert _no_hooks_left(model)
+    # ... and the same model exports once the offending code is gone
+    gm = export_causal_lm(model, max_batch_size=4, max_seq_len=32)
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["input_ids", "position_ids"]
+
+
+def test_export_leaves_hf_registries_and_eager_runs_untouched():
+    ckpt = family_checkpoint("llama")
+    ids = torch.randint(0, 512, (2, 9))
+    refs = {}
+    hf = {}
+    for impl in IMPLS:
+        hf[impl] = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation=impl).eval()
+        with torch.no_grad():
+            refs[impl] = hf[impl](input_ids=ids).logits
+
+    before = _registry_snapshot()
+    for route in ("autodeploy", "eager"):
+        model = _meta_llama()
+        impl_before = model.config._attn_implementation
+        export_causal_lm(model, max_batch_size=4, max_seq_len=32, attn_implementation=route)
+        assert model.config._attn_implementation == impl_before
+        assert "forward" not in vars(model)
+        assert _no_hooks_left(model)
+        _assert_registries_restored(before)
+
+    for impl in IMPLS:
+        with torch.no_grad():
+            out = hf[impl](input_ids=ids).logits
+        assert torch.equal(out, refs[impl]), impl
+        # HF's own masks are used again: causal (a later token does not change earlier logits)
+        changed = ids.clone()
+        changed[:, -1] = (changed[:, -1] + 1) % 512
+        with torch.no_grad():
+            out2 = hf[impl](input_ids=changed).logits
+        assert torch.equal(out2[:, :-1], out[:, :-1]) or torch.allclose(out2[:, :-1], out[:, :-1], atol=1e-6)
+        assert not torch.allclose(out2[:, -1], out[:, -1])
+    torch.testing.assert_close(refs["sdpa"], refs["eager"], rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_attn_implementation():
+    with pytest.raises(ExportError, match="attn_implementation"):
+        export_causal_lm(_meta_llama(), max_batch_size=2, max_seq_len=8, attn_implementation="flash_attention_2")
+    assert "autodeploy" not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+
+
+def test_export_patches_registry():
+    patches = export_patches()
+    names = [p.name for p in patches]
+    assert "no_grad" in names
+    assert names == sorted(names) and len(set(names)) == len(names)
+    assert all(p.description for p in patches)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 6)
+
+    def forward(self, x, y):
+        return torch.relu(self.proj(x)) * y.sum(-1, keepdim=True)
+
+
+def test_export_to_graph_module_dynamic_dims():
+    torch.manual_seed(0)
+    module = TwoInputs().eval()
+    b, s = Dim("b", min=1, max=16), Dim("s", min=1, max=64)
+    gm = export_to_graph_module(module, (torch.randn(2, 5, 8), torch.randn(2, 5, 3)),
+                                dynamic_shapes=({0: b, 1: s}, {0: b, 1: s}))
+    assert isinstance(gm, fx.GraphModule)
+    assert len([n for n in gm.graph.nodes if n.op == "placeholder"]) == 2
+    assert not any(n.op == "call_module" for n in gm.graph.nodes)
+    for batch, seq in [(1, 1), (3, 7), (16, 64)]:
+        x, y = torch.randn(batch, seq, 8), torch.randn(batch, seq, 3)
+        out = gm(x, y)
+        assert isinstance(out, torch.Tensor), "a single output is returned as a tensor, not a tuple"
+        torch.testing.assert_close(out, module(x, y))
+    # parameters keep their module names
+    assert {n for n, _ in gm.named_parameters()} == {"proj.weight", "proj.bias"}
+
+
+def test_export_to_graph_module_unknown_patch():
+    with pytest.raises(ValueError, match="nope"):
+        export_to_graph_module(TwoInputs(), (torch.randn(2, 5, 8), torch.randn(2, 5, 3)), patches={"nope": True})

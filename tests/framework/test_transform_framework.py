@@ -1,0 +1,200 @@
+"""The transform contract: registry, stage order, ordering constraints, lazy cleanup and shape
+propagation, skip_on_error, history, visualisation, memory warnings, summary table."""
+
+import logging
+import os
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import fx, nn
+
+from autodeploy.transform.interface import (
+    BaseTransform,
+    PipelineContext,
+    Stage,
+    TransformConfig,
+    TransformInfo,
+    TransformRegistry,
+)
+from autodeploy.transform.optimizer import InferenceOptimizer, format_summary
+from autodeploy.utils.errors import ConfigError
+from helpers import export_gm
+
+
+class _Probe(nn.Module):
+    def forward(self, x):
+        return torch.relu(x) + 1
+
+
+def _gm():
+    return export_gm(_Probe(), torch.randn(2, 3, 4))
+
+
+class AddDeadNodeConfig(TransformConfig):
+    stage: Stage = Stage.POST_EXPORT
+    marker: int = 0
+
+
+@TransformRegistry.register("_test_add_dead_node")
+class AddDeadNode(BaseTransform):
+    """Adds a dead node and reports the graph dirty: the base class must clean it lazily."""
+
+    config_class = AddDeadNodeConfig
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        with gm.graph.inserting_after(x):
+            gm.graph.call_function(torch.ops.aten.neg.default, (x,))
+        return TransformInfo(num_matches=1, is_clean=False, has_valid_shapes=False)
+
+
+class NeedsShapesConfig(TransformConfig):
+    stage: Stage = Stage.PATTERN_MATCHER
+    requires_shape_prop: bool = True
+
+
+@TransformRegistry.register("_test_needs_shapes")
+class NeedsShapes(BaseTransform):
+    config_class = NeedsShapesConfig
+    run_after = ("_test_add_dead_node",)
+    seen_vals: ClassVar[list] = []
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        NeedsShapes.seen_vals = [n.meta.get("val") is not None for n in gm.graph.nodes if n.op == "call_function"]
+        dead = [n for n in gm.graph.nodes if n.op == "call_function" and not n.users]
+        assert not dead, "requires_clean_graph: the dead node must be gone before this runs"
+        return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
+
+
+class FailsConfig(TransformConfig):
+    stage: Stage = Stage.PATTERN_MATCHER
+
+
+@TransformRegistry.register("_test_fails")
+class Fails(BaseTransform):
+    config_class = FailsConfig
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        raise RuntimeError("boom: this transform always fails")
+
+
+class GrowsConfig(TransformConfig):
+    stage: Stage = Stage.POST_LOAD_FUSION
+
+
+@TransformRegistry.register("_test_grows_memory")
+class GrowsMemory(BaseTransform):
+    config_class = GrowsConfig
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        gm.register_buffer("_blob", torch.zeros(1 << 19))  # 2 MiB
+        return TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
+
+
+def _run(pipeline, gm=None):
+    ctx = PipelineContext()
+    out = InferenceOptimizer(pipeline)(ctx, gm if gm is not None else _gm())
+    return out, ctx
+
+
+def test_registry_and_stage_order_is_stable_and_independent_of_yaml_order():
+    opt = InferenceOptimizer({"_test_needs_shapes": {}, "_test_add_dead_node": {}, "cleanup_noop_add": {}})
+    keys = [t.get_transform_key() for t in opt.transforms]
+    assert keys == ["_test_add_dead_node", "cleanup_noop_add", "_test_needs_shapes"]
+    assert [t.config.stage for t in opt.transforms] == sorted(t.config.stage for t in opt.transforms)
+
+
+def test_lazy_cleanup_and_shape_prop_before_a_transform_that_needs_them():
+    gm, ctx = _run({"_test_add_dead_node": {}, "_test_needs_shapes": {}})
+    assert NeedsShapes.seen_vals and all(NeedsShapes.seen_vals)
+    assert [r.key for r in ctx.history] == ["_test_add_dead_node", "_test_needs_shapes"]
+
+
+def test_ordering_constraint_is_checked_at_config_time():
+    with pytest.raises(ConfigError, match="must run after '_test_add_dead_node'"):
+        InferenceOptimizer({"_test_add_dead_node": {"stage": "compile"}, "_test_needs_shapes": {}})
+
+
+def test_required_transform_missing_is_an_error():
+    with pytest.raises(ConfigError, match="requires 'build_model'"):
+        InferenceOptimizer({"export_to_gm": {}})
+
+
+def test_unknown_key_and_bad_field_are_reported_with_close_matches():
+    with pytest.raises(ConfigError, match=r"unknown transform '_test_add_dead_nod'.*_test_add_dead_node"):
+        InferenceOptimizer({"_test_add_dead_nod": {}})
+    with pytest.raises(ConfigError, match=r"transforms._test_add_dead_node.markr: unknown field.*marker"):
+        InferenceOptimizer({"_test_add_dead_node": {"markr": 1}})
+    with pytest.raises(ConfigError, match=r"transforms._test_add_dead_node.marker: .*integer"):
+        InferenceOptimizer({"_test_add_dead_node": {"marker": "many"}})
+    with pytest.raises(ConfigError, match=r"transforms._test_add_dead_node.stage"):
+        InferenceOptimizer({"_test_add_dead_node": {"stage": "nowhere"}})
+
+
+def test_skip_on_error_records_failure_and_continues():
+    gm, ctx = _run({"_test_fails": {"skip_on_error": True}, "_test_needs_shapes": {}})
+    records = {r.key: r for r in ctx.history}
+    assert records["_test_fails"].status == "failed" and "boom" in records["_test_fails"].error
+    assert records["_test_needs_shapes"].status == "ok", "the pipeline goes on after a skipped failure"
+    with pytest.raises(RuntimeError, match="boom"):
+        _run({"_test_fails": {}})
+
+
+def test_disabled_transform_is_recorded_not_run():
+    gm, ctx = _run({"_test_fails": {"enabled": False}})
+    assert ctx.history[0].status == "disabled"
+
+
+def test_history_is_kept_in_graph_meta():
+    gm, ctx = _run({"_test_add_dead_node": {}, "cleanup_noop_add": {}})
+    assert [r.key for r in gm.meta["autodeploy_history"]] == ["_test_add_dead_node", "cleanup_noop_add"]
+
+
+def test_debug_visualize_dir_writes_dot_and_text(tmp_path):
+    _run({"_test_add_dead_node": {"debug_visualize_dir": str(tmp_path)}})
+    dot = (tmp_path / "_test_add_dead_node.dot").read_text()
+    txt = (tmp_path / "_test_add_dead_node.txt").read_text()
+    assert dot.startswith("digraph") and "relu" in dot
+    assert "relu" in txt and "def forward" in txt
+
+
+def test_memory_change_warns_unless_expected(caplog):
+    with caplog.at_level(logging.WARNING, logger="autodeploy"):
+        _run({"_test_grows_memory": {}})
+    assert any("changed model memory by +2.0 MiB" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="autodeploy"):
+        gm, ctx = _run({"_test_grows_memory": {"expect_mem_change": True}})
+    assert not any("changed model memory" in r.getMessage() for r in caplog.records)
+    assert ctx.history[0].mem_delta_mb == pytest.approx(2.0)
+
+
+def test_summary_table_lists_each_transform():
+    gm, ctx = _run({"_test_add_dead_node": {}, "_test_fails": {"skip_on_error": True}, "cleanup_noop_add": {"enabled": False}})
+    table = format_summary(ctx.history)
+    lines = table.splitlines()
+    assert lines[0].split()[:3] == ["transform", "stage", "matches"]
+    assert any(line.startswith("_test_add_dead_node") and " 1 " in line for line in lines)
+    assert any("failed: boom" in line for line in lines)
+    assert any(line.startswith("cleanup_noop_add") and "disabled" in line for line in lines)
+    assert lines[-1].startswith("total")
+
+
+def test_a_transform_needing_a_graph_fails_clearly_without_one():
+    with pytest.raises(RuntimeError, match="needs an exported graph"):
+        InferenceOptimizer({"cleanup_noop_add": {}})(PipelineContext(), nn.Linear(2, 2))
+
+
+def test_every_registered_transform_has_a_stage_and_a_docstring():
+    import sys
+
+    import autodeploy.transform.library  # noqa: F401
+
+    for key, cls in TransformRegistry.items():
+        if key.startswith("_test"):
+            continue
+        assert isinstance(cls.get_config_class().model_fields["stage"].default, Stage), key
+        doc = sys.modules[cls.__module__].__doc__ or ""
+        assert f"``{key}``" in doc, f"{key}: module docstring must name the key and show before/after"
+        assert os.path.basename(sys.modules[cls.__module__].__file__) == f"{key}.py", "one transform per file, named after its key"
