@@ -20,7 +20,7 @@ from ..utils.logging import get_logger
 logger = get_logger(__name__)
 
 PRESET_FORMAT_VERSION = 1
-DEFAULT_PRESET = "tiny-llama"
+DEFAULT_PRESET = "demo"
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,8 @@ def _tiny(model_type: str, **overrides: Any) -> Dict[str, Any]:
 PRESETS: Dict[str, Preset] = {
     p.name: p
     for p in [
+        Preset("demo", "4M-parameter Llama trained on Python's pydoc topics (scripts/train_demo_model.py); "
+               "writes English about Python", {"model_type": "llama"}, bundled_dir="demo"),
         Preset("tiny-llama", "2-layer Llama, hidden 64, GQA 4/2 heads, random weights",
                _tiny("llama")),
         Preset("tiny-mistral", "2-layer Mistral with a 16-token sliding window, random weights",

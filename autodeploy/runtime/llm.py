@@ -137,6 +137,9 @@ class LLM:
                     f"the prompt has {len(ids)} tokens but max_seq_len is {self.engine.max_seq_len}; "
                     "shorten it or raise max_seq_len"
                 )
+            vocab = self.engine.vocab_size
+            if vocab is not None and any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"prompt {index}: {exc}") from None
 
@@ -168,7 +171,9 @@ class LLM:
         use_tqdm: bool = False,
     ) -> List[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        if not messages:
+            raise InvalidRequestError("chat() needs at least one message")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         prompts = []
         for i, conv in enumerate(conversations):
             if not conv:

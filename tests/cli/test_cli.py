@@ -44,7 +44,7 @@ def test_transforms_text_output_shows_fields_and_descriptions(capsys):
 def test_models_lists_presets(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    assert "tiny-llama" in out and "(default)" in out
+    assert "tiny-llama" in out and "demo" in out and "(default)" in out
 
 
 @pytest.mark.parametrize(
@@ -84,3 +84,25 @@ def test_export_prints_summary_and_writes_artifacts(tmp_path, capsys):
     for name in ("graph.dot", "graph.txt", "graph.py", "summary.txt", "config.json"):
         assert (out / name).exists(), name
     assert "cached_attention" in (out / "graph.py").read_text()
+
+
+def test_run_generates_and_reports_throughput(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The for statement\n\nHello\n")
+    proc = run_cli("run", "--model", "tiny-llama", "--prompts-file", str(prompts), "--prompt", "x",
+                   "--max-tokens", "5", "--max_seq_len", "64")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "load_weights" in out and "insert_cached_attention" in out  # the summary table
+    for prompt in ("x", "The for statement", "Hello"):
+        assert f"--- prompt: {prompt!r}  [length, 5 tokens]" in out
+    assert "prefill" in out and "decode" in out and "tok/s" in out
+
+
+def test_run_rejects_bad_sampling_flags():
+    proc = run_cli("run", "--model", "tiny-llama", "--top-p", "2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "autodeploy: error: invalid sampling parameter: top_p must be in (0, 1], got 2.0"]
+    missing = run_cli("run", "--model", "tiny-llama", "--prompts-file", "/no/such/file")
+    assert missing.returncode == 2 and "cannot read prompts file" in missing.stderr

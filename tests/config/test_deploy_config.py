@@ -17,7 +17,7 @@ def write(tmp_path, name, text):
 
 def test_defaults_hold_the_whole_pipeline():
     cfg = load_deploy_config()
-    assert cfg.model == "tiny-llama" and cfg.device == "cpu"
+    assert cfg.model == "demo" and cfg.device == "cpu"
     for key in ("build_model", "export_to_gm", "match_rope_pattern", "load_weights"):
         assert key in cfg.transforms
 

@@ -27,11 +27,15 @@ class ResizeKVCacheConfig(TransformConfig):
 
 
 def sizing_step(cache):
-    """A step of max_num_tokens prefill tokens over as few sequences as fit max_seq_len."""
-    tokens, lengths, tables, next_page = [], [], [], 0
+    """The largest prefill step the engine could run: ``max_num_tokens`` tokens over as few
+    ``max_seq_len``-long sequences as hold them, within the pages the pool has."""
+    tokens, tables, next_page = [], [], 0
     remaining = cache.max_num_tokens
-    while remaining > 0:
-        n = min(remaining, cache.max_seq_len)
+    while remaining > 0 and len(tokens) < cache.max_batch_size:
+        pages_left = cache.num_pages - next_page
+        n = min(remaining, cache.max_seq_len, pages_left * cache.page_size)
+        if n < 1:
+            break
         pages = -(-n // cache.page_size)
         tokens.append([0] * n)
         tables.append(list(range(next_page, next_page + pages)))

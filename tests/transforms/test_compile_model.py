@@ -1,0 +1,58 @@
+"""compile_model (compile): torch-simple hands back the module it got; unknown backends are config errors."""
+
+import pytest
+import torch
+from torch import nn
+
+from autodeploy.config import load_deploy_config
+from autodeploy.transform.interface import PipelineContext, Stage
+from autodeploy.transform.optimizer import build_transform
+from autodeploy.utils.errors import ConfigError
+from helpers import export_gm
+
+
+class _Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.nn.functional.silu(self.lin(x)) * 2
+
+
+def test_torch_simple_returns_the_same_module_and_output():
+    x = torch.randn(3, 8)
+    gm = export_gm(_Small(), x)
+    with torch.no_grad():
+        before = gm(x)
+    code_before = gm.code
+    ctx = PipelineContext()
+    transform = build_transform("compile_model", {"backend": "torch-simple"})
+    assert transform.config.stage == Stage.COMPILE
+    out = transform(gm, ctx)
+    assert out is gm
+    assert out.code == code_before
+    with torch.no_grad():
+        after = out(x)
+        other = out(torch.randn(5, 8))  # still dynamic
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+    assert other.shape == (5, 8)
+    assert ctx.history[-1].key == "compile_model" and ctx.history[-1].status in ("ok", "skipped")
+
+
+def test_default_backend_is_torch_simple():
+    cfg = load_deploy_config()
+    assert cfg.compile_backend == "torch-simple"
+    assert cfg.transforms["compile_model"]["backend"] == "torch-simple"
+    assert build_transform("compile_model", {}).config.backend == "torch-simple"
+
+
+def test_unknown_backend_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"compile_model\.backend.*'nope'") as err:
+        load_deploy_config(compile_backend="nope")
+    assert "torch-simple" in str(err.value)
+
+
+def test_unknown_backend_in_transform_config_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"transforms\.compile_model\.backend"):
+        build_transform("compile_model", {"backend": "inductor-max"})
