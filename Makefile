@@ -12,7 +12,6 @@ install: $(STAMP)
 # torch goes first and pinned, so that pip takes the CPU wheel instead of the newest CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)

@@ -75,29 +75,44 @@ class Scheduler:
             seq.pages += self.pool.allocate(need)
         return True
 
+    def _reserve(self, seq: Sequence, num_tokens: int, step: ScheduledStep, preempted: Set[int],
+                 may_preempt_self: bool) -> bool:
+        """Pages for ``seq`` up to ``num_tokens``, preempting the youngest running sequence while
+        they do not fit. If the youngest is ``seq`` itself it is preempted only when
+        ``may_preempt_self`` (a decode that cannot grow); if the youngest is already in this
+        step, ``seq`` waits a step instead. Returns whether ``seq`` got its pages."""
+        while not self._grow(seq, num_tokens):
+            youngest = max(self.running, key=lambda s: s.arrival)
+            if youngest is seq:
+                if may_preempt_self:
+                    self._preempt(seq)
+                    preempted.add(id(seq))
+                return False
+            if any(s is youngest for s, _ in step.sequences):
+                return False
+            self._preempt(youngest)
+            preempted.add(id(youngest))
+        return True
+
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> Optional[ScheduledStep]:
         step = ScheduledStep()
         budget = self.max_num_tokens
         preempted: Set[int] = set()
+        # 1. decodes, oldest first: one token each
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if not seq.is_decode or id(seq) in preempted or budget < 1:
+            if budget < 1 or id(seq) in preempted or not seq.is_decode:
                 continue
-            while not self._grow(seq, seq.num_computed + 1):
-                unscheduled = [s for s in self.running if s not in step.decode]
-                victim = max(unscheduled, key=lambda s: s.arrival)  # the youngest; may be seq itself
-                self._preempt(victim)
-                preempted.add(id(victim))
-                if victim is seq:
-                    break
-            if id(seq) in preempted:
-                continue
-            step.decode.append(seq)
-            budget -= 1
+            if self._reserve(seq, seq.num_computed + 1, step, preempted, may_preempt_self=True):
+                step.decode.append(seq)
+                budget -= 1
+        # 2. prefills: running sequences' next chunks (oldest first), then admissions (FIFO)
         continuing = sorted((s for s in self.running if not s.is_decode), key=lambda s: s.arrival)
         for seq in continuing + list(self.waiting):
-            if budget < 1 or id(seq) in preempted:
+            if budget < 1:
                 break
+            if id(seq) in preempted:
+                continue
             admitting = seq not in self.running
             if admitting and len(self.running) >= self.max_batch_size:
                 break
@@ -106,16 +121,28 @@ class Scheduler:
                 if not self.chunked_prefill:
                     break
                 n = budget
-            if not self._grow(seq, seq.num_computed + n):
-                if not self.chunked_prefill:
-                    break
-                fits = (len(seq.pages) + self.pool.num_free) * self.pool.page_size - seq.num_computed
-                if fits < 1 or not self._grow(seq, seq.num_computed + fits):
-                    break
-                n = fits
             if admitting:
+                # a new sequence never preempts: it takes what is free, or waits
+                if not self._grow(seq, seq.num_computed + n):
+                    fits = (len(seq.pages) + self.pool.num_free) * self.pool.page_size - seq.num_computed
+                    if not self.chunked_prefill or fits < 1 or not self._grow(seq, seq.num_computed + fits):
+                        break
+                    n = fits
                 self.waiting.remove(seq)
                 self.running.append(seq)
+            else:
+                fits = (len(seq.pages) + self.pool.num_free) * self.pool.page_size - seq.num_computed
+                if self.chunked_prefill and 1 <= fits < n:
+                    n = fits  # make progress with what is free before preempting anyone
+                if not self._reserve(seq, seq.num_computed + n, step, preempted, may_preempt_self=False):
+                    continue
             step.prefill.append((seq, n))
             budget -= n
-        return step if step.prefill or step.decode else None
+        if not step.prefill and not step.decode:
+            if self.has_work():
+                raise RuntimeError(
+                    f"scheduler made no progress with {len(self.running)} running and {len(self.waiting)} waiting "
+                    f"sequences and {self.pool.num_free}/{self.pool.num_pages} free pages"
+                )
+            return None
+        return step
