@@ -70,6 +70,14 @@ PRESETS: Dict[str, Preset] = {
                _tiny("gemma", tie_word_embeddings=True)),
         Preset("tiny-phi3", "2-layer Phi-3 (fused qkv and gate/up weights), random weights",
                _tiny("phi3", pad_token_id=0)),
+        Preset("small", "~125M Llama (hidden 768, 12 layers, 12/4 heads, vocab 32000), random weights; benchmarks",
+               dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                    num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+                    max_position_embeddings=4096, tie_word_embeddings=False)),
+        Preset("medium", "~0.45B Llama (hidden 1024, 24 layers, 16/8 heads, vocab 32000), random weights; benchmarks",
+               dict(model_type="llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                    num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
+                    max_position_embeddings=4096, tie_word_embeddings=False)),
     ]
 }
 
