@@ -36,6 +36,10 @@ class CachedSequenceInterface:
         self.caches: Dict[str, torch.Tensor] = {}
         self.num_pages = 0
         self.fixed_size = False  # the pool size was given explicitly (resize keeps it)
+        # The graph returns one logits row per sequence (its last token) instead of per token.
+        self.gathered_logits = False
+        # Pages at the end of the pool kept out of the page allocator (CUDA-graph padding rows).
+        self.reserved_pages = 0
 
     # ---- registration (by insert_cached_* transforms) ----------------------------------------
     def add_cache(self, name: str, handler: ResourceHandler) -> None:
@@ -80,6 +84,17 @@ class CachedSequenceInterface:
         self.caches.clear()  # free the old pool before allocating the new one
         self.caches = {name: h.allocate(num_pages, self.page_size, self.device) for name, h in self.handlers.items()}
         self.num_pages = num_pages
+
+    def reserve_scratch_page(self) -> int:
+        """Keep the last page out of the allocator (padded rows write there); returns its index."""
+        if self.num_pages - self.reserved_pages - 1 < self.min_pages:
+            raise ValueError("the KV-cache pool is too small to reserve a scratch page")
+        self.reserved_pages = max(self.reserved_pages, 1)
+        return self.num_pages - 1
+
+    @property
+    def allocatable_pages(self) -> int:
+        return self.num_pages - self.reserved_pages
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.caches.values())

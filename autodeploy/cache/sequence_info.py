@@ -71,7 +71,8 @@ def build_sequence_info(
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    width = max(1, max(len(p) for p in page_tables))
+    # At least 2 columns: a dimension of size 1 would make compiled graphs specialise on it.
+    width = max(2, max(len(p) for p in page_tables))
     table = [list(p) + [0] * (width - len(p)) for p in page_tables]
     i32 = dict(dtype=torch.int32, device=device)
     return SequenceInfo(

@@ -147,11 +147,16 @@ def sdpa_cached_attention_with_cache(
             q, v_cache.shape[-1], seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache,
             scale, sinks, sliding_window, logit_cap,
         )
-    num_prefill, _, num_decode = batch_info.tolist()
-    out = q.new_empty(*q.shape[:-1], v.shape[-1])
-    lengths, starts, offsets = seq_len.tolist(), input_pos.tolist(), cu_seqlen.tolist()
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    if q.shape[1] == seq_len.shape[0]:
+        # Every sequence has one new token (a decode step): no host reads, so this path can
+        # be captured in a CUDA graph; the page table's width bounds the gather.
+        out[0] = _decode_sdpa(q[0], seq_len, input_pos, page_table, k_cache, v_cache, scale, sliding_window)
+        return out
+    num_prefill, _, num_decode = batch_info.tolist()
+    lengths, starts, offsets = seq_len.tolist(), input_pos.tolist(), cu_seqlen.tolist()
     for i in range(num_prefill):
         n, start = lengths[i], starts[i]
         rows = slice(offsets[i], offsets[i] + n)
@@ -169,23 +174,28 @@ def sdpa_cached_attention_with_cache(
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[0, rows] = o.transpose(0, 1)
     if num_decode:
-        first = num_prefill
-        dec = slice(first, first + num_decode)
-        totals = (input_pos[dec] + seq_len[dec]).long()  # [B_d]
-        page_size = k_cache.shape[1]
-        max_pages = (int(totals.max()) + page_size - 1) // page_size
-        pages = page_table[dec, :max_pages].long()  # [B_d, P]
-        n_kv = k_cache.shape[2]
-        keys = k_cache[pages].reshape(num_decode, -1, n_kv, k_cache.shape[3]).to(q.dtype).transpose(1, 2)
-        values = v_cache[pages].reshape(num_decode, -1, n_kv, v_cache.shape[3]).to(q.dtype).transpose(1, 2)
-        kpos = torch.arange(keys.shape[2], device=q.device)[None, None, None, :]
-        qpos = (totals - 1)[:, None, None, None]
-        mask = _window_mask(kpos, qpos, totals[:, None, None, None], sliding_window)
-        row0 = offsets[first]
-        qd = q[0, row0 : row0 + num_decode].unsqueeze(2)  # [B_d, n_heads, 1, d]
-        o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[0, row0 : row0 + num_decode] = o.squeeze(2)
+        dec = slice(num_prefill, num_prefill + num_decode)
+        rows = slice(offsets[num_prefill], offsets[num_prefill] + num_decode)
+        totals = input_pos[dec] + seq_len[dec]
+        width = -(-int(totals.max()) // k_cache.shape[1])
+        out[0, rows] = _decode_sdpa(q[0, rows], seq_len[dec], input_pos[dec], page_table[dec, :width], k_cache, v_cache,
+                                    scale, sliding_window)
     return out
+
+
+def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 scale: float, sliding_window: Optional[int]) -> Tensor:
+    """One new query per sequence (``q [B, heads, d]``) against its cached keys, in one SDPA
+    over the pages in ``page_table`` (keys beyond each sequence's length are masked)."""
+    batch, n_kv = q.shape[0], k_cache.shape[2]
+    pages = page_table.long()
+    keys = k_cache[pages].reshape(batch, -1, n_kv, k_cache.shape[3]).to(q.dtype).transpose(1, 2)
+    values = v_cache[pages].reshape(batch, -1, n_kv, v_cache.shape[3]).to(q.dtype).transpose(1, 2)
+    totals = (input_pos + seq_len).long()[:, None, None, None]
+    kpos = torch.arange(keys.shape[2], device=q.device)[None, None, None, :]
+    mask = _window_mask(kpos, totals - 1, totals, sliding_window)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(2)
 
 
 @sdpa_cached_attention_with_cache.register_fake

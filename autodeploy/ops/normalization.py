@@ -1,7 +1,15 @@
 """Normalisation ops."""
 
+from typing import Tuple
+
 import torch
 from torch import Tensor
+
+
+def torch_rmsnorm_impl(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
 
 
 @torch.library.custom_op("autodeploy::torch_rmsnorm", mutates_args=())
@@ -11,11 +19,23 @@ def torch_rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     Models whose norm scales by ``1 + weight`` (Gemma) are canonicalised with ``weight + 1``
     computed in the graph, so this op keeps one meaning.
     """
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    return torch_rmsnorm_impl(x, weight, eps)
 
 
 @torch_rmsnorm.register_fake
 def _torch_rmsnorm_fake(x, weight, eps):
     return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@torch.library.custom_op("autodeploy::torch_fused_add_rmsnorm", mutates_args=())
+def torch_fused_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
+    """``s = x + residual``; returns ``(rmsnorm(s), s)``: the residual stream and the next
+    layer's normed input from one pass over the hidden state."""
+    summed = x + residual
+    return torch_rmsnorm_impl(summed, weight, eps), summed
+
+
+@torch_fused_add_rmsnorm.register_fake
+def _fused_add_rmsnorm_fake(x, residual, weight, eps):
+    summed = torch.empty(torch.broadcast_shapes(x.shape, residual.shape), dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    return torch.empty_like(summed, dtype=torch.promote_types(summed.dtype, weight.dtype)), summed

@@ -90,7 +90,7 @@ class Engine:
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size
         self.max_seq_len = cache.max_seq_len
-        self.pool = PagePool(cache.num_pages, cache.page_size)
+        self.pool = PagePool(cache.allocatable_pages, cache.page_size)
         self.scheduler = Scheduler(
             self.pool, max_batch_size=cache.max_batch_size, max_num_tokens=cache.max_num_tokens,
             chunked_prefill=chunked_prefill,
@@ -180,7 +180,10 @@ class Engine:
                 rows.append(i)
                 to_sample.append(seq)
         if to_sample:
-            last = info.last_token_indices()[rows]
+            if self.cache.gathered_logits:  # one row per sequence already
+                last = torch.tensor(rows, dtype=torch.long)
+            else:
+                last = info.last_token_indices()[rows]
             next_logits = logits[0, last.to(logits.device)]
             tokens = sample(next_logits, [s.params for s in to_sample], [s.generator for s in to_sample])
             for row, seq, token in zip(next_logits, to_sample, tokens):

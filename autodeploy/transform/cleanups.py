@@ -154,14 +154,26 @@ VIEW_OPS = (aten.view, aten.reshape, aten._unsafe_view, aten.alias, aten.expand)
 
 def remove_noop_views(gm: fx.GraphModule) -> int:
     """View-like ops whose result has the input's shape and dtype (``alias``, ``view``/
-    ``reshape``/``expand`` to the same shape), and ``contiguous`` of a tensor that already is
-    (a later ``view`` may rely on the layout, so only a provably contiguous input qualifies)."""
+    ``reshape``/``expand`` to the same shape, a transpose undone by the same transpose), and
+    ``contiguous`` of a tensor that already is (a later ``view`` may rely on the layout, so
+    only a provably contiguous input qualifies)."""
     count = 0
     for node in list(gm.graph.nodes):
         if is_op(node, aten.contiguous):
             source_val = val(node.args[0])
             if not isinstance(source_val, torch.Tensor) or not definitely_contiguous(source_val):
                 continue
+        elif is_op(node, aten.transpose.int) and is_op(node.args[0], aten.transpose.int):
+            # transpose(transpose(x, a, b), a, b) is x
+            inner = node.args[0]
+            rank = inner.args[0].meta["val"].dim() if "val" in inner.args[0].meta else None
+            if rank is None:
+                continue
+            dims = lambda n: {n.args[1] % rank, n.args[2] % rank}  # noqa: E731
+            if dims(node) != dims(inner) or not _replace_if_identity(node, inner.args[0]):
+                continue
+            count += 1
+            continue
         elif not is_op(node, VIEW_OPS):
             continue
         if _replace_if_identity(node, node.args[0]):

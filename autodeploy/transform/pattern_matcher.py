@@ -26,10 +26,12 @@ from .graph_utils import eliminate_dead_code
 Match = ipm.Match
 
 
-def _pattern_dynamic_shapes(args: Sequence[Any], static_last_dim: bool) -> tuple:
+def _pattern_dynamic_shapes(args: Sequence[Any], static_last_dim: bool, static_inputs: Sequence[int] = ()) -> tuple:
     shapes = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and i in static_inputs:
+            shapes.append(None)
+        elif isinstance(a, torch.Tensor):
             dims = a.dim() - 1 if static_last_dim else a.dim()
             shapes.append({i: Dim.DYNAMIC for i in range(dims)})
         else:
@@ -37,7 +39,7 @@ def _pattern_dynamic_shapes(args: Sequence[Any], static_last_dim: bool) -> tuple
     return (tuple(shapes),)
 
 
-def make_trace_fn(static_last_dim: bool = True) -> Callable:
+def make_trace_fn(static_last_dim: bool = True, static_inputs: Sequence[int] = ()) -> Callable:
     """A ``trace_fn`` for ``register_replacement``: export for patterns, fwd_only otherwise."""
 
     def trace(fn: Callable, args: Sequence[Any], **kwargs: Any) -> fx.GraphModule:
@@ -57,7 +59,8 @@ def make_trace_fn(static_last_dim: bool = True) -> Callable:
 
         with torch.no_grad():
             ep = torch.export.export(
-                _Pattern(), tuple(args), dynamic_shapes=_pattern_dynamic_shapes(args, static_last_dim), strict=False
+                _Pattern(), tuple(args), dynamic_shapes=_pattern_dynamic_shapes(args, static_last_dim, static_inputs),
+                strict=False,
             )
         gm = ep.module()
         graph = gm.graph
@@ -135,12 +138,14 @@ class PatternSet:
         scalar_workaround: Optional[Dict[str, Any]] = None,
         extra_check: Callable[[Match], bool] = lambda m: True,
         static_last_dim: bool = True,
+        static_inputs: Sequence[int] = (),
     ) -> None:
         """Register a pattern. ``scalar_workaround`` names float args of ``search_fn`` (with an
-        example value) that become match variables instead of literals. Patterns that trace to
-        the same graph as an earlier one (e.g. fp32 and bf16 without casts) are skipped."""
+        example value) that become match variables instead of literals. Inputs listed in
+        ``static_inputs`` (weights) keep static shapes; the others get dynamic leading dims.
+        Patterns that trace to the same graph as an earlier one are skipped."""
         assert (replace_fn is None) != (handler is None), "give exactly one of replace_fn / handler"
-        trace_fn = make_trace_fn(static_last_dim)
+        trace_fn = make_trace_fn(static_last_dim, static_inputs)
         workaround = dict(scalar_workaround or {})
         if replace_fn is not None:
             assert list(inspect.signature(search_fn).parameters) == list(

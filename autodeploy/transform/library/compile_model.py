@@ -1,21 +1,33 @@
 """``compile_model`` (compile): hand the cached graph to a compile backend.
 
-Before: the cached ``GraphModule``. After: the module the runtime calls. Backends:
-``torch-simple`` runs the graph as it is (no compilation).
+Before: the cached ``GraphModule``. After: the module the runtime calls (see
+``autodeploy.compile``): ``torch-simple`` (the graph as it is), ``torch-compile`` (inductor,
+warmed up for every step shape class at build time, on-disk cache), ``torch-cudagraph`` and
+``torch-opt`` (CUDA graphs for decode batch-size buckets; CUDA only, a clear error elsewhere).
 """
 
-from typing import Literal, Optional, Tuple
+from typing import List, Literal, Optional, Tuple
 
 from pydantic import Field
 from torch import nn
 
+from ...compile import compile_graph
+from ..graph_utils import graph_modules
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
 
 class CompileModelConfig(TransformConfig):
     stage: Stage = Stage.COMPILE
     run_per_gm: bool = False
-    backend: Literal["torch-simple"] = Field(default="torch-simple", description="Compile backend.")
+    backend: Literal["torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"] = Field(
+        default="torch-simple", description="Compile backend (also the top-level compile_backend setting)."
+    )
+    cuda_graph_batch_sizes: Optional[List[int]] = Field(
+        default=None, description="Decode batch sizes to capture; default 1, 2, 4, ... up to max_batch_size."
+    )
+    cache_dir: Optional[str] = Field(
+        default=None, description="Inductor's on-disk compile cache; default $AUTODEPLOY_CACHE/inductor."
+    )
 
 
 @TransformRegistry.register("compile_model")
@@ -24,4 +36,11 @@ class CompileModel(BaseTransform):
 
     def _apply_to_full_model(self, mod: Optional[nn.Module], ctx: PipelineContext) -> Tuple[nn.Module, TransformInfo]:
         assert mod is not None
-        return mod, TransformInfo(num_matches=0, skipped=True, is_clean=True, has_valid_shapes=True)
+        cfg: CompileModelConfig = self.config  # type: ignore[assignment]
+        if cfg.backend == "torch-simple":
+            return mod, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+        (gm,) = list(graph_modules(mod))
+        compiled = compile_graph(
+            gm, ctx.cache, cfg.backend, cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes, cache_dir=cfg.cache_dir
+        )
+        return compiled, TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)

@@ -1,0 +1,91 @@
+"""The compile backends and the function ``compile_model`` calls."""
+
+import os
+import time
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+from torch import fx, nn
+
+from ..cache.interface import CachedSequenceInterface
+from ..utils.errors import ConfigError
+from ..utils.logging import get_logger
+from .cuda_graph import DecodeGraphs, cuda_graph_capture
+from .warmup import default_buckets, shape_classes
+
+logger = get_logger(__name__)
+
+
+def default_cache_dir() -> str:
+    root = os.environ.get("AUTODEPLOY_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "autodeploy"))
+    return os.path.join(root, "inductor")
+
+
+class CompiledGraph(nn.Module):
+    """The module the runtime calls: the original graph (``.graph``) plus how it runs."""
+
+    def __init__(self, graph: fx.GraphModule, runner: Callable[..., torch.Tensor], backend: str):
+        super().__init__()
+        self.graph = graph
+        self.runner = runner
+        self.backend = backend
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.runner(*args)
+
+
+def _warm_up(fn: Callable[..., torch.Tensor], cache: CachedSequenceInterface, label: str) -> None:
+    with torch.inference_mode():
+        for name, info in shape_classes(cache).items():
+            start = time.perf_counter()
+            fn(*cache.graph_args(info))
+            logger.info("%s: warmed up %s in %.1f s", label, name, time.perf_counter() - start)
+
+
+def _torch_compile(gm: fx.GraphModule, cache: CachedSequenceInterface, cache_dir: Optional[str]) -> Callable:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir or default_cache_dir())
+    compiled = torch.compile(gm, dynamic=True, fullgraph=True)
+    _warm_up(compiled, cache, "torch-compile")
+    return compiled
+
+
+def _require_cuda(backend: str, cache: CachedSequenceInterface) -> None:
+    if cache.device.type != "cuda":
+        raise ConfigError(
+            f"compile backend '{backend}' captures CUDA graphs and needs device cuda; this deployment runs on "
+            f"{cache.device.type} (use torch-simple or torch-compile there)"
+        )
+
+
+def compile_graph(
+    gm: fx.GraphModule,
+    cache: Optional[CachedSequenceInterface],
+    backend: str,
+    *,
+    cuda_graph_batch_sizes: Optional[Sequence[int]] = None,
+    cache_dir: Optional[str] = None,
+) -> nn.Module:
+    """Wrap ``gm`` for the runtime according to ``backend`` (see the package docstring)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown compile backend '{backend}'; available: {', '.join(BACKENDS)}")
+    if backend == "torch-simple":
+        return gm
+    if cache is None:
+        raise ConfigError(f"compile backend '{backend}' needs the cached graph (keep the cache_init transforms)")
+    runner: Callable[..., torch.Tensor] = gm
+    if backend in ("torch-cudagraph", "torch-opt"):
+        _require_cuda(backend, cache)
+    if backend in ("torch-compile", "torch-opt"):
+        runner = _torch_compile(gm, cache, cache_dir)
+    if backend in ("torch-cudagraph", "torch-opt"):
+        sizes = cuda_graph_batch_sizes or default_buckets(cache.max_batch_size)
+        runner = DecodeGraphs(runner, cache, sizes, capture=cuda_graph_capture)
+    return CompiledGraph(gm, runner, backend)
+
+
+BACKENDS: Dict[str, str] = {
+    "torch-simple": "run the graph as it is",
+    "torch-compile": "torch.compile (inductor), dynamic shapes, warmed up at build, on-disk cache",
+    "torch-cudagraph": "CUDA graphs for decode batch-size buckets (CUDA only)",
+    "torch-opt": "torch-compile plus CUDA graphs (CUDA only)",
+}

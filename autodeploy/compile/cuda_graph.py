@@ -1,0 +1,114 @@
+"""Decode steps replayed from CUDA graphs captured per batch-size bucket.
+
+A decode step (every sequence has one new token, so ``T == B``) is padded to the next bucket:
+padded rows are single-token sequences at position 0 on a reserved scratch page, so they write
+only there and their outputs are dropped. Inputs are copied into the bucket's static buffers
+and the captured graph is replayed; the caches are the same tensors at capture and replay.
+Other steps (prefill, mixed) run the model as it is.
+
+The padding logic is device-agnostic; ``capture`` decides how a bucket is frozen (CUDA graph
+capture on CUDA; tests on CPU pass an eager runner to check the padding).
+"""
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..cache.interface import CachedSequenceInterface
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+Runner = Tuple[Callable[[], None], torch.Tensor]  # (replay, static output)
+
+
+def cuda_graph_capture(fn: Callable[..., torch.Tensor], static_args: List[torch.Tensor], pool=None) -> Runner:
+    """Warm up on a side stream, then capture ``fn(*static_args)`` into a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn(*static_args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn(*static_args)
+    return graph.replay, out
+
+
+def eager_capture(fn: Callable[..., torch.Tensor], static_args: List[torch.Tensor], pool=None) -> Runner:
+    """No capture: replay runs ``fn`` on the static buffers (checks the padding on any device)."""
+    holder: Dict[str, torch.Tensor] = {"out": fn(*static_args)}
+
+    def replay() -> None:
+        holder["out"].copy_(fn(*static_args))
+
+    return replay, holder["out"]
+
+
+class DecodeGraphs(nn.Module):
+    """Wraps a cached graph; decode steps up to the largest bucket replay captured graphs."""
+
+    def __init__(
+        self,
+        model: Callable[..., torch.Tensor],
+        cache: CachedSequenceInterface,
+        batch_sizes: Sequence[int],
+        capture: Callable[..., Runner] = cuda_graph_capture,
+    ):
+        super().__init__()
+        self.model = model
+        self.cache = cache
+        self.batch_sizes = sorted(set(b for b in batch_sizes if 1 <= b <= cache.max_batch_size))
+        if not self.batch_sizes:
+            raise ValueError(f"no usable CUDA-graph batch size in {list(batch_sizes)} (max_batch_size {cache.max_batch_size})")
+        self.scratch_page = cache.reserve_scratch_page()
+        self.width = cache.pages_per_sequence
+        self._static: Dict[int, List[torch.Tensor]] = {}
+        self._runners: Dict[int, Runner] = {}
+        pool = torch.cuda.graph_pool_handle() if capture is cuda_graph_capture else None
+        for batch in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory pool
+            static = self._static_inputs(batch)
+            self._static[batch] = static
+            self._runners[batch] = capture(self.model, static, pool)
+        logger.info("captured decode graphs for batch sizes %s", self.batch_sizes)
+
+    def _static_inputs(self, batch: int) -> List[torch.Tensor]:
+        dev = self.cache.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        caches = [self.cache.caches[n] for n in self.cache.cache_names]
+        return [
+            torch.zeros(1, batch, dtype=torch.long, device=dev),  # input_ids
+            torch.zeros(1, batch, dtype=torch.long, device=dev),  # position_ids
+            torch.tensor([0, 0, batch], **i32),  # batch_info: all decode
+            torch.ones(batch, **i32),  # seq_len
+            torch.zeros(batch, **i32),  # input_pos
+            torch.arange(batch + 1, **i32),  # cu_seqlen
+            torch.full((batch, self.width), self.scratch_page, **i32),  # page_table
+            *caches,
+        ]
+
+    def bucket_for(self, batch: int) -> Optional[int]:
+        return next((b for b in self.batch_sizes if b >= batch), None)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        input_ids, seq_len = args[0], args[3]
+        tokens, batch = input_ids.shape[1], seq_len.shape[0]
+        bucket = self.bucket_for(batch) if tokens == batch else None
+        if bucket is None:
+            return self.model(*args)
+        static = self._static[bucket]
+        static[0][:, :batch].copy_(input_ids)
+        static[0][:, batch:].zero_()
+        static[1][:, :batch].copy_(args[1])
+        static[1][:, batch:].zero_()
+        static[4][:batch].copy_(args[4])
+        static[4][batch:].zero_()
+        table = args[6]
+        static[6][:batch, : table.shape[1]].copy_(table)
+        static[6][:batch, table.shape[1]:].fill_(self.scratch_page)
+        static[6][batch:].fill_(self.scratch_page)
+        replay, out = self._runners[bucket]
+        replay()
+        return out[:, :batch]

@@ -1,0 +1,117 @@
+"""Shared by ``fuse_gemms`` and ``fuse_gemms_mixed_children``: linears that read the same input
+become one linear over concatenated weights, whose output is split back.
+
+Memory: groups are fused one at a time and each group's original parameters are deleted from
+the module as soon as its concatenated weight exists, so peak memory stays at the model plus
+the largest group, never two copies of the model.
+"""
+
+import operator
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import fx, nn
+
+from ..graph_utils import get_attr_value, is_op
+
+aten = torch.ops.aten
+
+
+def _linear_parts(node: fx.Node) -> Optional[Tuple[fx.Node, Optional[fx.Node]]]:
+    """(weight get_attr, bias get_attr or None) of a plain ``aten.linear`` on parameters."""
+    if not is_op(node, aten.linear):
+        return None
+    weight = node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    if not isinstance(weight, fx.Node) or weight.op != "get_attr":
+        return None
+    if bias is not None and (not isinstance(bias, fx.Node) or bias.op != "get_attr"):
+        return None
+    return weight, bias
+
+
+def linear_groups(gm: fx.GraphModule, mixed: bool) -> List[Tuple[fx.Node, List[fx.Node]]]:
+    """``(parent, [linears])`` where 2+ fusable linears read ``parent``. ``mixed`` selects parents
+    that also have other users; otherwise every user must be such a linear."""
+    groups = []
+    for node in gm.graph.nodes:
+        users = list(node.users)
+        linears = [u for u in users if _linear_parts(u) is not None and u.args[0] is node]
+        if len(linears) < 2:
+            continue
+        if (len(linears) < len(users)) != mixed:
+            continue
+        weights = [get_attr_value(gm, _linear_parts(u)[0]) for u in linears]
+        if len({(w.dtype, w.device, w.shape[1:]) for w in weights}) != 1:
+            continue
+        if len({_linear_parts(u)[1] is None for u in linears}) != 1:
+            continue  # all with bias or all without
+        groups.append((node, linears))
+    return groups
+
+
+def _owner(gm: nn.Module, target: str) -> Tuple[nn.Module, str]:
+    path, _, leaf = target.rpartition(".")
+    return (gm.get_submodule(path) if path else gm), leaf
+
+
+def _fused_name(gm: fx.GraphModule, targets: List[str]) -> str:
+    prefix = targets[0].rpartition(".")[0]
+    common = prefix.rpartition(".")[0]  # e.g. model.layers.0.self_attn
+    leaves = "_".join(t.split(".")[-2] for t in targets)  # q_proj_k_proj_v_proj
+    base = f"fused_{leaves}".replace(".", "_")
+    name, i = base, 0
+    owner = gm.get_submodule(common) if common else gm
+    while hasattr(owner, name):
+        i += 1
+        name = f"{base}_{i}"
+    return f"{common}.{name}" if common else name
+
+
+def _concat_params(gm: fx.GraphModule, nodes: List[fx.Node]) -> str:
+    """Concatenate the parameters behind ``nodes`` into a new one; delete the originals."""
+    targets = [str(n.target) for n in nodes]
+    tensors = [get_attr_value(gm, n) for n in nodes]
+    fused = nn.Parameter(torch.cat([t.detach() for t in tensors], dim=0), requires_grad=False)
+    name = _fused_name(gm, targets)
+    owner, leaf = _owner(gm, name)
+    owner.register_parameter(leaf, fused)
+    del tensors
+    for target in targets:
+        o, l = _owner(gm, target)
+        if l in o._parameters:
+            del o._parameters[l]
+        elif l in o._buffers:
+            del o._buffers[l]
+    return name
+
+
+def fuse_group(gm: fx.GraphModule, parent: fx.Node, linears: List[fx.Node], narrow: bool) -> None:
+    """Replace ``linears`` (all reading ``parent``) by one linear and a split of its output."""
+    graph = gm.graph
+    parts = [_linear_parts(n) for n in linears]
+    sizes = [int(get_attr_value(gm, w).shape[0]) for w, _ in parts]
+    weight_name = _concat_params(gm, [w for w, _ in parts])
+    bias_name = _concat_params(gm, [b for _, b in parts]) if parts[0][1] is not None else None
+    first = min(linears, key=lambda n: list(graph.nodes).index(n))
+    with graph.inserting_before(first):
+        w = graph.get_attr(weight_name)
+        b = graph.get_attr(bias_name) if bias_name else None
+        fused = graph.call_function(aten.linear.default, (parent, w, b) if b is not None else (parent, w))
+        outs: Dict[fx.Node, fx.Node] = {}
+        if narrow:
+            offset = 0
+            for lin, size in zip(linears, sizes):
+                outs[lin] = graph.call_function(aten.narrow.default, (fused, -1, offset, size))
+                offset += size
+        else:
+            split = graph.call_function(aten.split_with_sizes.default, (fused, sizes, -1))
+            for i, lin in enumerate(linears):
+                outs[lin] = graph.call_function(operator.getitem, (split, i))
+    for lin, out in outs.items():
+        lin.replace_all_uses_with(out)
+        graph.erase_node(lin)
+    for weight, bias in parts:
+        for n in (weight, bias):
+            if n is not None and not n.users:
+                graph.erase_node(n)

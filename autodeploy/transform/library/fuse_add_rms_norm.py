@@ -1,0 +1,61 @@
+"""``fuse_add_rms_norm`` (post_load_fusion): residual add + RMSNorm -> one op with two outputs.
+
+Before::
+
+    s = aten.add(x, residual)
+    y = autodeploy.torch_rmsnorm(s, w, eps)
+    ... uses of s (the next residual add) and of y ...
+
+After::
+
+    y, s = autodeploy.torch_fused_add_rmsnorm(x, residual, w, eps)
+
+Every other user of the sum takes the op's second output, so several users of the add or of
+the norm stay correct. An add that is not normalised, an add with ``alpha``, or a norm of
+something other than an add is left alone.
+"""
+
+import operator
+
+import torch
+from torch import fx
+
+from ..graph_utils import is_op
+from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+
+aten = torch.ops.aten
+
+
+class FuseAddRMSNormConfig(TransformConfig):
+    stage: Stage = Stage.POST_LOAD_FUSION
+
+
+@TransformRegistry.register("fuse_add_rms_norm")
+class FuseAddRMSNorm(BaseTransform):
+    config_class = FuseAddRMSNormConfig
+    run_after = ("match_rmsnorm_pattern",)
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        graph = gm.graph
+        count = 0
+        for norm in list(graph.nodes):
+            if not is_op(norm, torch.ops.autodeploy.torch_rmsnorm):
+                continue
+            add = norm.args[0]
+            if not is_op(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+                continue
+            x, residual = add.args
+            if not isinstance(x, fx.Node) or not isinstance(residual, fx.Node):
+                continue
+            with graph.inserting_before(norm):
+                fused = graph.call_function(
+                    torch.ops.autodeploy.torch_fused_add_rmsnorm.default, (x, residual, norm.args[1], norm.args[2])
+                )
+                normed = graph.call_function(operator.getitem, (fused, 0))
+                summed = graph.call_function(operator.getitem, (fused, 1))
+            norm.replace_all_uses_with(normed)
+            graph.erase_node(norm)
+            add.replace_all_uses_with(summed)
+            graph.erase_node(add)
+            count += 1
+        return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=count == 0)

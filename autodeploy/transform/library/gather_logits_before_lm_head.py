@@ -1,0 +1,71 @@
+"""``gather_logits_before_lm_head`` (cache_init): run the LM head only on each sequence's last token.
+
+Before (``T`` tokens in the step, ``B`` sequences)::
+
+    h = ...                                   # [1, T, hidden]
+    logits = aten.linear(h, lm_head_w)        # [1, T, vocab]   (+ elementwise ops, e.g. soft-cap)
+
+After::
+
+    idx = sub(cu_seqlen[1:], 1)               # last token of each sequence
+    logits = aten.linear(aten.index_select(h, 1, idx), lm_head_w)   # [1, B, vocab]
+
+A 512-token prefill then computes one row of the 32000-wide head instead of 512. The graph's
+output becomes one row per sequence (``cache.gathered_logits``); only the next-token logits
+are ever sampled. It needs the step metadata, so it runs after ``insert_cached_attention``
+(DESIGN lists it under post_load_fusion, where that metadata does not exist yet).
+"""
+
+from typing import Optional
+
+import torch
+from torch import fx
+
+from ..graph_utils import is_op
+from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+
+aten = torch.ops.aten
+# Ops between the LM head and the output that act on each token independently.
+TOKENWISE = (aten.mul, aten.div, aten.add, aten.sub, aten.tanh, aten.to, aten._to_copy)
+
+
+def find_lm_head(gm: fx.GraphModule) -> Optional[fx.Node]:
+    """The linear that produces the graph's output, through token-wise ops only."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    node = output.args[0]
+    while isinstance(node, fx.Node):
+        if is_op(node, aten.linear):
+            return node
+        if not is_op(node, TOKENWISE) or len(node.users) != 1:
+            return None
+        tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
+        if len(tensor_args) != 1:
+            return None
+        node = tensor_args[0]
+    return None
+
+
+class GatherLogitsConfig(TransformConfig):
+    stage: Stage = Stage.CACHE_INIT
+
+
+@TransformRegistry.register("gather_logits_before_lm_head")
+class GatherLogitsBeforeLMHead(BaseTransform):
+    config_class = GatherLogitsConfig
+    requires = ("insert_cached_attention",)
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        cu_seqlen = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "cu_seqlen"), None)
+        head = find_lm_head(gm)
+        if cu_seqlen is None or head is None or ctx.cache is None:
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+        graph = gm.graph
+        hidden = head.args[0]
+        with graph.inserting_before(head):
+            ends = graph.call_function(aten.slice.Tensor, (cu_seqlen, 0, 1))
+            last = graph.call_function(aten.sub.Tensor, (ends, 1))
+            idx = graph.call_function(aten._to_copy.default, (last,), {"dtype": torch.long})
+            gathered = graph.call_function(aten.index_select.default, (hidden, 1, idx))
+        head.replace_input_with(hidden, gathered)
+        ctx.cache.gathered_logits = True
+        return TransformInfo(num_matches=1, is_clean=False, has_valid_shapes=False)
