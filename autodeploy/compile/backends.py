@@ -11,6 +11,7 @@ from ..cache.interface import CachedSequenceInterface
 from ..utils.errors import ConfigError
 from ..utils.logging import get_logger
 from .cuda_graph import DecodeGraphs, cuda_graph_capture
+from .piecewise import PiecewiseGraphs
 from .warmup import default_buckets, shape_classes
 
 logger = get_logger(__name__)
@@ -64,6 +65,8 @@ def compile_graph(
     *,
     cuda_graph_batch_sizes: Optional[Sequence[int]] = None,
     cache_dir: Optional[str] = None,
+    piecewise_enabled: bool = False,
+    piecewise_num_tokens: Optional[Sequence[int]] = None,
 ) -> nn.Module:
     """Wrap ``gm`` for the runtime according to ``backend`` (see the package docstring)."""
     if backend not in BACKENDS:
@@ -72,15 +75,32 @@ def compile_graph(
         return gm
     if cache is None:
         raise ConfigError(f"compile backend '{backend}' needs the cached graph (keep the cache_init transforms)")
+    if piecewise_enabled and backend not in ("torch-cudagraph", "torch-opt"):
+        raise ConfigError("piecewise_enabled captures CUDA graphs per token bucket; use compile backend "
+                          "torch-cudagraph or torch-opt on a CUDA device")
     runner: Callable[..., torch.Tensor] = gm
     if backend in ("torch-cudagraph", "torch-opt"):
         _require_cuda(backend, cache)
     if backend in ("torch-compile", "torch-opt"):
         runner = _torch_compile(gm, cache, cache_dir)
     if backend in ("torch-cudagraph", "torch-opt"):
+        pool = torch.cuda.graph_pool_handle()
+        if piecewise_enabled:
+            buckets = piecewise_num_tokens or default_buckets(cache.max_num_tokens)[1:]
+            runner = PiecewiseGraphs(runner, gm, cache, buckets, cuda_graph_capture, pool)
+            _warm_up_buckets(runner, cache, buckets)
         sizes = cuda_graph_batch_sizes or default_buckets(cache.max_batch_size)
         runner = DecodeGraphs(runner, cache, sizes, capture=cuda_graph_capture)
     return CompiledGraph(gm, runner, backend)
+
+
+def _warm_up_buckets(runner: PiecewiseGraphs, cache: CachedSequenceInterface, buckets: Sequence[int]) -> None:
+    """Capture every token bucket at build time (one prefill step per bucket)."""
+    from .warmup import prefill_step
+
+    with torch.inference_mode():
+        for bucket in buckets:
+            runner(*cache.graph_args(prefill_step(cache, bucket - 1)))
 
 
 BACKENDS: Dict[str, str] = {

@@ -13,6 +13,7 @@ capture on CUDA; tests on CPU pass an eager runner to check the padding).
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..cache.interface import CachedSequenceInterface
@@ -38,13 +39,17 @@ def cuda_graph_capture(fn: Callable[..., torch.Tensor], static_args: List[torch.
 
 
 def eager_capture(fn: Callable[..., torch.Tensor], static_args: List[torch.Tensor], pool=None) -> Runner:
-    """No capture: replay runs ``fn`` on the static buffers (checks the padding on any device)."""
-    holder: Dict[str, torch.Tensor] = {"out": fn(*static_args)}
+    """No capture: replay runs ``fn`` on the static buffers and copies into the static outputs,
+    like a graph replay would (checks padding and buffering on any device)."""
+    static_out = fn(*static_args)
 
     def replay() -> None:
-        holder["out"].copy_(fn(*static_args))
+        fresh = fn(*static_args)
+        for dst, src in zip(pytree.tree_leaves(static_out), pytree.tree_leaves(fresh)):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
 
-    return replay, holder["out"]
+    return replay, static_out
 
 
 class DecodeGraphs(nn.Module):

@@ -19,3 +19,30 @@ def torch_linear_simple(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
 @torch_linear_simple.register_fake
 def _torch_linear_simple_fake(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("autodeploy::blas_linear", mutates_args=())
+def blas_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``x @ weight.T + bias`` through NumPy's BLAS (OpenBLAS in the NumPy wheels).
+
+    Why: on the CPUs this project measured (AVX2, 2 cores), OpenBLAS streams fp32 weights at
+    about twice the bandwidth of the BLAS torch ships for matrix-vector products (decode at
+    batch 1) and is 5-15% faster for small batches. CPU, float32, contiguous weights only;
+    anything else falls back to ``torch.nn.functional.linear``.
+    """
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous():
+        return torch.nn.functional.linear(x, weight, bias)
+    import numpy as np
+
+    rows = x.reshape(-1, x.shape[-1])
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.from_numpy(np.matmul(rows.numpy(), weight.numpy().T))
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@blas_linear.register_fake
+def _blas_linear_fake(x, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -82,7 +82,12 @@ class TransformConfig(BaseModel):
 
 @dataclass
 class TransformInfo:
-    """What a transform reports about one application."""
+    """What a transform reports about one application.
+
+    ``is_clean`` / ``has_valid_shapes`` say whether the transform left the graph clean and its
+    shapes valid *given that they were before*; the base class combines them with the graph's
+    previous state, so a transform that changes no shapes may report ``True`` safely.
+    """
 
     skipped: bool = False
     num_matches: int = 0
@@ -266,11 +271,16 @@ class BaseTransform(ABC):
     def _finish(self, mod: nn.Module, info: TransformInfo) -> None:
         """Lazy cleanup / shape propagation after the transform, as configured."""
         for gm in graph_modules(mod):
-            prev: TransformInfo = gm.meta.get(_META_LAST_INFO) or TransformInfo()
-            # A transform that matched nothing leaves the graph as it found it.
-            untouched = info.skipped or info.num_matches == 0
-            clean = info.is_clean or (untouched and prev.is_clean)
-            shapes_ok = info.has_valid_shapes or (untouched and prev.has_valid_shapes)
+            prev: Optional[TransformInfo] = gm.meta.get(_META_LAST_INFO)
+            if prev is None:  # a graph this transform created
+                clean, shapes_ok = info.is_clean, info.has_valid_shapes
+            elif info.skipped or info.num_matches == 0:
+                # the graph is as the transform found it: so is its state
+                clean, shapes_ok = prev.is_clean, prev.has_valid_shapes
+            else:
+                # a transform's flags say what it did not break, not what was already broken
+                clean = prev.is_clean and info.is_clean
+                shapes_ok = prev.has_valid_shapes and info.has_valid_shapes
             if self.config.run_graph_cleanup and not clean:
                 canonicalize_graph(gm)
                 clean = True

@@ -198,3 +198,83 @@ def test_every_registered_transform_has_a_stage_and_a_docstring():
         doc = sys.modules[cls.__module__].__doc__ or ""
         assert f"``{key}``" in doc, f"{key}: module docstring must name the key and show before/after"
         assert os.path.basename(sys.modules[cls.__module__].__file__) == f"{key}.py", "one transform per file, named after its key"
+
+
+class NoMatchConfig(TransformConfig):
+    stage: Stage = Stage.POST_EXPORT
+
+
+@TransformRegistry.register("_test_no_match")
+class NoMatch(BaseTransform):
+    """Matches nothing and (as transforms do) reports a clean graph with valid shapes."""
+
+    config_class = NoMatchConfig
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
+
+
+def test_a_transform_that_matched_nothing_keeps_stale_shapes_stale():
+    CheckShapes.widths = []
+    _run({"_test_widen": {}, "_test_no_match": {}, "_test_check_shapes": {}})
+    assert CheckShapes.widths == [8]
+
+
+class RetargetConfig(TransformConfig):
+    stage: Stage = Stage.PATTERN_MATCHER
+
+
+@TransformRegistry.register("_test_retarget")
+class Retarget(BaseTransform):
+    """Changes an op without changing shapes, and says (truthfully) it broke no shapes."""
+
+    config_class = RetargetConfig
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.relu.default)
+        node.target = torch.ops.aten.abs.default
+        return TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
+
+
+class WidenConfig(TransformConfig):
+    stage: Stage = Stage.POST_EXPORT
+
+
+@TransformRegistry.register("_test_widen")
+class Widen(BaseTransform):
+    """Feeds relu a tensor twice as wide: every shape after it changes (and it says so)."""
+
+    config_class = WidenConfig
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        relu = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.relu.default)
+        x = relu.args[0]
+        with gm.graph.inserting_before(relu):
+            wide = gm.graph.call_function(torch.ops.aten.cat.default, ([x, x], -1))
+        relu.replace_input_with(x, wide)
+        return TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=False)
+
+
+class CheckShapesConfig(TransformConfig):
+    stage: Stage = Stage.SHARDING
+    requires_shape_prop: bool = True
+
+
+@TransformRegistry.register("_test_check_shapes")
+class CheckShapes(BaseTransform):
+    config_class = CheckShapesConfig
+    widths: ClassVar[list] = []
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        ops = (torch.ops.aten.abs.default, torch.ops.aten.relu.default)
+        node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops)
+        CheckShapes.widths.append(node.meta["val"].shape[-1])
+        return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
+
+
+def test_a_shape_preserving_transform_does_not_vouch_for_stale_shapes():
+    # _test_widen leaves shapes stale; _test_retarget changes no shape and says so; the shapes
+    # _test_check_shapes sees must be the widened ones (8), not the stale ones (4).
+    CheckShapes.widths = []
+    _run({"_test_widen": {}, "_test_retarget": {}, "_test_check_shapes": {}})
+    assert CheckShapes.widths == [8]

@@ -3,7 +3,9 @@
 Before: the cached ``GraphModule``. After: the module the runtime calls (see
 ``autodeploy.compile``): ``torch-simple`` (the graph as it is), ``torch-compile`` (inductor,
 warmed up for every step shape class at build time, on-disk cache), ``torch-cudagraph`` and
-``torch-opt`` (CUDA graphs for decode batch-size buckets; CUDA only, a clear error elsewhere).
+``torch-opt`` (CUDA graphs for decode batch-size buckets, and with ``piecewise_enabled`` for
+prefill/mixed steps per token bucket, split at the cached attention ops; CUDA only, a clear
+error elsewhere).
 """
 
 from typing import List, Literal, Optional, Tuple
@@ -28,6 +30,12 @@ class CompileModelConfig(TransformConfig):
     cache_dir: Optional[str] = Field(
         default=None, description="Inductor's on-disk compile cache; default $AUTODEPLOY_CACHE/inductor."
     )
+    piecewise_enabled: bool = Field(
+        default=False, description="CUDA graphs for prefill/mixed steps too, split at the cached attention ops."
+    )
+    piecewise_num_tokens: Optional[List[int]] = Field(
+        default=None, description="Token buckets for piecewise graphs; default 2, 4, ... up to max_num_tokens."
+    )
 
 
 @TransformRegistry.register("compile_model")
@@ -41,6 +49,7 @@ class CompileModel(BaseTransform):
             return mod, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         (gm,) = list(graph_modules(mod))
         compiled = compile_graph(
-            gm, ctx.cache, cfg.backend, cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes, cache_dir=cfg.cache_dir
+            gm, ctx.cache, cfg.backend, cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes, cache_dir=cfg.cache_dir,
+            piecewise_enabled=cfg.piecewise_enabled, piecewise_num_tokens=cfg.piecewise_num_tokens,
         )
         return compiled, TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
