@@ -226,6 +226,23 @@ def cmd_run(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     return 0
 
 
+# ---- serve -------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .runtime.llm import LLM
+    from .serve.server import serve
+
+    config = _config_from_args(args, overrides)
+    llm = LLM(**config.model_dump(exclude_none=True), show_progress=sys.stderr.isatty())
+    print(llm.summary, flush=True)
+    name = args.served_model_name or config.model
+    auth = " (API key required)" if args.api_key else ""
+    print(f"\nserving '{name}' at http://{args.host}:{args.port}/v1{auth}", flush=True)
+    serve(llm, host=args.host, port=args.port, model_name=name, api_key=args.api_key,
+          max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
+          shutdown_timeout=args.shutdown_timeout)
+    return 0
+
+
 # ---- entry point -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -262,6 +279,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after the EOS token")
     p.set_defaults(func=cmd_run, accepts_overrides=True)
+
+    p = sub.add_parser("serve", help="serve the model behind an OpenAI-compatible HTTP API")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 endpoints")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask for")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on shutdown")
+    p.set_defaults(func=cmd_serve, accepts_overrides=True)
 
     p = sub.add_parser("models", help="list the built-in model presets")
     p.add_argument("--json", action="store_true")

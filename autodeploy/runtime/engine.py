@@ -114,17 +114,7 @@ class Engine:
         """Queue a request; a request the engine cannot serve raises ``InvalidRequestError``
         and changes nothing, so other requests keep going."""
         params = params or SamplingParams()
-        params.validate()
-        tokens = [int(t) for t in prompt_token_ids]
-        if not tokens:
-            raise InvalidRequestError("the prompt is empty; give at least one token")
-        if len(tokens) >= self.max_seq_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(tokens)} tokens but max_seq_len is {self.max_seq_len} "
-                "(prompt and generated tokens together); shorten it or raise max_seq_len"
-            )
-        if self.vocab_size is not None and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        tokens = self.validate_request(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
@@ -141,6 +131,32 @@ class Engine:
         for seq in sequences:
             self.scheduler.add(seq)
         return request_id
+
+    def validate_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> List[int]:
+        """The prompt as a list of ints, or ``InvalidRequestError`` saying why it cannot be served."""
+        params.validate()
+        try:
+            tokens = [int(t) for t in prompt_token_ids]
+        except (TypeError, ValueError):
+            raise InvalidRequestError("prompt token ids must be integers") from None
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        if len(tokens) >= self.max_seq_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(tokens)} tokens but max_seq_len is {self.max_seq_len} "
+                "(prompt and generated tokens together); shorten it or raise max_seq_len"
+            )
+        if self.vocab_size is not None and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        return tokens
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages (e.g. its client went away)."""

@@ -39,10 +39,21 @@ def hf_reference():
     return get
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "torch"])
+# The default pipeline has every fusion on; the torch-compile case also switches the RMSNorm
+# implementation to its compiled kernel, so every transform of the pipeline is exercised.
+VARIANTS = {
+    "sdpa": dict(attn_backend="sdpa"),
+    "torch": dict(attn_backend="torch"),
+    "torch-compile": dict(attn_backend="sdpa", compile_backend="torch-compile",
+                          transforms={"fuse_rmsnorm": {"backend": "compile"}}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_generation_matches_hf(family, backend, hf_reference):
-    llm = LLM(family_checkpoint(family), attn_backend=backend, max_seq_len=96, max_batch_size=4, max_num_tokens=128)
+def test_greedy_generation_matches_hf(family, variant, hf_reference):
+    llm = LLM(family_checkpoint(family), max_seq_len=96, max_batch_size=4, max_num_tokens=128, **VARIANTS[variant])
+    backend = variant
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     expected = hf_reference(family, llm.tokenizer)
     for prompt, out, ref in zip(PROMPTS, outputs, expected):

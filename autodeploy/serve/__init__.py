@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP serving: ``autodeploy serve`` and ``create_app``."""

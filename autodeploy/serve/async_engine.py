@@ -1,0 +1,181 @@
+"""The engine behind the HTTP server: one background thread steps it; asyncio handlers talk to
+it through an inbox and per-request queues.
+
+Why a thread and an inbox: a step runs the model (milliseconds to seconds). Handlers must never
+wait for it, and the engine must never be touched by two threads at once. So handlers only post
+commands (add, abort) to a thread-safe inbox; the engine thread applies them between steps and
+hands each request's outputs back to its event loop. A request whose client went away is
+aborted at the next step boundary, which frees its pages.
+"""
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Dict, List, Optional, Tuple
+
+from ..runtime.engine import Engine
+from ..runtime.outputs import RequestOutput
+from ..runtime.sampling_params import SamplingParams
+from ..utils.logging import get_logger
+from .metrics import Metrics
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: "asyncio.Queue[object]"
+    prompt_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    tokens_seen: int = 0
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving this request (the server keeps running)."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics: Optional[Metrics] = None):
+        self.engine = engine
+        self.metrics = metrics or Metrics()
+        self._inbox: "queue.Queue[Tuple[str, tuple]]" = queue.Queue()
+        self._streams: Dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="autodeploy-engine", daemon=True)
+        self._ids = 0
+        self._ids_lock = threading.Lock()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, drain_timeout: float = 0.0) -> None:
+        """Stop the engine thread, first letting in-flight requests finish for up to
+        ``drain_timeout`` seconds; whatever is left is aborted."""
+        deadline = time.monotonic() + drain_timeout
+        while self._streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def new_request_id(self, prefix: str) -> str:
+        with self._ids_lock:
+            self._ids += 1
+            return f"{prefix}-{self._ids}"
+
+    # ---- handler side --------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: List[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they grow; aborts the request if the caller stops early.
+        Raises ``InvalidRequestError`` at once for a request the engine cannot serve."""
+        tokens = self.engine.validate_request(prompt_token_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(tokens))
+        self._streams[request_id] = stream
+        self.metrics.on_request_start(len(tokens))
+        self._post("add", (request_id, tokens, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineError(str(item)) from item
+                out: RequestOutput = item
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+            self.metrics.on_request_end("completed" if finished else "aborted")
+
+    def abort(self, request_id: str) -> None:
+        self._post("abort", (request_id,))
+
+    def _post(self, command: str, args: tuple) -> None:
+        self._inbox.put((command, args))
+        self._wake.set()
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        now = time.monotonic()
+        produced = sum(len(c.token_ids) for c in out.outputs)
+        new = produced - stream.tokens_seen
+        if new > 0:
+            if stream.first_token is None:
+                stream.first_token = now
+                self.metrics.observe_ttft(now - stream.arrival)
+            elif stream.last_token is not None:
+                self.metrics.observe_itl((now - stream.last_token) / new)
+            stream.last_token = now
+            stream.tokens_seen = produced
+            self.metrics.on_tokens(new)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _apply_inbox(self) -> None:
+        while True:
+            try:
+                command, args = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command == "add":
+                request_id, tokens, params = args
+                if request_id not in self._streams:
+                    continue  # the client left before its request started
+                try:
+                    self.engine.add_request(tokens, params, request_id=request_id)
+                except Exception as exc:  # noqa: BLE001 - reported to this request only
+                    self._fail(request_id, exc)
+            elif command == "abort":
+                self.engine.abort(args[0])
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._apply_inbox()
+            if not self.engine.has_unfinished():
+                self._update_gauges()
+                self._wake.wait(timeout=0.1)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
+                logger.exception("engine step failed; failing the requests in flight")
+                for request_id in list(self._streams):
+                    self.engine.abort(request_id)
+                    self._fail(request_id, exc)
+                continue
+            for out in outputs:
+                self._deliver(out)
+            self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        pool = self.engine.pool
+        self.metrics.set_gauges(
+            running=self.engine.num_running, waiting=self.engine.num_waiting,
+            pages_used=pool.num_used, pages_free=pool.num_free,
+        )

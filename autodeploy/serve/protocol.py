@@ -1,0 +1,141 @@
+"""OpenAI request bodies, validated, and the error shape every failure is reported in.
+
+Parameters the engine does not implement (penalties, logit bias, suffix, tools, best_of > n)
+are rejected with a 400 naming the parameter rather than silently ignored: a client that asks
+for them would otherwise get answers it did not ask for.
+"""
+
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class APIError(Exception):
+    """An error with an HTTP status, reported as ``{"error": {...}}`` like OpenAI's API."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 err_type: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.err_type = err_type or {
+            400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "invalid_request_error", 503: "server_error",
+        }.get(status, "server_error")
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share. Unknown fields are accepted and ignored (clients send
+    vendor extras); known-but-unsupported ones are rejected in ``check_supported``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=-1)
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, List[str]]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[Dict[str, float]] = None
+    user: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: Optional[Union[str, List[str]]]) -> Optional[Union[str, List[str]]]:
+        items = [value] if isinstance(value, str) else (value or [])
+        if len(items) > 8:
+            raise ValueError("at most 8 stop sequences")
+        if any(not s for s in items):
+            raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    def check_supported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise APIError(400, f"'{name}' is not supported by this server; omit it or set it to 0", name)
+        if self.logit_bias:
+            raise APIError(400, "'logit_bias' is not supported by this server", "logit_bias")
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    max_tokens: Optional[int] = Field(default=16, ge=1)
+    logprobs: Optional[int] = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise APIError(400, "'suffix' is not supported by this server", "suffix")
+        if self.best_of not in (None, self.n):
+            raise APIError(400, "'best_of' must equal n (no server-side reranking)", "best_of")
+
+    def prompts(self) -> List[Union[str, List[int]]]:
+        """The prompt(s): one string, a list of strings, one token list, or a list of them."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "'prompt' is empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[return-value]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, List[ContentPart], None] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"message content of type '{part.type}' is not supported (text only)", "messages")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[List[Any]] = None
+    response_format: Optional[Dict[str, Any]] = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise APIError(400, "'tools' (function calling) is not supported by this server", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "only response_format {'type': 'text'} is supported", "response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")

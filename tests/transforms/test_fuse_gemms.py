@@ -1,0 +1,291 @@
+"""fuse_gemms: linears that share an input (and have no other users) -> one GEMM + split."""
+
+import copy
+import gc
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autodeploy.transform.interface import Stage
+from autodeploy.utils.memory import measure_peak
+from helpers import apply_transform, assert_same_outputs, build, count_op, export_gm, family_checkpoint, rel_rmse
+
+aten = torch.ops.aten
+
+
+class QKV(nn.Module):
+    """q/k/v projections of one (normalised) input; the outputs are split into heads with ``.view``."""
+
+    def __init__(self, bias=False, d=32):
+        super().__init__()
+        self.q = nn.Linear(d, 32, bias=bias)
+        self.k = nn.Linear(d, 16, bias=bias)
+        self.v = nn.Linear(d, 16, bias=bias)
+
+    def forward(self, x):
+        h = torch.tanh(x)  # the shared input is an intermediate, like the norm before q/k/v
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        return q.view(*q.shape[:-1], 4, 8), k.view(*k.shape[:-1], 2, 8), v.view(*v.shape[:-1], 2, 8) * 2
+
+
+class QKVFlattened(QKV):
+    """Outputs reshaped with a ``.view`` that merges the feature dim into a leading one."""
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        return q.view(q.shape[0], -1), k.view(k.shape[0], -1), v
+
+
+class DifferentInputs(QKV):
+    def forward(self, x):
+        return self.q(torch.tanh(x)), self.k(torch.sigmoid(x)), self.v(torch.relu(x))
+
+
+class MixedBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 16, bias=True), nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        return self.a(h), self.b(h)
+
+
+class WithOtherUser(QKV):
+    """The shared input also feeds a relu: that parent is fuse_gemms_mixed_children's job."""
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        return self.q(h), self.k(h), self.v(h), torch.relu(h)
+
+
+class TopLevelParams(nn.Module):
+    """Raw parameters on the root module (target names without a dot)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk = nn.Parameter(torch.randn(16, 32)), nn.Parameter(torch.randn(8, 32))
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        return F.linear(h, self.wq), F.linear(h, self.wk)
+
+
+class Stacked(nn.Module):
+    """A linear of one fusable group is the shared input of a second group."""
+
+    def __init__(self):
+        super().__init__()
+        self.a1, self.a2 = nn.Linear(32, 16), nn.Linear(32, 16)
+        self.b1, self.b2 = nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        a1 = self.a1(h)
+        return self.a2(h), self.b1(a1), self.b2(a1)
+
+
+class SharedTwice(nn.Module):
+    """The same q/k projections applied to two different inputs (shared weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+
+    def forward(self, x):
+        h1 = torch.tanh(x)
+        a = self.q(h1) + self.k(h1)
+        h2 = torch.sigmoid(a)
+        return self.q(h2) * self.k(h2)
+
+
+def _numel(gm):
+    return sum(p.numel() for p in gm.parameters())
+
+
+def _run(module, x=None):
+    x = torch.randn(2, 5, 32) if x is None else x
+    gm = export_gm(module.eval(), x)
+    reference = copy.deepcopy(gm)
+    gm, record = apply_transform("fuse_gemms", gm)
+    return reference, gm, record
+
+
+SHAPES = [(torch.randn(2, 5, 32),), (torch.randn(3, 1, 32),)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_qkv_fused_into_one_gemm_with_views(bias):
+    reference, gm, record = _run(QKV(bias=bias))
+    assert record.num_matches == 1
+    assert count_op(gm, aten.linear) == 1
+    assert count_op(gm, aten.split_with_sizes) == 1
+    split = next(n for n in gm.graph.nodes if n.target == aten.split_with_sizes.default)
+    assert list(split.args[1]) == [32, 16, 16]
+    assert count_op(gm, operator.getitem) == 3
+    assert count_op(gm, aten.view) == 3  # the head views still read the (split) projections
+    assert_same_outputs(reference, gm, SHAPES)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_weight_is_registered_and_originals_deleted(bias):
+    reference, gm, _ = _run(QKV(bias=bias))
+    names = dict(gm.named_parameters())
+    for old in ("q.weight", "k.weight", "v.weight", "q.bias", "k.bias", "v.bias"):
+        assert old not in names
+        assert old not in gm.state_dict()
+    ref_params = dict(reference.named_parameters())
+    linear = next(n for n in gm.graph.nodes if n.target == aten.linear.default)
+    w_node = linear.args[1]
+    assert w_node.op == "get_attr" and str(w_node.target) in names
+    fused_w = gm.get_parameter(str(w_node.target))
+    assert fused_w.shape == (64, 32)
+    torch.testing.assert_close(fused_w, torch.cat([ref_params[f"{p}.weight"] for p in "qkv"]), rtol=0, atol=0)
+    if bias:
+        b_node = linear.args[2]
+        assert b_node.op == "get_attr" and str(b_node.target) in names
+        fused_b = gm.get_parameter(str(b_node.target))
+        torch.testing.assert_close(fused_b, torch.cat([ref_params[f"{p}.bias"] for p in "qkv"]), rtol=0, atol=0)
+    else:
+        assert len(linear.args) == 2 or linear.args[2] is None
+    assert len(names) == (2 if bias else 1)
+    assert _numel(gm) == _numel(reference)  # no double copies
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: split outputs are non-contiguous; a .view merging the feature dim fails")
+def test_view_merging_feature_dim_still_works():
+    reference, gm, record = _run(QKVFlattened())
+    assert record.num_matches == 1
+    assert_same_outputs(reference, gm, SHAPES)
+
+
+@pytest.mark.parametrize("cls", [DifferentInputs, MixedBias, WithOtherUser], ids=lambda c: c.__name__)
+def test_near_misses_left_alone(cls):
+    reference, gm, record = _run(cls())
+    assert record.num_matches == 0
+    assert count_op(gm, aten.split_with_sizes) == 0
+    assert count_op(gm, aten.linear) == count_op(reference, aten.linear)
+    assert {n for n, _ in gm.named_parameters()} == {n for n, _ in reference.named_parameters()}
+    assert_same_outputs(reference, gm, SHAPES)
+
+
+def test_different_weight_dtypes_left_alone():
+    gm = export_gm(QKV().eval(), torch.randn(2, 5, 32))
+    gm.k.weight = nn.Parameter(gm.k.weight.detach().to(torch.bfloat16), requires_grad=False)
+    gm, record = apply_transform("fuse_gemms", gm)
+    assert record.num_matches == 0
+    assert count_op(gm, aten.linear) == 3
+    assert gm.get_parameter("k.weight").dtype == torch.bfloat16
+    assert gm.get_parameter("q.weight").dtype == torch.float32
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: _fused_name raises IndexError for parameters on the root module")
+def test_root_module_parameters():
+    reference, gm, record = _run(TopLevelParams())
+    assert record.num_matches == 1
+    assert count_op(gm, aten.linear) == 1
+    assert_same_outputs(reference, gm, SHAPES)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: stale parent of a second group erased by the first fusion -> invalid graph")
+def test_stacked_groups():
+    reference, gm, record = _run(Stacked())
+    assert record.num_matches == 2
+    assert count_op(gm, aten.linear) == 2
+    gm.graph.lint()
+    assert_same_outputs(reference, gm, SHAPES)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: shared weights used by two groups are deleted by the first -> AttributeError")
+def test_shared_weights_in_two_groups():
+    reference, gm, record = _run(SharedTwice())
+    assert_same_outputs(reference, gm, SHAPES)
+    assert _numel(gm) <= 2 * _numel(reference)
+
+
+# ---- memory: one group at a time, never two copies of the model --------------------------------
+
+D = 3072  # 36 MiB per fp32 weight: above glibc's mmap threshold cap, so freed weights leave RSS
+
+
+class BigGroups(nn.Module):
+    def __init__(self, n_groups=4, per_group=2):
+        super().__init__()
+        self.groups = nn.ModuleList(
+            nn.ModuleList(nn.Linear(D, D, bias=False) for _ in range(per_group)) for _ in range(n_groups)
+        )
+
+    def forward(self, x):
+        for group in self.groups:
+            h = torch.tanh(x)
+            outs = [lin(h) for lin in group]
+            x = outs[0]
+            for o in outs[1:]:
+                x = x + o
+        return x
+
+
+def test_peak_memory_is_one_group_not_the_model():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("/proc/self/clear_refs is not writable: cannot reset the peak RSS")
+    with torch.no_grad():
+        module = BigGroups()
+        gm = export_gm(module.eval(), torch.randn(2, 3, D))
+    del module
+    gc.collect()
+    model_bytes = sum(p.numel() * p.element_size() for p in gm.parameters())
+    group_bytes = 2 * D * D * 4
+    numel_before = _numel(gm)
+    assert model_bytes >= 250 * 2**20
+    with measure_peak(torch.device("cpu")) as peak:
+        gm, record = apply_transform("fuse_gemms", gm)
+    assert record.num_matches == 4
+    assert count_op(gm, aten.linear) == 4
+    assert _numel(gm) == numel_before
+    assert abs(record.mem_delta_mb) < 1
+    extra = peak[0]
+    assert extra >= 0.9 * group_bytes, f"measurement sanity: concatenating a group needs {group_bytes} bytes, saw {extra}"
+    assert extra < 1.25 * group_bytes + 16 * 2**20, (
+        f"peak extra {extra / 2**20:.0f} MiB; largest group {group_bytes / 2**20:.0f} MiB, model {model_bytes / 2**20:.0f} MiB"
+    )
+    assert extra < 0.5 * model_bytes
+
+
+# ---- the pipeline on the tiny llama checkpoint --------------------------------------------------
+
+
+def _record(result, key):
+    return next(r for r in result.context.history if r.key == key)
+
+
+def test_llama_pipeline_counts_and_numerics():
+    ckpt = family_checkpoint("llama")
+    default = build(ckpt, up_to=Stage.POST_LOAD_FUSION)
+    rec = _record(default, "fuse_gemms")
+    assert rec.status == "ok" and rec.num_matches == 2  # qkv per layer; gate/up went to swiglu
+    params = dict(default.graph.named_parameters())
+    for layer in range(2):
+        fused = params[f"model.layers.{layer}.self_attn.fused_q_proj_k_proj_v_proj"]
+        assert fused.shape == (64 + 32 + 32, 64)
+    assert not [n for n in params if any(p in n for p in ("q_proj", "k_proj", "v_proj")) and "fused" not in n]
+
+    no_swiglu = build(ckpt, up_to=Stage.POST_LOAD_FUSION, overrides={"match_swiglu_pattern": {"enabled": False}})
+    rec = _record(no_swiglu, "fuse_gemms")
+    assert rec.status == "ok" and rec.num_matches == 4  # qkv + gate/up per layer
+    names = {n for n, _ in no_swiglu.graph.named_parameters()}
+    assert "model.layers.0.mlp.fused_gate_proj_up_proj" in names
+    assert not [n for n in names if "gate_proj.weight" in n or "up_proj.weight" in n]
+
+    for b, s in ((1, 5), (2, 3)):
+        ids = torch.randint(0, 512, (b, s))
+        pos = torch.arange(s).expand(b, s)
+        with torch.no_grad():
+            a, c = default.graph(ids, pos), no_swiglu.graph(ids, pos)
+        assert rel_rmse(c, a) < 1e-4
