@@ -243,6 +243,25 @@ def cmd_serve(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     return 0
 
 
+# ---- bench -------------------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .bench.report import markdown, write
+    from .bench.runner import BenchConfig, run
+
+    if overrides:
+        raise AutoDeployError(f"bench takes no dotted overrides; put them in a --yaml variant: {' '.join(overrides)}")
+    cfg = BenchConfig(
+        model=args.model, dtype=args.dtype, device=args.device, batch_sizes=args.batch_sizes,
+        new_tokens=args.new_tokens, prefill_lens=args.prefill_lens, rounds=args.rounds,
+        engines=args.engines, yaml_variants=args.yaml or [], threads=args.threads, out_dir=args.out,
+    )
+    data = run(cfg)
+    paths = write(data, cfg.out_dir)
+    print(markdown(data))
+    print("wrote " + ", ".join(paths.values()))
+    return 0
+
+
 # ---- entry point -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -291,6 +310,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown")
     p.set_defaults(func=cmd_serve, accepts_overrides=True)
+
+    p = sub.add_parser("bench", help="measure autodeploy against HF eager and HF + torch.compile")
+    p.add_argument("--model", default="small", help="preset, checkpoint directory or hub id (default small)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--new-tokens", type=int, default=128, help="decode length (default 128)")
+    p.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (default 3)")
+    p.add_argument("--engines", nargs="+", default=["autodeploy", "hf-eager", "hf+torch.compile"],
+                   choices=["autodeploy", "hf-eager", "hf+torch.compile"])
+    p.add_argument("--yaml", action="append", help="an autodeploy variant config to measure too (repeatable)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="where the JSON/markdown/PNG go")
+    p.set_defaults(func=cmd_bench, accepts_overrides=True)
 
     p = sub.add_parser("models", help="list the built-in model presets")
     p.add_argument("--json", action="store_true")

@@ -366,16 +366,22 @@ async def _stream_completion(state: ServerState, req: CompletionRequest, rid: st
             prompt_tokens += len(ids)
             streamers = [IncrementalText(params.stop_strings) for _ in range(params.n)]
             sent_tokens = [0] * params.n
+            finished = [False] * params.n
+            base = len(text) if req.echo else 0  # text_offset counts from the start of the choice's text
             if req.echo:
                 for j in range(params.n):
                     yield chunk(i * req.n + j, text, None)
             async for out in _run_prompt(state, f"{rid}-{i}", ids, params):
                 for c in out.outputs:
+                    if finished[c.index]:
+                        continue  # its last chunk went out already
+                    offset = base + streamers[c.index].sent
                     delta = streamers[c.index].delta(c.text, c.finish_reason is not None)
                     new_lps = c.logprobs[sent_tokens[c.index]:] if (req.logprobs is not None and c.logprobs) else None
                     if delta or c.finish_reason is not None:
-                        lps = _completion_logprobs(state.tokenizer, new_lps, 0) if new_lps else None
+                        lps = _completion_logprobs(state.tokenizer, new_lps, offset) if new_lps else None
                         sent_tokens[c.index] = len(c.token_ids)
+                        finished[c.index] = c.finish_reason is not None
                         yield chunk(i * req.n + c.index, delta, c.finish_reason, lps)
                 if out.finished:
                     completion_tokens += sum(len(c.token_ids) for c in out.outputs)
@@ -414,11 +420,15 @@ async def _stream_chat(state: ServerState, req: ChatCompletionRequest, rid: str,
             yield chunk(j, {"role": "assistant", "content": ""}, None)
         streamers = [IncrementalText(params.stop_strings) for _ in range(params.n)]
         sent_tokens = [0] * params.n
+        finished = [False] * params.n
         completion = 0
         async for out in _run_prompt(state, rid, ids, params):
             for c in out.outputs:
+                if finished[c.index]:
+                    continue  # its last chunk went out already
                 delta = streamers[c.index].delta(c.text, c.finish_reason is not None)
                 if delta or c.finish_reason is not None:
+                    finished[c.index] = c.finish_reason is not None
                     lps = None
                     if req.logprobs and c.logprobs:
                         lps = _chat_logprobs(state.tokenizer, c.logprobs[sent_tokens[c.index]:], req.top_logprobs or 0)

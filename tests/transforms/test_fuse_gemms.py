@@ -127,7 +127,8 @@ def test_qkv_fused_into_one_gemm_with_views(bias):
     split = next(n for n in gm.graph.nodes if n.target == aten.split_with_sizes.default)
     assert list(split.args[1]) == [32, 16, 16]
     assert count_op(gm, operator.getitem) == 3
-    assert count_op(gm, aten.view) == 3  # the head views still read the (split) projections
+    # the head views read the split projections (as reshapes: a view of a split may need a copy)
+    assert count_op(gm, [aten.view, aten.reshape]) == 3
     assert_same_outputs(reference, gm, SHAPES)
 
 
@@ -156,7 +157,6 @@ def test_fused_weight_is_registered_and_originals_deleted(bias):
     assert _numel(gm) == _numel(reference)  # no double copies
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: split outputs are non-contiguous; a .view merging the feature dim fails")
 def test_view_merging_feature_dim_still_works():
     reference, gm, record = _run(QKVFlattened())
     assert record.num_matches == 1
@@ -183,7 +183,6 @@ def test_different_weight_dtypes_left_alone():
     assert gm.get_parameter("q.weight").dtype == torch.float32
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _fused_name raises IndexError for parameters on the root module")
 def test_root_module_parameters():
     reference, gm, record = _run(TopLevelParams())
     assert record.num_matches == 1
@@ -191,7 +190,6 @@ def test_root_module_parameters():
     assert_same_outputs(reference, gm, SHAPES)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: stale parent of a second group erased by the first fusion -> invalid graph")
 def test_stacked_groups():
     reference, gm, record = _run(Stacked())
     assert record.num_matches == 2
@@ -200,7 +198,6 @@ def test_stacked_groups():
     assert_same_outputs(reference, gm, SHAPES)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: shared weights used by two groups are deleted by the first -> AttributeError")
 def test_shared_weights_in_two_groups():
     reference, gm, record = _run(SharedTwice())
     assert_same_outputs(reference, gm, SHAPES)

@@ -58,7 +58,8 @@ def _owner(gm: nn.Module, target: str) -> Tuple[nn.Module, str]:
 def _fused_name(gm: fx.GraphModule, targets: List[str]) -> str:
     prefix = targets[0].rpartition(".")[0]
     common = prefix.rpartition(".")[0]  # e.g. model.layers.0.self_attn
-    leaves = "_".join(t.split(".")[-2] for t in targets)  # q_proj_k_proj_v_proj
+    # q_proj_k_proj_v_proj (the owning modules' names; parameter names for root parameters)
+    leaves = "_".join((t.split(".")[-2] if "." in t else t) for t in targets)
     base = f"fused_{leaves}".replace(".", "_")
     name, i = base, 0
     owner = gm.get_submodule(common) if common else gm
@@ -69,21 +70,32 @@ def _fused_name(gm: fx.GraphModule, targets: List[str]) -> str:
 
 
 def _concat_params(gm: fx.GraphModule, nodes: List[fx.Node]) -> str:
-    """Concatenate the parameters behind ``nodes`` into a new one; delete the originals."""
+    """Concatenate the parameters behind ``nodes`` into a new one (the originals stay until
+    ``release_unused`` sees nothing reads them any more)."""
     targets = [str(n.target) for n in nodes]
     tensors = [get_attr_value(gm, n) for n in nodes]
     fused = nn.Parameter(torch.cat([t.detach() for t in tensors], dim=0), requires_grad=False)
     name = _fused_name(gm, targets)
     owner, leaf = _owner(gm, name)
     owner.register_parameter(leaf, fused)
-    del tensors
-    for target in targets:
-        o, l = _owner(gm, target)
-        if l in o._parameters:
-            del o._parameters[l]
-        elif l in o._buffers:
-            del o._buffers[l]
     return name
+
+
+def release_unused(gm: fx.GraphModule, nodes: List[Optional[fx.Node]]) -> None:
+    """Erase ``get_attr`` nodes nothing uses and free their tensors unless another node still
+    reads them (a weight shared with another linear stays)."""
+    for node in nodes:
+        if node is None or node.users:
+            continue
+        target = str(node.target)
+        gm.graph.erase_node(node)
+        if any(n.op == "get_attr" and str(n.target) == target for n in gm.graph.nodes):
+            continue
+        owner, leaf = _owner(gm, target)
+        if leaf in owner._parameters:
+            del owner._parameters[leaf]
+        elif leaf in owner._buffers:
+            del owner._buffers[leaf]
 
 
 def fuse_group(gm: fx.GraphModule, parent: fx.Node, linears: List[fx.Node], narrow: bool) -> None:
@@ -109,9 +121,23 @@ def fuse_group(gm: fx.GraphModule, parent: fx.Node, linears: List[fx.Node], narr
             for i, lin in enumerate(linears):
                 outs[lin] = graph.call_function(operator.getitem, (split, i))
     for lin, out in outs.items():
+        # a view of a split output may merge the split dim, which needs a copy: reshape does it
+        for user in list(lin.users):
+            if is_op(user, (aten.view, aten._unsafe_view)):
+                user.target = aten.reshape.default
         lin.replace_all_uses_with(out)
         graph.erase_node(lin)
-    for weight, bias in parts:
-        for n in (weight, bias):
-            if n is not None and not n.users:
-                graph.erase_node(n)
+    release_unused(gm, [n for wb in parts for n in wb])
+
+
+def fuse_all_groups(gm: fx.GraphModule, mixed: bool) -> int:
+    """Fuse groups one at a time, looking again after each: fusing one group can change
+    another's input (a fused linear that feeds a second group)."""
+    count = 0
+    while True:
+        groups = linear_groups(gm, mixed)
+        if not groups:
+            return count
+        parent, linears = groups[0]
+        fuse_group(gm, parent, linears, narrow=mixed)
+        count += 1

@@ -17,7 +17,7 @@ stay apart. Peak memory stays at the model plus the largest group (see ``_gemm_f
 from torch import fx
 
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._gemm_fusion import fuse_group, linear_groups
+from ._gemm_fusion import fuse_all_groups
 
 
 class FuseGemmsConfig(TransformConfig):
@@ -32,7 +32,5 @@ class FuseGemms(BaseTransform):
     run_after = ("match_swiglu_pattern",)
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
-        groups = linear_groups(gm, mixed=False)
-        for parent, linears in groups:
-            fuse_group(gm, parent, linears, narrow=False)
-        return TransformInfo(num_matches=len(groups), is_clean=not groups, has_valid_shapes=not groups)
+        count = fuse_all_groups(gm, mixed=False)
+        return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=count == 0)

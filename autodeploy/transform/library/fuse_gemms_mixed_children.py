@@ -16,7 +16,7 @@ The other users keep reading ``x``; the split uses ``narrow`` views (no copies).
 from torch import fx
 
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._gemm_fusion import fuse_group, linear_groups
+from ._gemm_fusion import fuse_all_groups
 
 
 class FuseGemmsMixedConfig(TransformConfig):
@@ -31,7 +31,5 @@ class FuseGemmsMixedChildren(BaseTransform):
     run_after = ("fuse_gemms",)
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
-        groups = linear_groups(gm, mixed=True)
-        for parent, linears in groups:
-            fuse_group(gm, parent, linears, narrow=True)
-        return TransformInfo(num_matches=len(groups), is_clean=not groups, has_valid_shapes=not groups)
+        count = fuse_all_groups(gm, mixed=True)
+        return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=count == 0)

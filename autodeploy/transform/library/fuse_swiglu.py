@@ -17,7 +17,7 @@ from torch import fx
 
 from ..graph_utils import arg, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._gemm_fusion import _concat_params
+from ._gemm_fusion import _concat_params, release_unused
 
 
 class FuseSwigluConfig(TransformConfig):
@@ -52,8 +52,6 @@ class FuseSwiglu(BaseTransform):
                 fused = graph.call_function(torch.ops.autodeploy.torch_fused_swiglu_mlp.default, (x, w, down_w, b, down_b))
             node.replace_all_uses_with(fused)
             graph.erase_node(node)
-            for old in (gate_w, up_w, gate_b, up_b):
-                if old is not None and not old.users:
-                    graph.erase_node(old)
+            release_unused(gm, [gate_w, up_w, gate_b, up_b])
             count += 1
         return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=count == 0)

@@ -109,7 +109,7 @@ class OptimizeRope(BaseTransform):
             cos_v = cos.meta["val"]
             if cos_v.dim() != 3 or cos_v.shape[0] != position_ids.meta["val"].shape[0]:
                 continue  # tables shaped [b, s, d] per position
-            device = next(iter(gm.parameters())).device
+            device = position_ids.meta["val"].device
             positions = torch.arange(max_position, device=device)[None]
             with torch.no_grad():
                 cos_t, sin_t = _evaluate(gm, [cos, sin], position_ids, positions)

@@ -1,0 +1,1 @@
+"""End-to-end benchmarks against HF transformers (``autodeploy bench``)."""

@@ -1,0 +1,122 @@
+"""The engines a benchmark compares, behind one small interface.
+
+Each engine answers the same questions on the same checkpoint: how long a ``generate`` of
+``new_tokens`` takes for a batch of prompts (and, with ``new_tokens=1``, how long the prefill
+takes). Greedy decoding everywhere, EOS ignored, so every engine does the same work.
+"""
+
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class BenchEngine:
+    name: str = ""
+    build_s: float = 0.0  # model creation (and for autodeploy: export, transforms, cache init)
+    warmup_s: float = 0.0  # compilation and first runs, excluded from the measurements
+
+    def generate(self, prompts: List[List[int]], new_tokens: int) -> float:
+        """Seconds to generate ``new_tokens`` for every prompt (one batch, greedy)."""
+        raise NotImplementedError
+
+    # Engines that specialise on exact shapes (static caches) warm up with the measured ones.
+    exact_warmup = False
+
+    def warm_up(self, prompt_len: int, batch_sizes: List[int], new_tokens: int, prefill_lens: List[int]) -> None:
+        start = time.perf_counter()
+        lengths = (1, new_tokens) if self.exact_warmup else (1, 2)
+        for b in batch_sizes:
+            prompts = [[5] * prompt_len for _ in range(b)]
+            for n in lengths:
+                self.generate(prompts, n)
+        for length in prefill_lens:
+            self.generate([[5] * length], 1)
+        self.warmup_s += time.perf_counter() - start
+
+    def close(self) -> None:
+        pass
+
+
+class AutoDeployEngine(BenchEngine):
+    def __init__(self, model: str, label: str = "autodeploy", yaml: Optional[str] = None, **settings: Any):
+        from ..runtime.llm import LLM
+        from ..runtime.sampling_params import SamplingParams
+
+        self.name = label
+        start = time.perf_counter()
+        self.llm = LLM(model, yaml=yaml, **settings)
+        self.build_s = time.perf_counter() - start
+        self._params = SamplingParams
+        history = {r.key: r.time_s for r in self.llm.build.context.history}
+        # compile_model's time is compilation and warm-up, reported apart from the build
+        self.warmup_s = history.get("compile_model", 0.0)
+        self.build_s -= self.warmup_s
+
+    def generate(self, prompts: List[List[int]], new_tokens: int) -> float:
+        params = self._params(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        self.llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return time.perf_counter() - start
+
+
+class HFEngine(BenchEngine):
+    """HF ``generate`` (eager), or with ``compile=True`` the PyTorch-native fast path: a static
+    KV cache and ``torch.compile`` of the forward, as the transformers docs describe it."""
+
+    def __init__(self, checkpoint: str, dtype: torch.dtype, compile: bool = False, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM
+
+        self.name = "hf+torch.compile" if compile else "hf-eager"
+        self.device = device
+        start = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+        self.model.generation_config.eos_token_id = None
+        self.model.generation_config.pad_token_id = 0
+        if compile:
+            # Static shapes: every (batch, prompt, cache length) compiles once, at warm-up.
+            import torch._dynamo
+
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self.model.generation_config.cache_implementation = "static"
+            self.model.forward = torch.compile(self.model.forward, fullgraph=True)
+            self.exact_warmup = True
+        self.build_s = time.perf_counter() - start
+
+    def generate(self, prompts: List[List[int]], new_tokens: int) -> float:
+        ids = torch.tensor(prompts, device=self.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False)
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def weight_bytes_per_decode_token(model: torch.nn.Module) -> Dict[str, int]:
+    """Bytes a batch-1 decode step must read: every weight once, except the embedding table
+    (one row is read)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is emb
+    emb_bytes = 0 if tied else emb.numel() * emb.element_size()
+    return {"total": total, "per_token": total - emb_bytes}
+
+
+def read_bandwidth_gbs(device: str = "cpu", size_mb: int = 1024, reps: int = 5) -> float:
+    """Measured read bandwidth: a reduction over a tensor much larger than the caches."""
+    x = torch.ones(size_mb * 2**20 // 4, device=device)
+    best = float("inf")
+    for _ in range(reps):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        x.sum().item()
+        best = min(best, time.perf_counter() - start)
+    del x
+    return size_mb * 2**20 / best / 1e9

@@ -1,0 +1,216 @@
+"""compile_model backends on the tiny llama: torch-compile serves the same tokens as torch-simple
+and never compiles after the build's warm-up; the CUDA-only backends are config errors on CPU;
+the device-agnostic parts of the CUDA-graph runners (decode padding per batch bucket,
+piecewise padding per token bucket) checked on CPU with ``eager_capture``.
+"""
+
+import copy
+import random
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from autodeploy import LLM, SamplingParams
+from autodeploy.cache import build_sequence_info
+from autodeploy.compile.backends import CompiledGraph
+from autodeploy.compile.cuda_graph import DecodeGraphs, eager_capture
+from autodeploy.compile.piecewise import PiecewiseGraphs, _FrozenPiece
+from autodeploy.transform.interface import PipelineContext
+from autodeploy.transform.optimizer import build_transform
+from autodeploy.utils.errors import ConfigError
+from helpers import rel_rmse
+
+MAX_SEQ_LEN = 64
+PROMPTS = ["The for statement", "Hello there, my friend, how are you doing today", "a"]
+
+
+@pytest.fixture(scope="module")
+def simple():
+    return LLM("tiny-llama", max_seq_len=MAX_SEQ_LEN, compile_backend="torch-simple")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    before = counters["stats"]["unique_graphs"]
+    llm = LLM("tiny-llama", max_seq_len=MAX_SEQ_LEN, compile_backend="torch-compile")
+    return llm, counters["stats"]["unique_graphs"] - before
+
+
+def _greedy(llm):
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 9, 14)]
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+
+
+# ---- torch-compile -------------------------------------------------------------------------------
+def test_torch_compile_same_tokens_and_no_compile_while_serving(simple, compiled):
+    llm, compiled_at_build = compiled
+    assert isinstance(llm.build.graph, CompiledGraph) and llm.build.graph.backend == "torch-compile"
+    record = next(r for r in llm.build.context.history if r.key == "compile_model")
+    assert record.status == "ok" and record.num_matches == 1
+    assert compiled_at_build >= 1  # the warm-up compiled (so the counter below can move)
+    expected = _greedy(simple)
+    assert [len(t) for t in expected] == [4, 9, 14]  # decode batches of 3, 2 and 1
+    before = counters["stats"]["unique_graphs"]
+    got = _greedy(llm)
+    assert counters["stats"]["unique_graphs"] == before, "torch-compile compiled while serving"
+    assert got == expected
+
+
+# ---- config errors -------------------------------------------------------------------------------
+def _compile(res, **cfg):
+    ctx = PipelineContext(cache=copy.copy(res.cache))
+    return build_transform("compile_model", cfg)(res.graph, ctx)
+
+
+@pytest.mark.parametrize("backend", ["torch-cudagraph", "torch-opt"])
+def test_cuda_graph_backends_on_cpu_are_config_errors(simple, backend):
+    with pytest.raises(ConfigError, match=rf"'{backend}'.*cuda"):
+        _compile(simple.build, backend=backend)
+
+
+def test_piecewise_with_torch_compile_is_a_config_error(simple):
+    with pytest.raises(ConfigError, match="piecewise_enabled"):
+        _compile(simple.build, backend="torch-compile", piecewise_enabled=True)
+
+
+# ---- DecodeGraphs / PiecewiseGraphs with eager capture -----------------------------------------------
+class _Recorder:
+    """The plain graph, remembering the input_ids tensor of every call."""
+
+    def __init__(self, gm):
+        self.gm, self.calls = gm, []
+
+    def __call__(self, *args):
+        self.calls.append(args[0])
+        return self.gm(*args)
+
+
+def _ids(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (n,), generator=g).tolist()
+
+
+def _reset(cache):
+    for t in cache.caches.values():
+        t.zero_()
+
+
+def _run(fn, cache, info):
+    with torch.no_grad():
+        return fn(*cache.graph_args(info)).clone()
+
+
+@pytest.fixture
+def setup(simple):
+    """The torch-simple build's graph and a cache view with its own page reservation."""
+    res = simple.build
+    assert res.cache.gathered_logits
+    cache = copy.copy(res.cache)
+    cache.reserved_pages = 0
+    _reset(cache)
+    return res.graph, cache
+
+
+def test_decode_graphs_pad_to_buckets(setup):
+    gm, cache = setup
+    code = gm.code
+    allocatable = cache.allocatable_pages
+    rec = _Recorder(gm)
+    dg = DecodeGraphs(rec, cache, [2, 4, 8], capture=eager_capture)
+    assert dg.batch_sizes == [2, 4, 8]
+    assert dg.scratch_page == cache.num_pages - 1
+    assert cache.allocatable_pages == allocatable - 1  # the scratch page is out of the allocator
+    assert dg.scratch_page >= cache.allocatable_pages
+
+    free = list(range(cache.allocatable_pages))
+    random.Random(0).shuffle(free)
+    lengths = [7, 12, 3, 18, 5]
+    prompts = [_ids(n, seed=i) for i, n in enumerate(lengths)]
+    tables = [[free.pop() for _ in range(-(-(n + 1) // cache.page_size))] for n in lengths]
+    prefill = build_sequence_info(prompts, [0] * 5, tables)
+    n_calls = len(rec.calls)
+    out = _run(dg, cache, prefill)  # a prefill step falls through to the plain model
+    assert len(rec.calls) == n_calls + 1 and rec.calls[-1] is prefill.input_ids
+    assert out.shape == (1, 5, 512)
+    _reset(cache)
+    torch.testing.assert_close(out, _run(gm, cache, prefill), rtol=0, atol=0)
+
+    for batch, bucket in ((1, 2), (3, 4), (5, 8)):
+        info = build_sequence_info([[40 + i] for i in range(batch)], lengths[:batch], tables[:batch])
+        ref = _run(gm, cache, info)
+        n_calls = len(rec.calls)
+        got = _run(dg, cache, info)
+        assert dg.bucket_for(batch) == bucket
+        assert len(rec.calls) == n_calls + 1 and rec.calls[-1] is dg._static[bucket][0]  # replayed
+        assert got.shape == ref.shape == (1, batch, 512)
+        assert rel_rmse(got, ref) < 1e-5, batch
+        # the padding rows wrote only the scratch page: the real sequences' history is intact
+        assert rel_rmse(_run(gm, cache, info), ref) < 1e-6
+    assert gm.code == code
+
+
+def test_piecewise_graphs_prefill_and_mixed_steps(setup):
+    gm, cache = setup
+    code = gm.code
+    rec = _Recorder(gm)
+    pw = PiecewiseGraphs(rec, gm, cache, [16, 32, 64], capture=eager_capture)
+    assert pw.buckets == [16, 32, 64]
+    assert pw.scratch_page == cache.num_pages - 1 and cache.allocatable_pages == cache.num_pages - 1
+    assert any(isinstance(m, _FrozenPiece) for m in pw.split.children())
+    free = list(range(cache.allocatable_pages))
+    random.Random(1).shuffle(free)
+    tab = {k: [free.pop() for _ in range(4)] for k in "abcde"}
+
+    def compare(history, step, bucket):
+        """Run ``history`` steps then ``step`` with the plain graph, reset, replay history
+        with the plain graph and ``step`` piecewise."""
+        results = []
+        for fn in (gm, pw):
+            _reset(cache)
+            for h in history:
+                _run(gm, cache, h)
+            n_calls = len(rec.calls)
+            results.append(_run(fn, cache, step))
+            assert len(rec.calls) == n_calls  # the recorder wraps neither
+        ref, got = results
+        assert pw.bucket_for(step.num_tokens) == bucket
+        assert got.shape == ref.shape == (1, step.num_sequences, 512)
+        assert rel_rmse(got, ref) < 1e-5
+        frozen = [m for m in pw.split.children() if isinstance(m, _FrozenPiece)]
+        assert all(bucket in m.runners for m in frozen)
+
+    a, b, c = _ids(30, 1), _ids(9, 2), _ids(5, 3)
+    # two fresh prefills, 14 tokens -> bucket 16
+    compare([], build_sequence_info([a[:9], c], [0, 0], [tab["a"], tab["c"]]), 16)
+    # a chunked prefill continuing at 9 with two decodes, 21 + 2 tokens -> bucket 32
+    first = build_sequence_info([a[:9], b, c], [0, 0, 0], [tab["a"], tab["b"], tab["c"]])
+    mixed = build_sequence_info([a[9:], [11], [12]], [9, 9, 5], [tab["a"], tab["b"], tab["c"]])
+    compare([first], mixed, 32)
+    # 40 tokens of fresh prefills plus a decode -> bucket 64
+    big = build_sequence_info([a, _ids(10, 4), [13]], [0, 0, 5], [tab["d"], tab["e"], tab["c"]])
+    compare([build_sequence_info([c], [0], [tab["c"]])], big, 64)
+    assert gm.code == code
+
+
+def test_piecewise_graphs_fall_through(setup):
+    gm, cache = setup
+    rec = _Recorder(gm)
+    pw = PiecewiseGraphs(rec, gm, cache, [16, 32, 64], capture=eager_capture)
+    free = list(range(cache.allocatable_pages))
+    tables = [[free.pop() for _ in range(4)] for _ in range(3)]
+    steps = {
+        # no room for a padding token in the largest bucket
+        "64 tokens": build_sequence_info([_ids(40, 1), _ids(24, 2)], [0, 0], tables[:2]),
+        "70 tokens": build_sequence_info([_ids(35, 3), _ids(35, 4)], [0, 0], tables[:2]),
+        "decode only": build_sequence_info([[1], [2], [3]], [3, 4, 5], tables),
+    }
+    for name, info in steps.items():
+        assert pw.bucket_for(info.num_tokens) is None or info.num_tokens == info.num_sequences, name
+        _reset(cache)
+        n_calls = len(rec.calls)
+        got = _run(pw, cache, info)
+        assert len(rec.calls) == n_calls + 1 and rec.calls[-1] is info.input_ids, name
+        _reset(cache)
+        torch.testing.assert_close(got, _run(gm, cache, info), rtol=0, atol=0)
+    assert all(not m.runners for m in pw.split.children() if isinstance(m, _FrozenPiece))
