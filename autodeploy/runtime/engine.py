@@ -122,9 +122,8 @@ class Engine:
         for i in range(params.n):
             gen = None
             if not params.greedy:
-                gen = torch.Generator().manual_seed(
-                    (params.seed * 1000003 + i) if params.seed is not None else self._rng.getrandbits(63)
-                )
+                seed = (params.seed * 1000003 + i) % 2**63 if params.seed is not None else self._rng.getrandbits(63)
+                gen = torch.Generator().manual_seed(seed)
             sequences.append(Sequence(request_id, i, tokens, params, next(self._arrivals), gen,
                                       logprobs=[] if params.logprobs is not None else None))
         self.requests[request_id] = _Request(request_id, prompt, tokens, params, sequences, on_update)

@@ -34,6 +34,8 @@ def sample(
             continue
         row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
         probs = torch.softmax(row, dim=-1)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            continue  # a degenerate distribution (overflowing logits): its argmax, never a failure
         tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
     return tokens
 

@@ -6,13 +6,16 @@ from typing import List, Optional, Union
 from ..utils.errors import AutoDeployError
 
 
+GREEDY_BELOW = 1e-5
+
+
 class InvalidRequestError(AutoDeployError, ValueError):
     """A request the engine cannot serve (bad parameter, empty or too-long prompt)."""
 
 
 @dataclass
 class SamplingParams:
-    """``temperature=0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    """``temperature=0`` (or below 1e-5) is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
 
     ``stop`` strings end the output (the text is cut before them); ``stop_token_ids`` and the
     model's EOS token end it too unless ``ignore_eos``. ``seed`` makes sampling reproducible per
@@ -62,4 +65,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, dividing logits by the temperature overflows fp32; the distribution is
+        # a point mass on the argmax anyway.
+        return self.temperature < GREEDY_BELOW

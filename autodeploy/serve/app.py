@@ -191,26 +191,39 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+class Guard:
+    """ASGI middleware for /v1: API key, shutdown, announced body size. Pure ASGI (not
+    Starlette's BaseHTTPMiddleware) so handlers still see a client's disconnect."""
+
+    def __init__(self, app: Any, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        error = None
+        if self.state.api_key is not None and headers.get("authorization", "") != f"Bearer {self.state.api_key}":
+            error = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        elif self.state.shutting_down:
+            error = APIError(503, "the server is shutting down")
+        else:
+            length = headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self.state.max_request_bytes:
+                error = APIError(413, f"request body of {length} bytes exceeds the limit of "
+                                      f"{self.state.max_request_bytes} bytes")
+        if error is not None:
+            self.state.engine.metrics.on_rejected()
+            return await _error(error)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="autodeploy", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ad = state
     app.add_middleware(BodyLimit, limit=state.max_request_bytes)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
-            if state.api_key is not None:
-                header = request.headers.get("authorization", "")
-                if header != f"Bearer {state.api_key}":
-                    return _error(APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                           code="invalid_api_key"))
-            if state.shutting_down:
-                return _error(APIError(503, "the server is shutting down"))
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > state.max_request_bytes:
-                return _error(APIError(413, f"request body of {length} bytes exceeds the limit of "
-                                            f"{state.max_request_bytes} bytes"))
-        return await call_next(request)
+    app.add_middleware(Guard, state=state)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -223,6 +236,8 @@ def create_app(state: ServerState) -> FastAPI:
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        # the field a client sent, not pydantic's union branch ("prompt.str" -> "prompt")
+        loc = loc[:1] + [p for p in loc[1:] if p.isdigit()]
         if first.get("type") == "json_invalid":
             return _error(APIError(400, "the request body is not valid JSON"))
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
@@ -265,6 +280,9 @@ def create_app(state: ServerState) -> FastAPI:
                 ids = state.tokenizer(p)["input_ids"]
                 prompts.append((p, ids))
             elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+                vocab = state.engine.engine.vocab_size
+                if vocab is not None and any(not 0 <= t < vocab for t in p):
+                    raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
                 prompts.append((state.tokenizer.decode(p), list(p)))
             else:
                 raise APIError(400, "'prompt' must be a string, a list of strings, or token ids", "prompt")

@@ -5,6 +5,7 @@ Shutdown is graceful: on SIGINT/SIGTERM new API requests get a 503, requests in 
 """
 
 import asyncio
+import signal
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
 
@@ -46,4 +47,10 @@ def serve(llm: LLM, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeo
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
     server = uvicorn.Server(config)
-    server.run()
+    # uvicorn re-raises the signal it shut down for once it has restored the previous handler;
+    # make that handler a no-op for SIGTERM so a graceful shutdown exits with status 0.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

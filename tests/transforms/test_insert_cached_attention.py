@@ -32,7 +32,8 @@ def uncached():
 
 @pytest.fixture(scope="module", params=["torch", "sdpa"])
 def cached(request):
-    res = build(family_checkpoint("llama"), up_to=Stage.CACHE_INIT, overrides={"resize_kv_cache": {"enabled": False}},
+    res = build(family_checkpoint("llama"), up_to=Stage.CACHE_INIT, overrides={"resize_kv_cache": {"enabled": False},
+                                                                 "gather_logits_before_lm_head": {"enabled": False}},
                 attn_backend=request.param, **LIMITS)
     return request.param, res
 

@@ -1,0 +1,415 @@
+"""The OpenAI-compatible endpoints give what the Python API gives, streamed or not.
+
+A real ``autodeploy serve`` process on loopback, the official ``openai`` client and raw
+``httpx``; the reference is ``LLM("tiny-llama", max_seq_len=128)`` in this process.
+"""
+
+from collections import Counter, defaultdict
+
+import httpx
+import pytest
+
+from autodeploy import SamplingParams
+
+from serve_utils import LONG_PROMPT, MAX_SEQ_LEN, SERVED_NAME, json_events, parse_prometheus, sse_events
+
+PROMPTS = ["The quick brown fox", "def add(a, b):"]
+CHAT = "Write a haiku about the sea."
+MAX_TOKENS = 10
+# (temperature, seed): greedy, and seeded sampling
+SAMPLING = [pytest.param(0.0, None, id="greedy"), pytest.param(0.8, 1234, id="seeded-t0.8")]
+
+
+def _ref(llm, prompt, **kw):
+    return llm.generate(prompt, SamplingParams(**kw))[0]
+
+
+def _ref_chat(llm, content, **kw):
+    return llm.chat([{"role": "user", "content": content}], SamplingParams(**kw))[0]
+
+
+def _sampling_kwargs(temperature, seed):
+    kw = {"temperature": temperature}
+    if seed is not None:
+        kw["seed"] = seed
+    return kw
+
+
+# ---- completions -------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature,seed", SAMPLING)
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completion_matches_llm_generate(server, llm, prompt, temperature, seed):
+    ref = _ref(llm, prompt, max_tokens=MAX_TOKENS, **_sampling_kwargs(temperature, seed))
+    client = server.client()
+    res = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+                                    **_sampling_kwargs(temperature, seed))
+    assert res.object == "text_completion"
+    assert res.model == SERVED_NAME
+    assert len(res.choices) == 1
+    choice = res.choices[0]
+    assert choice.index == 0
+    assert choice.text == ref.text
+    assert choice.finish_reason == ref.finish_reason
+    assert res.usage.prompt_tokens == len(llm.tokenizer(prompt)["input_ids"]) == len(ref.prompt_token_ids)
+    assert res.usage.completion_tokens == len(ref.token_ids)
+    assert res.usage.total_tokens == res.usage.prompt_tokens + res.usage.completion_tokens
+
+    # streamed: the deltas concatenate to the same text; one final chunk; usage at the end
+    stream = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
+                                       stream_options={"include_usage": True},
+                                       **_sampling_kwargs(temperature, seed))
+    text, finishes, usage = [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            assert c.index == 0
+            text.append(c.text)
+            if c.finish_reason is not None:
+                finishes.append(c.finish_reason)
+    assert "".join(text) == ref.text
+    assert finishes == [ref.finish_reason]
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+
+
+def test_completion_stream_raw_sse_ends_with_done(server, llm):
+    ref = _ref(llm, PROMPTS[0], max_tokens=6, temperature=0)
+    body = {"model": SERVED_NAME, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(list(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    assert events.count("[DONE]") == 1
+    chunks = json_events(events)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ref.text
+    assert all(c["object"] == "text_completion" and c["model"] == SERVED_NAME for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert usage == [{"prompt_tokens": len(ref.prompt_token_ids), "completion_tokens": len(ref.token_ids),
+                      "total_tokens": len(ref.prompt_token_ids) + len(ref.token_ids)}]
+
+
+def test_long_prompt_does_not_stop_early(llm):
+    """The disconnect/shutdown tests rely on this prompt generating without hitting EOS."""
+    ref = _ref(llm, LONG_PROMPT, max_tokens=100, temperature=0)
+    assert ref.finish_reason == "length" and len(ref.token_ids) == 100
+
+
+# ---- chat --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature,seed", SAMPLING)
+def test_chat_matches_llm_chat(server, llm, temperature, seed):
+    ref = _ref_chat(llm, CHAT, max_tokens=MAX_TOKENS, **_sampling_kwargs(temperature, seed))
+    client = server.client()
+    messages = [{"role": "user", "content": CHAT}]
+    res = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                         **_sampling_kwargs(temperature, seed))
+    assert res.object == "chat.completion"
+    assert len(res.choices) == 1
+    msg = res.choices[0].message
+    assert msg.role == "assistant"
+    assert msg.content == ref.text
+    assert res.choices[0].finish_reason == ref.finish_reason
+    assert res.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert res.usage.completion_tokens == len(ref.token_ids)
+    assert res.usage.total_tokens == res.usage.prompt_tokens + res.usage.completion_tokens
+
+    stream = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                            stream=True, stream_options={"include_usage": True},
+                                            **_sampling_kwargs(temperature, seed))
+    text, roles, finishes, usage = [], [], [], None
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.append(c.delta.role)
+            if c.delta.content:
+                text.append(c.delta.content)
+            if c.finish_reason is not None:
+                finishes.append(c.finish_reason)
+    assert roles == ["assistant"]
+    assert "".join(text) == ref.text
+    assert finishes == [ref.finish_reason]
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+
+
+def test_chat_stream_raw_sse_ends_with_done(server, llm):
+    ref = _ref_chat(llm, CHAT, max_tokens=5, temperature=0)
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": CHAT}], "max_tokens": 5,
+            "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            events = sse_events(list(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    chunks = json_events(events)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == ref.text
+
+
+# ---- n, logprobs, echo, stop -------------------------------------------------------------------
+def test_completion_n2_matches_llm(server, llm):
+    ref = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.8, seed=7, n=2))[0]
+    res = server.client().completions.create(model=SERVED_NAME, prompt=PROMPTS[0], max_tokens=6,
+                                             temperature=0.8, seed=7, n=2)
+    assert sorted(c.index for c in res.choices) == [0, 1]
+    by_index = {c.index: c for c in res.choices}
+    for out in ref.outputs:
+        assert by_index[out.index].text == out.text
+        assert by_index[out.index].finish_reason == out.finish_reason
+    assert res.usage.completion_tokens == sum(len(o.token_ids) for o in ref.outputs)
+    assert res.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_chat_n2(server, llm):
+    ref = llm.chat([{"role": "user", "content": CHAT}], SamplingParams(max_tokens=5, temperature=0.8, seed=11, n=2))[0]
+    res = server.client().chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": CHAT}],
+                                                  max_tokens=5, temperature=0.8, seed=11, n=2)
+    assert sorted(c.index for c in res.choices) == [0, 1]
+    for c in res.choices:
+        assert c.message.content == ref.outputs[c.index].text
+
+
+_UNEVEN = {}
+
+
+def _seed_with_uneven_finish(llm, chat: bool):
+    """A seed for which the two sampled choices (8 tokens at most) finish at different steps
+    (one hits EOS first), for LONG_PROMPT as a completion prompt or as a chat message."""
+    if chat not in _UNEVEN:
+        _UNEVEN[chat] = None
+        for seed in range(40):
+            params = SamplingParams(max_tokens=8, temperature=0.8, seed=seed, n=2)
+            if chat:
+                out = llm.chat([{"role": "user", "content": LONG_PROMPT}], params)[0]
+            else:
+                out = llm.generate(LONG_PROMPT, params)[0]
+            if len(out.outputs[0].token_ids) != len(out.outputs[1].token_ids):
+                _UNEVEN[chat] = (seed, out)
+                break
+    if _UNEVEN[chat] is None:
+        pytest.skip("no seed with unevenly finishing choices found")
+    return _UNEVEN[chat]
+
+
+def _stream_n2(server, path, body):
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.url}{path}", json=body) as r:
+            assert r.status_code == 200
+            events = sse_events(list(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    return json_events(events)
+
+
+def test_completion_stream_n2_deltas_concatenate(server, llm):
+    seed, ref = _seed_with_uneven_finish(llm, chat=False)
+    chunks = _stream_n2(server, "/v1/completions", {"model": SERVED_NAME, "prompt": LONG_PROMPT, "max_tokens": 8,
+                                                    "temperature": 0.8, "seed": seed, "n": 2, "stream": True})
+    texts = defaultdict(str)
+    for ch in chunks:
+        for c in ch["choices"]:
+            texts[c["index"]] += c["text"]
+    assert dict(texts) == {o.index: o.text for o in ref.outputs}
+    usage = [ch["usage"] for ch in chunks if ch.get("usage")][-1]
+    assert usage["completion_tokens"] == sum(len(o.token_ids) for o in ref.outputs)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_n2_one_finish_chunk_per_choice(server, llm, path):
+    """A choice that finishes early sends exactly one final chunk, not one per later step."""
+    seed, _ = _seed_with_uneven_finish(llm, chat=path.endswith("chat/completions"))
+    body = {"model": SERVED_NAME, "max_tokens": 8, "temperature": 0.8, "seed": seed, "n": 2, "stream": True}
+    if path == "/v1/completions":
+        body["prompt"] = LONG_PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": LONG_PROMPT}]
+    chunks = _stream_n2(server, path, body)
+    finishes = Counter(c["index"] for ch in chunks for c in ch["choices"] if c["finish_reason"] is not None)
+    assert finishes == {0: 1, 1: 1}
+
+
+def test_completion_logprobs(server, llm):
+    ref = _ref(llm, PROMPTS[1], max_tokens=6, temperature=0, logprobs=2)
+    res = server.client().completions.create(model=SERVED_NAME, prompt=PROMPTS[1], max_tokens=6,
+                                             temperature=0, logprobs=2)
+    lp = res.choices[0].logprobs
+    out = ref.outputs[0]
+    n = len(out.token_ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    for i, (tid, step) in enumerate(zip(out.token_ids, out.logprobs)):
+        chosen_id, chosen_lp = next(iter(step.items()))
+        assert chosen_id == tid
+        assert lp.tokens[i] == llm.tokenizer.decode([tid])
+        assert lp.token_logprobs[i] == pytest.approx(chosen_lp, abs=1e-4)
+        assert lp.token_logprobs[i] <= 0
+        top = lp.top_logprobs[i]
+        assert next(iter(top)) == lp.tokens[i]  # the chosen token first
+        assert 1 <= len(top) <= 3  # chosen + up to 2 alternatives
+    # greedy: the chosen token is the most likely one
+    for i in range(n):
+        assert lp.token_logprobs[i] >= max(lp.top_logprobs[i].values()) - 1e-4
+
+    # streamed: the per-chunk logprobs concatenate to the same tokens and values
+    stream = server.client().completions.create(model=SERVED_NAME, prompt=PROMPTS[1], max_tokens=6,
+                                                temperature=0, logprobs=2, stream=True)
+    tokens, values = [], []
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+    assert tokens == lp.tokens
+    assert values == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def test_completion_stream_logprobs_text_offset(server):
+    body = {"model": SERVED_NAME, "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    with httpx.Client(timeout=60) as http:
+        full = http.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        with http.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}) as r:
+            chunks = json_events(sse_events(list(r.iter_lines())))
+    offsets = [o for ch in chunks for c in ch["choices"] if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert len(offsets) == len(full["text_offset"]) > 1
+    assert offsets == full["text_offset"]
+
+
+def test_chat_logprobs(server, llm):
+    ref = _ref_chat(llm, CHAT, max_tokens=4, temperature=0, logprobs=2)
+    res = server.client().chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": CHAT}],
+                                                  max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = res.choices[0].logprobs.content
+    assert len(content) == len(ref.token_ids)
+    for entry, tid, step in zip(content, ref.token_ids, ref.outputs[0].logprobs):
+        assert entry.token == llm.tokenizer.decode([tid])
+        assert entry.logprob == pytest.approx(step[tid], abs=1e-4)
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_completion_echo(server, llm, stream):
+    prompt = PROMPTS[0]
+    ref = _ref(llm, prompt, max_tokens=5, temperature=0)
+    client = server.client()
+    if stream:
+        text = "".join(c.text for ch in client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=5,
+                                                                   temperature=0, echo=True, stream=True)
+                       for c in ch.choices)
+    else:
+        text = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=5, temperature=0,
+                                         echo=True).choices[0].text
+    assert text.startswith(prompt)
+    assert text == prompt + ref.text
+
+
+def _stop_string(text):
+    """A 2-character stop string taken from inside ``text`` (first occurrence at k > 0)."""
+    for k in range(1, len(text) - 1):
+        s = text[k:k + 2]
+        if "\ufffd" not in s and s.strip() and text.find(s) == k:
+            return s, k
+    pytest.skip(f"no usable stop string in {text!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_completion_stop_string(server, llm, stream):
+    greedy = _ref(llm, PROMPTS[1], max_tokens=12, temperature=0)
+    stop, k = _stop_string(greedy.text)
+    ref = _ref(llm, PROMPTS[1], max_tokens=12, temperature=0, stop=[stop])
+    assert ref.text == greedy.text[:k] and ref.finish_reason == "stop"
+    client = server.client()
+    if stream:
+        parts, finish = [], None
+        for ch in client.completions.create(model=SERVED_NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                            stop=[stop], stream=True):
+            for c in ch.choices:
+                parts.append(c.text)
+                finish = c.finish_reason or finish
+        text = "".join(parts)
+    else:
+        c = client.completions.create(model=SERVED_NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                      stop=stop).choices[0]
+        text, finish = c.text, c.finish_reason
+    assert text == greedy.text[:k]
+    assert stop not in text
+    assert finish == "stop"
+
+
+def test_chat_stop_string(server, llm):
+    greedy = _ref_chat(llm, CHAT, max_tokens=12, temperature=0)
+    stop, k = _stop_string(greedy.text)
+    res = server.client().chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": CHAT}],
+                                                  max_tokens=12, temperature=0, stop=[stop])
+    assert res.choices[0].message.content == greedy.text[:k]
+    assert res.choices[0].finish_reason == "stop"
+
+
+def test_completion_token_id_prompt(server, llm):
+    ids = llm.tokenizer(PROMPTS[0])["input_ids"]
+    ref = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=5, temperature=0))[0]
+    res = server.client().completions.create(model=SERVED_NAME, prompt=ids, max_tokens=5, temperature=0)
+    assert res.choices[0].text == ref.text
+    assert res.usage.prompt_tokens == len(ids)
+
+
+def test_completion_prompt_list(server, llm):
+    refs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0))
+    res = server.client().completions.create(model=SERVED_NAME, prompt=PROMPTS, max_tokens=4, temperature=0)
+    assert [c.index for c in res.choices] == [0, 1]
+    assert [c.text for c in res.choices] == [r.text for r in refs]
+    assert res.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
+
+
+# ---- models, health, metrics -------------------------------------------------------------------
+def test_models_lists_served_name(server):
+    models = server.client().models.list()
+    ids = [m.id for m in models.data]
+    assert ids == [SERVED_NAME]
+    raw = httpx.get(f"{server.url}/v1/models", timeout=10).json()
+    assert raw["object"] == "list"
+    assert raw["data"][0]["max_model_len"] == MAX_SEQ_LEN
+
+
+def test_health(server):
+    r = httpx.get(f"{server.url}/health", timeout=10)
+    assert r.status_code == 200
+    assert r.json()["status"] == "ok"
+
+
+def test_metrics_prometheus_text(server):
+    server.client().completions.create(model=SERVED_NAME, prompt="metrics", max_tokens=3, temperature=0)
+    r = httpx.get(f"{server.url}/metrics", timeout=10)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for name, kind in [("autodeploy_kv_pages_used", "gauge"), ("autodeploy_kv_pages_free", "gauge"),
+                       ("autodeploy_requests_running", "gauge"), ("autodeploy_requests_total", "counter"),
+                       ("autodeploy_generation_tokens_total", "counter"),
+                       ("autodeploy_time_to_first_token_seconds", "histogram"),
+                       ("autodeploy_inter_token_latency_seconds", "histogram")]:
+        assert f"# TYPE {name} {kind}" in text
+    m = parse_prometheus(text)
+    assert m['autodeploy_requests_total{status="completed"}'] >= 1
+    assert m["autodeploy_generation_tokens_total"] >= 3
+    assert m["autodeploy_time_to_first_token_seconds_count"] >= 1
+    ttft = "autodeploy_time_to_first_token_seconds"
+    assert m[f'{ttft}_bucket{{le="+Inf"}}'] == m[f"{ttft}_count"]
+    assert m["autodeploy_inter_token_latency_seconds_count"] >= 1
+    m = server.wait_idle()
+    assert m["autodeploy_kv_pages_used"] == 0
+    assert m["autodeploy_kv_pages_free"] > 0
+    assert m["autodeploy_requests_running"] == 0
+
+
+def test_generation_tokens_counter_counts_tokens(server):
+    before = server.metrics()
+    res = server.client().completions.create(model=SERVED_NAME, prompt=LONG_PROMPT, max_tokens=7, temperature=0)
+    after = server.metrics()
+    assert res.usage.completion_tokens == 7
+    assert after["autodeploy_generation_tokens_total"] - before["autodeploy_generation_tokens_total"] == 7
+    completed = 'autodeploy_requests_total{status="completed"}'
+    assert after[completed] - before[completed] == 1
