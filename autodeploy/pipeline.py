@@ -62,5 +62,7 @@ def build_graph(
         max_num_tokens=config.max_num_tokens,
         page_size=config.page_size,
     )
+    # transforms before compile_model choose kernels it must be able to compile
+    ctx.extras["compile_backend"] = (config.transforms.get("compile_model") or {}).get("backend", "torch-simple")
     gm = optimizer(ctx, log_summary=log_summary, show_progress=show_progress)
     return BuildResult(gm, ctx, factory, config)  # type: ignore[arg-type]

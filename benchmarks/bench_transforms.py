@@ -36,8 +36,10 @@ from autodeploy.pipeline import build_graph  # noqa: E402
 VARIANTS: Dict[str, Dict[str, Dict[str, Any]]] = {
     "default": {},
     "-fuse_gemms": {"fuse_gemms": {"enabled": False}},
-    "-match_swiglu/fuse_swiglu": {"match_swiglu_pattern": {"enabled": False}, "fuse_swiglu": {"enabled": False}},
-    "-fuse_swiglu (fuse_gemms+fuse_silu_mul)": {"fuse_swiglu": {"enabled": False}, "match_swiglu_pattern": {"enabled": False}},
+    # without the swiglu matcher, fuse_gemms stacks gate/up and fuse_silu_mul takes the activation
+    "-match_swiglu/fuse_swiglu (fuse_gemms+fuse_silu_mul)": {"match_swiglu_pattern": {"enabled": False},
+                                                             "fuse_swiglu": {"enabled": False}},
+    "-fuse_swiglu (swiglu op with 3 linears)": {"fuse_swiglu": {"enabled": False}},
     "-fuse_swiglu -fuse_silu_mul": {"fuse_swiglu": {"enabled": False}, "match_swiglu_pattern": {"enabled": False},
                                     "fuse_silu_mul": {"enabled": False}},
     "-fuse_add_rms_norm": {"fuse_add_rms_norm": {"enabled": False}},
@@ -45,9 +47,8 @@ VARIANTS: Dict[str, Dict[str, Dict[str, Any]]] = {
     "-optimize_rope": {"optimize_rope": {"enabled": False}},
     "-gather_logits_before_lm_head": {"gather_logits_before_lm_head": {"enabled": False}},
     "compile_backend=torch-compile": {"compile_model": {"backend": "torch-compile"}},
+    "linear_backend=torch": {"select_linear_backend": {"backend": "torch"}},
     "linear_backend=blas": {"select_linear_backend": {"backend": "blas"}},
-    "linear_backend=blas -fuse_swiglu": {"select_linear_backend": {"backend": "blas"},
-                                         "match_swiglu_pattern": {"enabled": False}, "fuse_swiglu": {"enabled": False}},
 }
 
 

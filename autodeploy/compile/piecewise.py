@@ -78,11 +78,12 @@ class _FrozenPiece(nn.Module):
         if bucket is None:
             return self.piece(*args)
         if bucket not in self.runners:
-            static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            # opaque packed weights (oneDNN, CPU) are constants: captured as they are
+            static = [a.clone() if isinstance(a, torch.Tensor) and not a.is_mkldnn else a for a in args]
             self.runners[bucket] = (static, self.owner.capture(self.piece, static, self.owner.pool))
         static, (replay, out) = self.runners[bucket]
         for dst, src in zip(static, args):
-            if isinstance(dst, torch.Tensor) and dst.data_ptr() != src.data_ptr():
+            if isinstance(dst, torch.Tensor) and dst is not src and dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
         replay()
         return out

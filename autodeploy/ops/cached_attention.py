@@ -151,8 +151,13 @@ def sdpa_cached_attention_with_cache(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     if q.shape[1] == seq_len.shape[0]:
-        # Every sequence has one new token (a decode step): no host reads, so this path can
-        # be captured in a CUDA graph; the page table's width bounds the gather.
+        # Every sequence has one new token (a decode step). On CUDA: no host reads, so this path
+        # can be captured in a CUDA graph, and the page table's width bounds the gather. On CPU
+        # a host read is cheap and gathering only the pages in use saves most of the copying
+        # (with max_seq_len 520 and 40 cached tokens, 13x fewer keys).
+        if q.device.type == "cpu":
+            width = -(-int((input_pos + seq_len).max()) // k_cache.shape[1])
+            page_table = page_table[:, :width]
         out[0] = _decode_sdpa(q[0], seq_len, input_pos, page_table, k_cache, v_cache, scale, sliding_window)
         return out
     num_prefill, _, num_decode = batch_info.tolist()

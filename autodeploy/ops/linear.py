@@ -6,6 +6,14 @@ import torch
 from torch import Tensor
 
 
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``x @ weight.T + bias`` for ops that hold weights: ``weight`` may be a oneDNN-packed
+    tensor (``select_linear_backend`` with backend onednn), which only oneDNN's linear can read."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 @torch.library.custom_op("autodeploy::torch_linear_simple", mutates_args=())
 def torch_linear_simple(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``x @ weight.T + bias`` behind an op boundary.

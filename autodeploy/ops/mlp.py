@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .linear import linear
+
 
 @torch.library.custom_op("autodeploy::torch_swiglu_mlp", mutates_args=())
 def torch_swiglu_mlp(
@@ -18,9 +20,9 @@ def torch_swiglu_mlp(
     down_bias: Optional[Tensor] = None,
 ) -> Tensor:
     """``down(silu(gate(x)) * up(x))``: the Llama-family MLP as one canonical node."""
-    gate = F.linear(x, gate_weight, gate_bias)
-    up = F.linear(x, up_weight, up_bias)
-    return F.linear(F.silu(gate) * up, down_weight, down_bias)
+    gate = linear(x, gate_weight, gate_bias)
+    up = linear(x, up_weight, up_bias)
+    return linear(F.silu(gate) * up, down_weight, down_bias)
 
 
 @torch_swiglu_mlp.register_fake
@@ -37,8 +39,8 @@ def torch_fused_swiglu_mlp(
     down_bias: Optional[Tensor] = None,
 ) -> Tensor:
     """SwiGLU with gate and up weights stacked (gate rows first): one GEMM for both."""
-    gate_up = F.linear(x, gate_up_weight, gate_up_bias)
-    return F.linear(torch_silu_and_mul_impl(gate_up), down_weight, down_bias)
+    gate_up = linear(x, gate_up_weight, gate_up_bias)
+    return linear(torch_silu_and_mul_impl(gate_up), down_weight, down_bias)
 
 
 @torch_fused_swiglu_mlp.register_fake

@@ -151,6 +151,9 @@ def model_tensor_bytes(mod: Optional[nn.Module]) -> int:
     for t in tensors:
         if t.is_meta:
             continue
+        if t.is_mkldnn:  # opaque packed weights have no storage to share
+            total += t.numel() * t.element_size()
+            continue
         key = (t.device, t.untyped_storage().data_ptr())
         if key in seen:
             continue

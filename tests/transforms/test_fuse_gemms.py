@@ -258,6 +258,11 @@ def test_peak_memory_is_one_group_not_the_model():
 # ---- the pipeline on the tiny llama checkpoint --------------------------------------------------
 
 
+def _tensors(gm):
+    """Parameters and buffers: select_linear_backend stores packed (oneDNN) weights as buffers."""
+    return {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+
+
 def _record(result, key):
     return next(r for r in result.context.history if r.key == key)
 
@@ -267,7 +272,7 @@ def test_llama_pipeline_counts_and_numerics():
     default = build(ckpt, up_to=Stage.POST_LOAD_FUSION)
     rec = _record(default, "fuse_gemms")
     assert rec.status == "ok" and rec.num_matches == 2  # qkv per layer; gate/up went to swiglu
-    params = dict(default.graph.named_parameters())
+    params = _tensors(default.graph)
     for layer in range(2):
         fused = params[f"model.layers.{layer}.self_attn.fused_q_proj_k_proj_v_proj"]
         assert fused.shape == (64 + 32 + 32, 64)
@@ -276,7 +281,7 @@ def test_llama_pipeline_counts_and_numerics():
     no_swiglu = build(ckpt, up_to=Stage.POST_LOAD_FUSION, overrides={"match_swiglu_pattern": {"enabled": False}})
     rec = _record(no_swiglu, "fuse_gemms")
     assert rec.status == "ok" and rec.num_matches == 4  # qkv + gate/up per layer
-    names = {n for n, _ in no_swiglu.graph.named_parameters()}
+    names = set(_tensors(no_swiglu.graph))
     assert "model.layers.0.mlp.fused_gate_proj_up_proj" in names
     assert not [n for n in names if "gate_proj.weight" in n or "up_proj.weight" in n]
 

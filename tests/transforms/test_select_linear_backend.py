@@ -1,4 +1,5 @@
-"""select_linear_backend: backend "blas" -> autodeploy.blas_linear for float32 parameter linears."""
+"""select_linear_backend: "onednn" (the CPU default) packs float32 weights for oneDNN's linear;
+"blas" -> autodeploy.blas_linear for float32 parameter linears; "torch" changes nothing."""
 
 import copy
 import logging
@@ -8,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autodeploy.transform.interface import Stage
+from autodeploy.transform.interface import PipelineContext, Stage
+from autodeploy.transform.optimizer import build_transform
 from helpers import apply_transform, assert_same_outputs, build, count_op, export_gm, family_checkpoint, rel_rmse
 
 ad = torch.ops.autodeploy
@@ -67,6 +69,7 @@ def test_blas_swaps_fp32_linears(monkeypatch):
     assert count_op(gm, aten.linear) == 0
     with_bias = [n for n in gm.graph.nodes if n.target == ad.blas_linear.default and len(n.args) > 2 and n.args[2] is not None]
     assert len(with_bias) == 1
+    assert "blas_linear" in gm.code and "aten.linear" not in gm.code
     for shape in ((2, 5, 32), (3, 1, 32), (7, 32)):
         x = torch.randn(*shape)
         with torch.no_grad():
@@ -86,10 +89,106 @@ def test_torch_backend_changes_nothing(monkeypatch, caplog, propagate_autodeploy
     assert not any(WARNING in r.getMessage() for r in caplog.records)
 
 
-def test_default_backend_is_torch():
+ONEDNN = torch.ops.mkldnn._linear_pointwise
+
+
+class TiedHead(nn.Module):
+    """An embedding whose table is also the output projection (tied word embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 32)
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, ids):
+        return F.linear(self.proj(self.emb(ids)), self.emb.weight)
+
+
+class FusedSwiglu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(96, 32) / 6)
+        self.down = nn.Parameter(torch.randn(32, 48) / 7)
+
+    def forward(self, x):
+        return ad.torch_fused_swiglu_mlp(x, self.gate_up, self.down)
+
+
+def _packed_attrs(gm):
+    return {n: t for n, t in gm.named_buffers() if t.is_mkldnn}
+
+
+def test_default_backend_on_cpu_is_onednn():
     reference, gm, record = _run(TwoLinears())
-    assert record.num_matches == 0
-    assert gm.code == reference.code
+    assert record.num_matches == 2
+    assert count_op(gm, ONEDNN) == 2 and count_op(gm, aten.linear) == 0
+    assert set(_packed_attrs(gm)) == {"a.weight", "b.weight"}
+    assert "a.weight" not in dict(gm.named_parameters())  # packed in place: no second copy
+    assert "_linear_pointwise" in gm.code and "aten.linear" not in gm.code
+    for shape in ((2, 5, 32), (3, 1, 32), (7, 32), (1, 0, 32)):
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            ref, out = reference(x), gm(x)
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_with_non_contiguous_input():
+    reference, gm, _ = _run(TwoLinears(), backend="onednn")
+    x = torch.randn(5, 2, 32).transpose(0, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_tied_weight_gets_a_packed_copy():
+    gm = export_gm(TiedHead().eval(), torch.randint(0, 40, (2, 5)))
+    reference = copy.deepcopy(gm)
+    gm, record = apply_transform("select_linear_backend", gm, backend="onednn")
+    assert record.num_matches == 2 and count_op(gm, ONEDNN) == 2
+    assert set(_packed_attrs(gm)) == {"proj.weight", "emb.weight_onednn"}
+    assert not dict(gm.named_parameters())["emb.weight"].is_mkldnn  # the embedding still reads it
+    assert_same_outputs(reference, gm, [(torch.randint(0, 40, (2, 5)),), (torch.randint(0, 40, (1, 9)),)])
+
+
+def test_onednn_packs_fused_swiglu_weights():
+    gm = export_gm(FusedSwiglu().eval(), torch.randn(2, 5, 32))
+    reference = copy.deepcopy(gm)
+    gm, record = apply_transform("select_linear_backend", gm, backend="onednn")
+    assert record.num_matches == 1
+    assert count_op(gm, ad.torch_fused_swiglu_mlp) == 1
+    assert set(_packed_attrs(gm)) == {"gate_up", "down"}
+    assert_same_outputs(reference, gm, [(torch.randn(2, 5, 32),), (torch.randn(1, 3, 32),)])
+
+
+def test_onednn_leaves_bf16_and_computed_weights_alone():
+    for module, dtype in ((TwoLinears(torch.bfloat16), torch.bfloat16), (ComputedWeight(), torch.float32)):
+        reference, gm, record = _run(module, dtype=dtype, backend="onednn")
+        assert record.num_matches == 0 and count_op(gm, ONEDNN) == 0
+        assert gm.code == reference.code
+
+
+def test_auto_keeps_torch_linears_for_torch_compile():
+    gm = export_gm(TwoLinears().eval(), torch.randn(2, 5, 32))
+    ctx = PipelineContext(extras={"compile_backend": "torch-compile"})
+    gm = build_transform("select_linear_backend", {})(gm, ctx)
+    assert ctx.history[-1].status == "skipped"
+    assert count_op(gm, aten.linear) == 2 and count_op(gm, ONEDNN) == 0
+
+
+def test_llama_pipeline_default_packs_every_linear():
+    result = build(family_checkpoint("llama"), up_to=Stage.POST_LOAD_FUSION)
+    record = next(r for r in result.context.history if r.key == "select_linear_backend")
+    # per layer the fused qkv, o_proj and the fused swiglu MLP; plus lm_head
+    assert record.status == "ok" and record.num_matches == 3 * 2 + 1
+    gm = result.graph
+    assert count_op(gm, aten.linear) == 0 and count_op(gm, ONEDNN) == 2 * 2 + 1
+    reference = build(family_checkpoint("llama"), up_to=Stage.POST_LOAD_FUSION,
+                      overrides={"select_linear_backend": {"backend": "torch"}}).graph
+    for b, s in ((1, 6), (3, 2)):
+        ids = torch.randint(0, 512, (b, s))
+        pos = torch.arange(s).expand(b, s)
+        with torch.no_grad():
+            assert rel_rmse(gm(ids, pos), reference(ids, pos)) < 1e-5
 
 
 def test_bf16_weights_left_alone(monkeypatch):

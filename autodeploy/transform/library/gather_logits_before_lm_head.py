@@ -4,6 +4,7 @@ Before (``T`` tokens in the step, ``B`` sequences)::
 
     h = ...                                   # [1, T, hidden]
     logits = aten.linear(h, lm_head_w)        # [1, T, vocab]   (+ elementwise ops, e.g. soft-cap)
+                                              # (or the oneDNN/BLAS linear select_linear_backend chose)
 
 After::
 
@@ -27,6 +28,10 @@ from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, 
 aten = torch.ops.aten
 # Ops between the LM head and the output that act on each token independently.
 TOKENWISE = (aten.mul, aten.div, aten.add, aten.sub, aten.tanh, aten.to, aten._to_copy)
+# The linear forms the head may have by now (select_linear_backend runs before this).
+LINEARS = (aten.linear, torch.ops.autodeploy.blas_linear) + (
+    (torch.ops.mkldnn._linear_pointwise,) if hasattr(torch.ops.mkldnn, "_linear_pointwise") else ()
+)
 
 
 def find_lm_head(gm: fx.GraphModule) -> Optional[fx.Node]:
@@ -34,7 +39,7 @@ def find_lm_head(gm: fx.GraphModule) -> Optional[fx.Node]:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     node = output.args[0]
     while isinstance(node, fx.Node):
-        if is_op(node, aten.linear):
+        if is_op(node, LINEARS):
             return node
         if not is_op(node, TOKENWISE) or len(node.users) != 1:
             return None

@@ -1,63 +1,213 @@
-"""``select_linear_backend`` (post_load_fusion): choose the GEMM implementation of plain linears.
+"""``select_linear_backend`` (post_load_fusion): choose the GEMM implementation of the linears.
 
 Before::
 
-    y = aten.linear(x, w, b)
+    y = aten.linear(x, w, b)                          # w: float32 parameter [N, K]
+    y = autodeploy.torch_fused_swiglu_mlp(x, w_gu, w_d)
 
-After (``backend: blas``, CPU, float32 weights)::
+After, ``backend: onednn`` (the ``auto`` choice on CPU with the ``torch-simple`` compile backend)::
+
+    y = mkldnn._linear_pointwise(x, w_packed, b, "none", [], "")   # w_packed: oneDNN blocked layout
+    y = autodeploy.torch_fused_swiglu_mlp(x, w_gu_packed, w_d_packed)  # the op sees packed weights
+
+After, ``backend: blas``::
 
     y = autodeploy.blas_linear(x, w, b)        # NumPy's OpenBLAS instead of torch's BLAS
 
-Why: on the 2-core AVX2 machines measured here, OpenBLAS runs fp32 matrix-vector products
-(decode at batch 1) at about twice the weight bandwidth of torch's BLAS and small batches
-5-15% faster. But two thread pools then share the cores: with the default OpenMP wait policy
-torch's threads spin while OpenBLAS works and the model got 3.7x *slower*; with
-``OMP_WAIT_POLICY=PASSIVE`` set before Python starts, batch-1 decode of the ``small`` preset
-went from 47.6 ms (torch backend, default policy) to 38.8 ms (benchmarks/RESULTS.md). So it is
-off by default and warns without that setting. Linears whose weight is not a float32
-parameter, or graphs on another device, are left alone.
+Why oneDNN: on the AMD EPYC (AVX2) machines measured here, the BLAS torch ships (MKL) takes a
+slow generic path for fp32 GEMMs: 10-12 GB/s of weight bandwidth for matrix-vector products
+(decode at batch 1) and 3-7 GB/s at batch 8-32, while a sum over memory reads 50 GB/s. oneDNN's
+JIT kernels over weights packed once at load run the same GEMMs 1.3-3.4x faster at every batch
+size (numbers in benchmarks/RESULTS.md). The packed tensor is opaque (``torch._mkldnn`` layout),
+so nothing else may read it: a weight that another node also uses (a head tied to the embedding)
+gets a packed copy and keeps its original. Inductor cannot lower the packed op, so ``auto``
+keeps plain linears with ``torch-compile``.
+
+Why ``blas`` stays opt-in: two thread pools then share the cores: with the default OpenMP wait
+policy torch's threads spin while OpenBLAS works (3.7x slower); with ``OMP_WAIT_POLICY=PASSIVE``
+set before Python starts it beat MKL at batch 1 but not oneDNN. It warns without that setting.
+
+Linears whose weight is not a float32 ``get_attr`` tensor, and graphs on another device, are left
+alone.
 """
 
 import os
-from typing import Literal
+from typing import Dict, List, Literal, Set, Tuple
 
 import torch
 from pydantic import Field
-from torch import fx
+from torch import fx, nn
 
 from ...utils.logging import get_logger
 from ..graph_utils import get_attr_value, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
 aten = torch.ops.aten
+ad = torch.ops.autodeploy
 logger = get_logger(__name__)
+
+# (op, argument positions that hold weights a packed tensor may replace)
+_WEIGHT_SLOTS: Tuple[Tuple[object, Tuple[int, ...]], ...] = (
+    (aten.linear.default, (1,)),
+    (ad.torch_fused_swiglu_mlp.default, (1, 2)),
+    (ad.torch_swiglu_mlp.default, (1, 2, 3)),
+)
+# compile backends that trace the graph again and cannot handle the opaque packed weights
+_RETRACING_BACKENDS = ("torch-compile",)
 
 
 class SelectLinearBackendConfig(TransformConfig):
     stage: Stage = Stage.POST_LOAD_FUSION
-    backend: Literal["torch", "blas"] = Field(default="torch", description="GEMM implementation for aten.linear.")
+    backend: Literal["auto", "torch", "onednn", "blas"] = Field(
+        default="auto",
+        description="GEMM implementation of the linears: auto (onednn on CPU with the torch-simple compile "
+        "backend, torch otherwise), torch (torch's BLAS), onednn (oneDNN over weights packed at load, CPU), "
+        "blas (NumPy's OpenBLAS, CPU; needs OMP_WAIT_POLICY=PASSIVE).",
+    )
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 @TransformRegistry.register("select_linear_backend")
 class SelectLinearBackend(BaseTransform):
     config_class = SelectLinearBackendConfig
-    run_after = ("fuse_gemms", "fuse_gemms_mixed_children", "fuse_swiglu")
+    run_after = ("fuse_gemms", "fuse_gemms_mixed_children", "fuse_swiglu", "fuse_silu_mul")
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
-        cfg: SelectLinearBackendConfig = self.config  # type: ignore[assignment]
-        if cfg.backend == "torch" or torch.device(ctx.device).type != "cpu":
+        backend = self._resolve(ctx)
+        if backend == "torch":
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
-        if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        count = _use_onednn(gm) if backend == "onednn" else _use_blas(gm)
+        gm.recompile()
+        return TransformInfo(num_matches=count, is_clean=True, has_valid_shapes=True)
+
+    def _resolve(self, ctx: PipelineContext) -> str:
+        backend: str = self.config.backend  # type: ignore[attr-defined]
+        on_cpu = torch.device(ctx.device).type == "cpu"
+        compile_backend = ctx.extras.get("compile_backend", "torch-simple")
+        if backend == "auto":
+            use = on_cpu and onednn_available() and compile_backend not in _RETRACING_BACKENDS
+            return "onednn" if use else "torch"
+        if backend != "torch" and not on_cpu:
+            logger.warning("linear backend '%s' is CPU-only; device %s keeps torch's linears", backend, ctx.device)
+            return "torch"
+        if backend == "onednn" and not onednn_available():
+            logger.warning("linear backend 'onednn' asked for, but this torch build has no oneDNN; keeping torch's")
+            return "torch"
+        if backend == "onednn" and compile_backend in _RETRACING_BACKENDS:
+            logger.warning("linear backend 'onednn' cannot be compiled by '%s'; keeping torch's linears",
+                           compile_backend)
+            return "torch"
+        if backend == "blas" and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
             logger.warning(
                 "linear backend 'blas' without OMP_WAIT_POLICY=PASSIVE in the environment: torch's and "
                 "OpenBLAS's threads will contend (measured 3.7x slower); set it before starting Python"
             )
-        count = 0
-        for node in gm.graph.nodes:
-            if not is_op(node, aten.linear) or not isinstance(node.args[1], fx.Node) or node.args[1].op != "get_attr":
+        return backend
+
+
+def _use_blas(gm: fx.GraphModule) -> int:
+    count = 0
+    for node in gm.graph.nodes:
+        if not is_op(node, aten.linear) or not isinstance(node.args[1], fx.Node) or node.args[1].op != "get_attr":
+            continue
+        if get_attr_value(gm, node.args[1]).dtype != torch.float32:
+            continue
+        node.target = ad.blas_linear.default
+        count += 1
+    return count
+
+
+def _packable(gm: fx.GraphModule, node: object) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return False
+    value = get_attr_value(gm, node)
+    return (isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.dim() == 2
+            and value.device.type == "cpu" and not value.is_mkldnn)
+
+
+def _use_onednn(gm: fx.GraphModule) -> int:
+    """Pack every float32 weight that only linears read, once per tensor; rewrite aten.linear."""
+    slots: Dict[str, List[Tuple[fx.Node, int]]] = {}  # weight target -> (user, arg index)
+    linears: List[fx.Node] = []
+    mlps: Set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        for op, positions in _WEIGHT_SLOTS:
+            if node.op != "call_function" or node.target != op:
                 continue
-            if get_attr_value(gm, node.args[1]).dtype != torch.float32:
-                continue
-            node.target = torch.ops.autodeploy.blas_linear.default
-            count += 1
-        return TransformInfo(num_matches=count, is_clean=True, has_valid_shapes=True)
+            packable = [i for i in positions if i < len(node.args) and _packable(gm, node.args[i])]
+            if packable:
+                (linears.append(node) if op is aten.linear.default else mlps.add(node))
+            for i in packable:
+                slots.setdefault(str(node.args[i].target), []).append((node, i))
+
+    slot_users: Set[Tuple[fx.Node, int]] = {s for uses in slots.values() for s in uses}
+    packed_names: Dict[str, str] = {}
+    for target, uses in slots.items():
+        readers = [n for n in gm.graph.nodes if n.op == "get_attr" and str(n.target) == target]
+        exclusive = all(_only_weight_slots(r, slot_users) for r in readers)
+        packed_names[target] = _pack(gm, target, in_place=exclusive)
+        for user, i in uses:
+            old = user.args[i]
+            if str(old.target) != packed_names[target]:
+                with gm.graph.inserting_before(user):
+                    new = gm.graph.get_attr(packed_names[target])
+                new.meta.update(old.meta)
+                user.update_arg(i, new)
+    for node in linears:
+        x, w = node.args[0], node.args[1]
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        node.target = torch.ops.mkldnn._linear_pointwise.default
+        node.args = (x, w, b, "none", [], "")
+        node.kwargs = {}
+    gm.graph.eliminate_dead_code()
+    _drop_unread(gm, [t for t, name in packed_names.items() if name != t])
+    logger.debug("onednn: packed %d weights for %d linears and %d MLPs", len(packed_names), len(linears), len(mlps))
+    return len(linears) + len(mlps)
+
+
+def _only_weight_slots(reader: fx.Node, slot_users: Set[Tuple[fx.Node, int]]) -> bool:
+    """Whether every use of ``reader`` is a weight slot that will take the packed tensor."""
+    for user in reader.users:
+        positions = [i for i, a in enumerate(user.args) if a is reader]
+        if not positions or reader in user.kwargs.values():
+            return False
+        if any((user, i) not in slot_users for i in positions):
+            return False
+    return True
+
+
+def _owner(gm: fx.GraphModule, target: str) -> Tuple[nn.Module, str]:
+    *path, leaf = target.split(".")
+    owner: nn.Module = gm
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, leaf
+
+
+def _pack(gm: fx.GraphModule, target: str, in_place: bool) -> str:
+    """Store the packed weight in place of the original, or beside it when others read it."""
+    owner, leaf = _owner(gm, target)
+    weight = getattr(owner, leaf)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    if in_place:
+        owner._parameters.pop(leaf, None)
+        owner._buffers.pop(leaf, None)
+        owner.register_buffer(leaf, packed, persistent=False)
+        return target
+    name = f"{leaf}_onednn"
+    owner.register_buffer(name, packed, persistent=False)
+    return target.rsplit(".", 1)[0] + f".{name}" if "." in target else name
+
+
+def _drop_unread(gm: fx.GraphModule, targets: List[str]) -> None:
+    """Free originals whose every reader moved to the packed copy."""
+    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for target in targets:
+        if target in read:
+            continue
+        owner, leaf = _owner(gm, target)
+        owner._parameters.pop(leaf, None)
+        owner._buffers.pop(leaf, None)
