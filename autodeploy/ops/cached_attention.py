@@ -165,19 +165,21 @@ def sdpa_cached_attention_with_cache(
     for i in range(num_prefill):
         n, start = lengths[i], starts[i]
         rows = slice(offsets[i], offsets[i] + n)
-        qi = q[0, rows].transpose(0, 1)  # [n_heads, n, d]
+        # 4-D [1, heads, n, d]: with 3-D inputs torch's CPU SDPA takes the unfused math path
+        # (measured 3.2x slower for a 512-token GQA prefill).
+        qi = q[:, rows].transpose(1, 2)
         if start == 0 and (sliding_window is None or n <= sliding_window):
-            ki, vi = k[0, rows].transpose(0, 1), v[0, rows].transpose(0, 1)
+            ki, vi = k[:, rows].transpose(1, 2), v[:, rows].transpose(1, 2)
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
             total = start + n
-            ki = _gather(k_cache, page_table[i], total).to(q.dtype).transpose(0, 1)
-            vi = _gather(v_cache, page_table[i], total).to(q.dtype).transpose(0, 1)
+            ki = _gather(k_cache, page_table[i], total).to(q.dtype).transpose(0, 1)[None]
+            vi = _gather(v_cache, page_table[i], total).to(q.dtype).transpose(0, 1)[None]
             qpos = torch.arange(start, total, device=q.device)[:, None]
             kpos = torch.arange(total, device=q.device)[None, :]
             mask = _window_mask(kpos, qpos, torch.tensor(total, device=q.device), sliding_window)
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[0, rows] = o.transpose(0, 1)
+        out[0, rows] = o[0].transpose(0, 1)
     if num_decode:
         dec = slice(num_prefill, num_prefill + num_decode)
         rows = slice(offsets[num_prefill], offsets[num_prefill] + num_decode)

@@ -54,3 +54,20 @@ def blas_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Ten
 @blas_linear.register_fake
 def _blas_linear_fake(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("autodeploy::onednn_linear", mutates_args=())
+def onednn_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """oneDNN's linear over a packed weight (``select_linear_backend``), behind an op boundary.
+
+    torch-simple graphs call ``mkldnn._linear_pointwise`` directly (no custom-op dispatch cost);
+    graphs for ``torch.compile`` use this op instead, because inductor cannot lower the mkldnn op
+    itself but runs an opaque custom op as an external kernel.
+    """
+    return linear(x, weight, bias)
+
+
+@onednn_linear.register_fake
+def _onednn_linear_fake(x, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+

@@ -143,10 +143,14 @@ def test_onednn_with_non_contiguous_input():
 def test_onednn_tied_weight_gets_a_packed_copy():
     gm = export_gm(TiedHead().eval(), torch.randint(0, 40, (2, 5)))
     reference = copy.deepcopy(gm)
+    loaded_ptr = dict(gm.named_parameters())["emb.weight"].data_ptr()
     gm, record = apply_transform("select_linear_backend", gm, backend="onednn")
     assert record.num_matches == 2 and count_op(gm, ONEDNN) == 2
     assert set(_packed_attrs(gm)) == {"proj.weight", "emb.weight_onednn"}
-    assert not dict(gm.named_parameters())["emb.weight"].is_mkldnn  # the embedding still reads it
+    emb = dict(gm.named_parameters())["emb.weight"]
+    assert not emb.is_mkldnn  # the embedding still reads it
+    # copied out of the (checkpoint) memory it was loaded into, so that memory can be released
+    assert emb.data_ptr() != loaded_ptr and torch.equal(emb, reference.emb.weight)
     assert_same_outputs(reference, gm, [(torch.randint(0, 40, (2, 5)),), (torch.randint(0, 40, (1, 9)),)])
 
 
@@ -167,12 +171,16 @@ def test_onednn_leaves_bf16_and_computed_weights_alone():
         assert gm.code == reference.code
 
 
-def test_auto_keeps_torch_linears_for_torch_compile():
+def test_auto_uses_the_custom_op_for_torch_compile():
+    """inductor cannot lower mkldnn's op, so graphs for torch-compile get the opaque custom op."""
     gm = export_gm(TwoLinears().eval(), torch.randn(2, 5, 32))
+    reference = copy.deepcopy(gm)
     ctx = PipelineContext(extras={"compile_backend": "torch-compile"})
     gm = build_transform("select_linear_backend", {})(gm, ctx)
-    assert ctx.history[-1].status == "skipped"
-    assert count_op(gm, aten.linear) == 2 and count_op(gm, ONEDNN) == 0
+    assert ctx.history[-1].status == "ok" and ctx.history[-1].num_matches == 2
+    assert count_op(gm, ad.onednn_linear) == 2 and count_op(gm, ONEDNN) == 0 and count_op(gm, aten.linear) == 0
+    compiled = torch.compile(gm, dynamic=True, fullgraph=True)
+    assert_same_outputs(reference, compiled, [(torch.randn(2, 5, 32),), (torch.randn(1, 3, 32),)])
 
 
 def test_llama_pipeline_default_packs_every_linear():

@@ -29,7 +29,7 @@ aten = torch.ops.aten
 # Ops between the LM head and the output that act on each token independently.
 TOKENWISE = (aten.mul, aten.div, aten.add, aten.sub, aten.tanh, aten.to, aten._to_copy)
 # The linear forms the head may have by now (select_linear_backend runs before this).
-LINEARS = (aten.linear, torch.ops.autodeploy.blas_linear) + (
+LINEARS = (aten.linear, torch.ops.autodeploy.blas_linear, torch.ops.autodeploy.onednn_linear) + (
     (torch.ops.mkldnn._linear_pointwise,) if hasattr(torch.ops.mkldnn, "_linear_pointwise") else ()
 )
 

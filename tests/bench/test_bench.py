@@ -1,0 +1,58 @@
+"""``autodeploy bench`` end to end on the tiny preset: every engine measured, report written.
+
+Timing values are never asserted (the machines are noisy); the test checks that the run
+measures what the report claims (every metric for every engine, ratios against HF eager
+computed from the same run) and that the JSON, table and chart are written.
+"""
+
+import json
+import os
+
+import pytest
+
+from autodeploy.bench.report import markdown, write
+from autodeploy.bench.runner import BenchConfig, run
+from autodeploy.cli import main
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    cfg = BenchConfig(model="tiny-llama", batch_sizes=[1, 2], new_tokens=4, prefill_lens=[8], rounds=2,
+                      engines=["autodeploy", "hf-eager"], out_dir=str(tmp_path_factory.mktemp("bench")))
+    return cfg, run(cfg)
+
+
+def test_every_engine_has_every_metric(result):
+    _, data = result
+    assert set(data["results"]) == {"autodeploy", "hf-eager"}
+    for row in data["results"].values():
+        for key in ("prefill_tok_s_8", "ttft_ms_8", "decode_tok_s_b1", "decode_tok_s_b2", "decode_ms_per_step_b2"):
+            cell = row[key]
+            assert cell["min"] <= cell["median"] <= cell["max"] and cell["min"] > 0
+        assert row["build_s"] > 0 and 0 < row["bandwidth_floor_fraction_b1"]
+    ours, hf = data["results"]["autodeploy"], data["results"]["hf-eager"]
+    expected = ours["decode_tok_s_b2"]["median"] / hf["decode_tok_s_b2"]["median"]
+    assert ours["decode_tok_s_b2_vs_hf_eager"] == pytest.approx(expected)
+    assert hf["decode_tok_s_b1_vs_hf_eager"] == pytest.approx(1.0)
+    meta = data["meta"]
+    for key in ("torch", "transformers", "autodeploy_commit", "cpu", "threads", "dtype", "read_bandwidth_gbs"):
+        assert meta[key] not in (None, "")
+
+
+def test_report_files_and_targets(result):
+    cfg, data = result
+    paths = write(data, cfg.out_dir)
+    with open(paths["json"]) as f:
+        assert json.load(f)["results"].keys() == data["results"].keys()
+    table = markdown(data)
+    assert "| autodeploy |" in table and "| hf-eager |" in table
+    assert "Batch-1 decode bandwidth floor" in table
+    assert "decode b1 >= 1.5x HF eager" in table  # the target lines say met or missed by how much
+    assert os.path.getsize(paths["png"]) > 1000
+
+
+def test_cli_rejects_unknown_engine(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--engines", "vllm"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
