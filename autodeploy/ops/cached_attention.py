@@ -200,7 +200,9 @@ def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tens
     values = v_cache[pages].reshape(batch, -1, n_kv, v_cache.shape[3]).to(q.dtype).transpose(1, 2)
     totals = (input_pos + seq_len).long()[:, None, None, None]
     kpos = torch.arange(keys.shape[2], device=q.device)[None, None, None, :]
-    mask = _window_mask(kpos, totals - 1, totals, sliding_window)
+    mask = kpos < totals  # the query is the last position: causal = within the length
+    if sliding_window is not None:
+        mask &= kpos >= totals - sliding_window
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
 
