@@ -262,6 +262,58 @@ def cmd_bench(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     return 0
 
 
+# ---- coverage ----------------------------------------------------------------------------------
+def cmd_coverage(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    import time
+
+    from .coverage.report import default_meta, summarize, write_report
+    from .coverage.sweep import run_sweep, select_model_types
+
+    try:
+        model_types = select_model_types(args.only)
+    except ValueError as exc:
+        raise AutoDeployError(str(exc)) from None
+    if args.jobs < 1 or args.timeout <= 0:
+        raise AutoDeployError("--jobs must be at least 1 and --timeout positive")
+    total = len(model_types)
+    seen = [0]
+
+    def progress(r: Any) -> None:
+        seen[0] += 1
+        secs = r.seconds.get("wall", r.seconds.get("total"))
+        where = r.stage + (f" ({r.failed_transform})" if r.failed_transform else "")
+        detail = r.reason if r.status == "excluded" else r.error
+        timing = f"{secs:6.1f}s" if secs is not None else "       "
+        print(f"[{seen[0]:{len(str(total))}d}/{total}] {r.model_type:<26} {r.outcome:<26} {where:<36} {timing}  {detail}",
+              flush=True)
+
+    print(f"checking {total} model types with {args.jobs} job(s), {args.timeout:.0f} s per model", flush=True)
+    start = time.perf_counter()
+    results = run_sweep(model_types, jobs=args.jobs, timeout_s=args.timeout, cache_dir=args.cache_dir,
+                        include_excluded=args.include_excluded, on_result=progress)
+    wall = time.perf_counter() - start
+    command = "autodeploy coverage" + "".join(
+        f" {flag} {value}" for flag, value in (("--jobs", args.jobs), ("--timeout", f"{args.timeout:g}")))
+    if args.only:
+        command += " --only " + " ".join(args.only)
+    meta = default_meta(command, wall)
+    previous = os.path.splitext(args.out)[0] + ".json"
+    if args.update and os.path.exists(previous):
+        from .coverage.report import load_results, merge_results
+
+        old_meta = json.load(open(previous)).get("meta", {})
+        meta = {**old_meta, "updated": f"{meta['date']}: {command}"}
+        results = merge_results(load_results(previous), results)
+    paths = write_report(results, args.out, meta)
+    s = summarize(results)
+    parts = [f"decoder-only: {s['passed']}/{s['decoder_only']} pass ({s['pass_rate']:.1f}%)"]
+    parts += [f"{k}: {v}" for k, v in s["by_outcome"].items() if k != "pass"]
+    parts += [f"{sum(s['excluded'].values())} not decoder-only", f"{wall / 60:.1f} min"]
+    print("\n" + "; ".join(parts))
+    print("wrote " + ", ".join(paths))
+    return 0
+
+
 # ---- entry point -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -325,6 +377,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="where the JSON/markdown/PNG go")
     p.set_defaults(func=cmd_bench, accepts_overrides=True)
+
+    p = sub.add_parser("coverage", help="check every causal-LM model type of transformers end to end against HF")
+    p.add_argument("--only", nargs="+", metavar="TYPE",
+                   help="model types or glob patterns (e.g. llama 'qwen*'), space- or comma-separated")
+    p.add_argument("--jobs", type=int, default=1, help="models checked in parallel, one process each (default 1)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per model before it is killed (default 300)")
+    p.add_argument("--out", default=os.path.join("docs", "coverage.md"),
+                   help="markdown report; the JSON goes beside it (default docs/coverage.md, docs/coverage.json)")
+    p.add_argument("--cache-dir", default=None, help="where tiny checkpoints and logs go (default .cache/coverage)")
+    p.add_argument("--include-excluded", action="store_true",
+                   help="also run the types that are not decoder-only (reported, never counted)")
+    p.add_argument("--update", action="store_true",
+                   help="merge into the existing report at --out: re-checked types replace their rows")
+    p.set_defaults(func=cmd_coverage, accepts_overrides=False)
 
     p = sub.add_parser("models", help="list the built-in model presets")
     p.add_argument("--json", action="store_true")

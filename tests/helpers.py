@@ -36,6 +36,41 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
 # RMSNorms per layer (+1 final): Qwen3 adds q_norm and k_norm.
 NORMS_PER_LAYER = {"qwen3": 4}
 
+# MoE families (issue 7): 4 experts, top-2. Kept apart from FAMILIES, whose tests assume dense
+# MLPs and GQA. DeepSeek-V3 uses MLA (k/v heads = query heads after the up-projection, so
+# num_key_value_heads is 4), one dense layer first (first_k_dense_replace), grouped top-k over 2
+# groups of 2 with a correction bias, and a shared expert; Qwen2-MoE has a sigmoid-gated shared
+# expert; GPT-OSS has biased, interleaved experts with the clamped SwiGLU, attention sinks and
+# alternating sliding-window layers.
+MOE_FAMILIES: Dict[str, Dict[str, Any]] = {
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **TINY),
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128, **TINY),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      norm_topk_prob=True, **TINY),
+    "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, **TINY),
+    "deepseek_v3": dict(model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=32,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        **{**TINY, "num_key_value_heads": 4, "head_dim": 8}),
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    **{**TINY, "intermediate_size": 64}),
+}
+# MoE layers per model (DeepSeek's first layer is dense)
+MOE_LAYERS = {family: 1 if family == "deepseek_v3" else 2 for family in MOE_FAMILIES}
+
+
+def moe_family_checkpoint(family: str) -> str:
+    """Like ``family_checkpoint`` for ``MOE_FAMILIES`` (experts saved per expert, as transformers saves them)."""
+    path = os.path.join(CKPT_CACHE, f"moe-{family}")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        os.makedirs(CKPT_CACHE, exist_ok=True)
+        tmp = path + f".tmp{os.getpid()}"
+        write_random_checkpoint(MOE_FAMILIES[family], tmp, seed=1)
+        os.replace(tmp, path)
+    return path
+
 
 def family_checkpoint(family: str) -> str:
     """A real checkpoint directory (safetensors + tokenizer) for a tiny config, cached on disk."""
@@ -63,6 +98,47 @@ def build(model: str, *, up_to: Optional[Stage] = None, route: str = "autodeploy
         transforms[key] = {**(transforms.get(key) or {}), **raw}
     cfg = cfg.model_copy(update={"transforms": transforms})
     return build_graph(cfg, log_summary=False)
+
+
+def moe_config(family: str, **overrides: Any) -> Any:
+    """The transformers config of a MoE family; experts run HF's eager reference loop."""
+    from transformers import AutoConfig
+
+    raw = {**MOE_FAMILIES[family], **overrides}
+    cfg = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    cfg._experts_implementation = "eager"
+    return cfg
+
+
+def moe_block(family: str, **overrides: Any) -> torch.nn.Module:
+    """The family's sparse MoE block with random weights (and a random DeepSeek correction bias)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    blocks = {"mixtral": MixtralSparseMoeBlock, "qwen2_moe": Qwen2MoeSparseMoeBlock,
+              "qwen3_moe": Qwen3MoeSparseMoeBlock, "olmoe": OlmoeSparseMoeBlock, "deepseek_v3": DeepseekV3MoE,
+              "gpt_oss": GptOssMLP}
+    torch.manual_seed(0)
+    module = blocks[family](moe_config(family, **overrides)).eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.2)
+        for name, b in module.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.uniform_(-0.3, 0.3)
+    return module
+
+
+def export_moe_block(module: torch.nn.Module, route: str, hidden: int = TINY["hidden_size"]) -> fx.GraphModule:
+    """Export a MoE block through the HF experts route ``route`` (``autodeploy`` or ``batched_mm``)."""
+    from autodeploy.export.hf_moe import hf_experts_route
+
+    with hf_experts_route(module, route):
+        return export_gm(module, torch.randn(2, 5, hidden))
 
 
 def rel_rmse(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -109,5 +185,6 @@ def assert_same_outputs(ref: Callable, new: Callable, inputs: Iterable[Tuple[tor
             assert rel_rmse(y, x) < tol, f"rel rmse {rel_rmse(y, x)} at input shapes {[t.shape for t in args]}"
 
 
-__all__ = ["FAMILIES", "NORMS_PER_LAYER", "family_checkpoint", "build", "rel_rmse", "export_gm", "apply_transform",
+__all__ = ["FAMILIES", "NORMS_PER_LAYER", "MOE_FAMILIES", "MOE_LAYERS", "moe_family_checkpoint", "moe_config",
+           "moe_block", "export_moe_block", "family_checkpoint", "build", "rel_rmse", "export_gm", "apply_transform",
            "ops_of", "assert_same_outputs", "count_op"]

@@ -8,6 +8,9 @@ a subprocess pool with a time limit each, and ``report`` writes the markdown tab
 ``autodeploy coverage`` is the command line.
 """
 
-from .check import CheckResult, run_check  # noqa: F401
-from .configs import classify, causal_lm_model_types, tiny_config  # noqa: F401
-from .sweep import run_sweep, select_model_types  # noqa: F401
+from .check import CheckResult, run_check
+from .configs import causal_lm_model_types, classify, tiny_config
+from .sweep import run_sweep, select_model_types
+
+__all__ = ["CheckResult", "run_check", "classify", "causal_lm_model_types", "tiny_config", "run_sweep",
+           "select_model_types"]

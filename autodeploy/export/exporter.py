@@ -8,7 +8,7 @@ under their checkpoint names, and ``meta['val']`` on every node.
 
 import re
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Collection, Dict, Iterator, List, Mapping, Optional
 
 import torch
 from torch import fx, nn
@@ -17,6 +17,8 @@ from torch.export import Dim
 from ..utils.errors import ExportError
 from ..utils.logging import get_logger
 from .hf_attention import hf_attention_route
+from .hf_moe import hf_experts_route
+from .hf_names import rename_to_checkpoint
 from .patches import apply_export_patches
 
 logger = get_logger(__name__)
@@ -81,8 +83,12 @@ def export_causal_lm(
     patches: Optional[Mapping[str, bool]] = None,
     example_batch: int = 2,
     example_seq: int = 8,
+    experts_implementation: str = "autodeploy",
+    checkpoint_keys: Optional[Collection[str]] = None,
 ) -> fx.GraphModule:
-    """Export ``model`` (any device, usually meta) with dynamic batch and sequence dims."""
+    """Export ``model`` (any device, usually meta) with dynamic batch and sequence dims.
+
+    ``experts_implementation`` and ``checkpoint_keys`` steer HF MoE experts (``hf_moe``)."""
     device = next(iter(model.parameters())).device
     batch = min(example_batch, max(max_batch_size, 2))
     seq = min(example_seq, max(max_seq_len, 2))
@@ -95,14 +101,18 @@ def export_causal_lm(
     try:
         with apply_export_patches(model, dict(patches or {})), hf_attention_route(
             model, attn_implementation
-        ), _logits_only_forward(model), _module_tracker(model, stack):
+        ), hf_experts_route(model, experts_implementation, checkpoint_keys), _logits_only_forward(
+            model
+        ), _module_tracker(model, stack):
             ep = torch.export.export(
                 model, args=(), kwargs={"input_ids": input_ids, "position_ids": position_ids},
                 dynamic_shapes=dynamic_shapes, strict=False,
             )
     except Exception as exc:  # noqa: BLE001 - every export failure becomes one actionable message
         raise ExportError(_describe_failure(exc, stack)) from exc
-    return _plain_graph_module(ep)
+    gm = _plain_graph_module(ep)
+    rename_to_checkpoint(gm, model, checkpoint_keys)
+    return gm
 
 
 def export_to_graph_module(

@@ -5,4 +5,4 @@ fake kernel so it survives ``torch.export`` and shape propagation. Backend imple
 (other prefixes) live beside them and are chosen by later transforms.
 """
 
-from . import attention, cached_attention, compiled, linear, mlp, normalization, rope  # noqa: F401
+from . import attention, cached_attention, compiled, linear, mlp, moe, normalization, rope  # noqa: F401

@@ -4,7 +4,7 @@ Before: ``nn.Module`` (meta). After: ``GraphModule(input_ids [b, s], position_id
 logits``, aten ops plus canonical attention/mask ops emitted by the HF attention route.
 """
 
-from typing import Dict, Literal, Optional, Tuple
+from typing import Dict, Literal, Optional, Set, Tuple
 
 from pydantic import Field, field_validator
 from torch import nn
@@ -22,6 +22,11 @@ class ExportToGMConfig(TransformConfig):
         default="autodeploy",
         description="HF attention implementation used while tracing: 'autodeploy' emits torch_attention directly; "
         "'sdpa'/'eager' keep HF's functions for the pattern matchers to canonicalise.",
+    )
+    experts_implementation: Literal["autodeploy", "batched_mm"] = Field(
+        default="autodeploy",
+        description="HF MoE experts implementation used while tracing: 'autodeploy' emits torch_moe / "
+        "torch_moe_fused directly; 'batched_mm' keeps HF's exportable code for match_moe_pattern.",
     )
     patches: Dict[str, bool] = Field(
         default_factory=dict, description="Switch export patches on/off by name (all registered patches are on)."
@@ -53,6 +58,20 @@ class ExportToGM(BaseTransform):
             max_seq_len=max(ctx.max_seq_len, ctx.max_num_tokens),
             attn_implementation=cfg.attn_implementation,
             patches=cfg.patches,
+            experts_implementation=cfg.experts_implementation,
+            checkpoint_keys=_checkpoint_keys(ctx),
         )
         # The export graph is functional but carries dead mask nodes and export checks.
         return gm, TransformInfo(num_matches=1, is_clean=False, has_valid_shapes=True)
+
+
+def _checkpoint_keys(ctx: PipelineContext) -> Optional[Set[str]]:
+    """The checkpoint's tensor names, when the factory knows a checkpoint (MoE experts export as the
+    checkpoint stores them: per expert or stacked)."""
+    factory = ctx.factory
+    if factory is None or not hasattr(factory, "checkpoint_index"):
+        return None
+    try:
+        return set(factory.checkpoint_index().weight_map)
+    except Exception:  # noqa: BLE001 - no checkpoint yet: the conversion mapping decides
+        return None

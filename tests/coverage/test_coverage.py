@@ -1,0 +1,150 @@
+"""``autodeploy coverage``: tiny configs, the per-model check, the subprocess sweep, the report.
+
+The default run checks a fast subset of families end to end (in process); the full sweep over
+every causal-LM model type of transformers is the ``slow`` test at the end.
+"""
+
+import json
+import os
+
+import pytest
+
+from autodeploy.cli import main
+from autodeploy.coverage import check as check_mod
+from autodeploy.coverage.check import LOGITS_RTOL, CheckResult, run_check
+from autodeploy.coverage.configs import classify, tiny_config
+from autodeploy.coverage.report import markdown, summarize, write_report
+from autodeploy.coverage.sweep import run_one_in_subprocess, run_sweep, select_model_types
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CACHE = os.path.join(REPO, ".cache", "coverage")
+
+# Families that pass quickly; together they cover GQA, sliding windows, q/k/v biases, QK-norm,
+# scaled embeddings with tied heads, fused qkv/gate-up weights, soft-capping and learned positions.
+FAST_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gemma2", "olmo2", "starcoder2", "granite"]
+
+
+@pytest.mark.parametrize("model_type", FAST_FAMILIES)
+def test_fast_families_pass_end_to_end(model_type):
+    result = run_check(model_type, CACHE)
+    assert result.status == "pass", f"{model_type}: {result.outcome} at {result.stage}: {result.error}"
+    assert result.stage == "compare" and result.tokens_match
+    assert result.logits_rel_rmse < LOGITS_RTOL
+
+
+def test_unknown_model_type_is_a_config_stage_error():
+    result = run_check("no_such_model_type", CACHE)
+    assert result.status == "error" and result.stage == "config"
+    assert result.error.startswith("ValueError: 'no_such_model_type' is not a model type")
+    assert result.outcome == "FAIL: error"
+
+
+def test_pipeline_failure_names_stage_and_transform(monkeypatch):
+    from autodeploy.transform.library.export_to_gm import ExportToGM
+
+    def broken(self, mod, ctx):
+        raise RuntimeError("deliberate export failure\nsecond line is not reported")
+
+    monkeypatch.setattr(ExportToGM, "_apply_to_full_model", broken)
+    result = run_check("llama", CACHE)
+    assert result.status == "error"
+    assert result.stage == "export" and result.failed_transform == "export_to_gm"
+    assert result.error == "RuntimeError: deliberate export failure"
+
+
+def test_wrong_tokens_are_a_mismatch_not_an_error(monkeypatch):
+    """A model that runs but computes something else must show up as wrong output."""
+    real = check_mod._autodeploy_logits
+
+    def skewed(llm, prompts, first_tokens):
+        return real(llm, prompts, first_tokens) * 1.5
+
+    monkeypatch.setattr(check_mod, "_autodeploy_logits", skewed)
+    result = run_check("llama", CACHE)
+    assert result.status == "mismatch" and result.stage == "compare"
+    assert result.outcome == "FAIL: wrong logits" and "logits rel. RMSE" in result.error
+
+
+def test_excluded_types_are_classified_not_run():
+    assert classify("llama")[0] == "decoder-only"
+    assert classify("bert")[0] == "encoder"
+    assert classify("bart")[0] == "encoder-decoder"
+    assert classify("gemma3")[0] == "multimodal"
+    assert classify("gemma3_text")[0] == "decoder-only"
+    assert run_check("bert", CACHE).status == "excluded"
+
+
+def test_tiny_configs_keep_every_layer_kind():
+    gemma3 = tiny_config("gemma3_text")
+    assert gemma3["hidden_size"] == 64 and gemma3["vocab_size"] == 512 and gemma3["sliding_window"] == 8
+    assert gemma3["num_hidden_layers"] == len(gemma3["layer_types"]) <= 12
+    assert set(gemma3["layer_types"]) == {"sliding_attention", "full_attention"}
+    moe = tiny_config("qwen2_moe")
+    assert moe["num_experts"] == 4 and moe["num_experts_per_tok"] == 2
+    deepseek = tiny_config("deepseek_v3")
+    assert deepseek["n_routed_experts"] == 4 and deepseek["first_k_dense_replace"] == 1
+    assert deepseek["num_hidden_layers"] >= 2  # a dense layer and a MoE layer
+
+
+def test_select_model_types():
+    universe = ["llama", "qwen2", "qwen2_moe", "qwen3"]
+    assert select_model_types(None, universe) == universe
+    assert select_model_types(["qwen2*", "llama"], universe) == ["qwen2", "qwen2_moe", "llama"]
+    assert select_model_types(["llama,qwen3"], universe) == ["llama", "qwen3"]
+    assert select_model_types(["not_a_type"], universe) == ["not_a_type"]  # reported by its check
+    with pytest.raises(ValueError, match="matches no model type"):
+        select_model_types(["zzz*"], universe)
+
+
+def test_subprocess_timeout_is_reported(tmp_path):
+    result = run_one_in_subprocess("llama", str(tmp_path), timeout_s=0.2)
+    assert result.status == "timeout" and result.outcome == "FAIL: timeout"
+    assert "no result within" in result.error
+
+
+def test_cli_runs_children_and_writes_report(tmp_path, capsys):
+    out = tmp_path / "coverage.md"
+    assert main(["coverage", "--only", "llama", "bert", "--out", str(out), "--cache-dir", CACHE]) == 0
+    printed = capsys.readouterr().out
+    assert "llama" in printed and "decoder-only: 1/1 pass (100.0%)" in printed
+    data = json.loads((tmp_path / "coverage.json").read_text())
+    assert data["summary"]["passed"] == 1 and data["summary"]["excluded"] == {"encoder": 1}
+    assert [r["model_type"] for r in data["results"]] == ["bert", "llama"]
+    assert "| llama | compare | pass |" in out.read_text()
+
+
+def test_report_distinguishes_wrong_output_from_errors(tmp_path):
+    results = [
+        CheckResult("a_pass", status="pass", stage="compare", logits_rel_rmse=2e-7, tokens_match=True),
+        CheckResult("b_tokens", status="mismatch", stage="compare", logits_rel_rmse=3e-7, tokens_match=False,
+                    error="prompt 1 diverges from HF at new token 3 of 16"),
+        CheckResult("c_export", status="error", stage="export", failed_transform="export_to_gm",
+                    error="ExportError: data-dependent | control flow"),
+        CheckResult("d_slow", status="timeout", stage="pattern_matcher", error="no result within 300 s"),
+        CheckResult("e_bert", category="encoder", reason="masked-LM encoder run as a decoder", status="excluded"),
+    ]
+    s = summarize(results)
+    assert s["decoder_only"] == 4 and s["passed"] == 1 and s["pass_rate"] == 25.0
+    assert s["errors_by_stage"] == {"export": 1, "pattern_matcher": 1}
+    md = markdown(results, {"date": "today"})
+    assert "| b_tokens | compare | FAIL: wrong tokens | 3.0e-07 |" in md
+    assert "| c_export | export (export_to_gm) | FAIL: error |  | ExportError: data-dependent \\| control flow |" in md
+    assert "| d_slow | pattern_matcher | FAIL: timeout |" in md
+    assert "| e_bert | encoder |" in md and "**Decoder-only: 1 of 4 pass end to end (25.0%).**" in md
+    paths = write_report(results, str(tmp_path / "cov.md"), {"date": "today"})
+    data = json.loads(open(paths[1]).read())
+    assert data["summary"]["by_outcome"]["FAIL: wrong tokens"] == 1
+    assert {r["model_type"]: r["outcome"] for r in data["results"]}["c_export"] == "FAIL: error"
+
+
+@pytest.mark.slow
+def test_full_sweep_acceptance(tmp_path):
+    """Every causal-LM type of the installed transformers: >= 85% of the decoder-only ones pass,
+    and every failure says where and why."""
+    results = run_sweep(select_model_types(), jobs=max(1, min(4, os.cpu_count() or 1)), timeout_s=300, cache_dir=CACHE)
+    write_report(results, str(tmp_path / "coverage.md"))
+    for r in results:
+        if r.status in ("error", "timeout", "mismatch"):
+            assert r.error, f"{r.model_type} failed without an error line"
+    s = summarize(results)
+    assert s["pass_rate"] >= 85.0, s
