@@ -146,8 +146,12 @@ def _use_onednn(gm: fx.GraphModule, as_custom_op: bool = False) -> int:
 
     slot_users: Set[Tuple[fx.Node, int]] = {s for uses in slots.values() for s in uses}
     packed_names: Dict[str, str] = {}
+    readers_of: Dict[str, List[fx.Node]] = {}  # one walk, not one per weight
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            readers_of.setdefault(str(n.target), []).append(n)
     for target, uses in slots.items():
-        readers = [n for n in gm.graph.nodes if n.op == "get_attr" and str(n.target) == target]
+        readers = readers_of.get(target, [])
         exclusive = all(_only_weight_slots(r, slot_users) for r in readers)
         packed_names[target] = _pack(gm, target, in_place=exclusive)
         for user, i in uses:
