@@ -72,6 +72,25 @@ def moe_family_checkpoint(family: str) -> str:
     return path
 
 
+# Models with state outside attention (issue 7): LFM2's short-convolution layers next to an
+# attention layer. The KV cache cannot hold the convolution state, so these run in recompute mode.
+STATEFUL_FAMILIES: Dict[str, Dict[str, Any]] = {
+    "lfm2": dict(model_type="lfm2", layer_types=["conv", "full_attention"], conv_L_cache=3,
+                 **{k: v for k, v in TINY.items() if k != "head_dim"}),
+}
+
+
+def stateful_checkpoint(family: str) -> str:
+    """Like ``family_checkpoint`` for ``STATEFUL_FAMILIES``."""
+    path = os.path.join(CKPT_CACHE, f"stateful-{family}")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        os.makedirs(CKPT_CACHE, exist_ok=True)
+        tmp = path + f".tmp{os.getpid()}"
+        write_random_checkpoint(STATEFUL_FAMILIES[family], tmp, seed=1)
+        os.replace(tmp, path)
+    return path
+
+
 def family_checkpoint(family: str) -> str:
     """A real checkpoint directory (safetensors + tokenizer) for a tiny config, cached on disk."""
     path = os.path.join(CKPT_CACHE, family)

@@ -59,6 +59,8 @@ class CheckResult:
     tokens_match: Optional[bool] = None
     first_divergence: Optional[List[int]] = None  # [prompt index, token index]
     min_top2_gap: Optional[float] = None  # HF's smallest best-vs-second logit gap on the greedy path
+    cache_mode: Optional[str] = None  # "paged_kv", or "recompute" (recompute_fallback took over)
+    cache_mode_reason: str = ""
     seconds: Dict[str, float] = field(default_factory=dict)
 
     @property
@@ -210,6 +212,8 @@ def _run_stages(result: CheckResult, cache_dir: str, notify: Callable[[CheckResu
 
     enter("factory")  # from here the stage is the failing transform's (see run_check)
     llm = _build_llm(checkpoint)
+    result.cache_mode = llm.build.context.extras.get("cache_mode")
+    result.cache_mode_reason = llm.build.context.extras.get("recompute_reason", "")
     t = _lap(result, "build", t)
 
     enter("runtime")

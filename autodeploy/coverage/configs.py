@@ -246,6 +246,8 @@ QUIRKS: Dict[str, Dict[str, Any]] = {
     # layer_types has no default (the model indexes it): short-conv and attention layers, with
     # the first layer's MLP dense and the others MoE
     "lfm2_moe": {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"]},
+    # the default puts attention in every layer of a 2-layer stack: short-conv layers need asking for
+    "lfm2": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]},
     # the hybrid layers share one transformer block, tied from the first hybrid layer to the
     # others: the stack needs two of them
     "zamba": {"num_hidden_layers": 8, "layers_block_type": ["linear_attention"] * 2 + ["hybrid"]

@@ -22,12 +22,14 @@ def summarize(results: Sequence[CheckResult]) -> Dict[str, Any]:
     """Counts over the decoder-only types (the percentage) and the excluded ones."""
     decoder = [r for r in results if r.category == DECODER_ONLY]
     passed = sum(r.status == PASS for r in decoder)
+    recompute = sum(r.status == PASS and r.cache_mode == "recompute" for r in decoder)
     by_outcome = Counter(r.outcome for r in decoder)
     errors_by_stage = Counter(r.stage for r in decoder if r.status not in (PASS, MISMATCH))
     excluded = Counter(r.category for r in results if r.category != DECODER_ONLY)
     return {
         "decoder_only": len(decoder),
         "passed": passed,
+        "passed_recompute": recompute,
         "pass_rate": round(100.0 * passed / len(decoder), 1) if decoder else 0.0,
         "by_outcome": dict(sorted(by_outcome.items())),
         "errors_by_stage": {s: errors_by_stage[s] for s in STAGES if errors_by_stage[s]},
@@ -60,6 +62,10 @@ def _stage_cell(r: CheckResult) -> str:
     return r.stage
 
 
+def _mode_cell(r: CheckResult) -> str:
+    return {"paged_kv": "paged KV", "recompute": "recompute"}.get(r.cache_mode or "", "")
+
+
 def _rmse_cell(r: CheckResult) -> str:
     return f"{r.logits_rel_rmse:.1e}" if r.logits_rel_rmse is not None else ""
 
@@ -78,7 +84,15 @@ def markdown(results: Sequence[CheckResult], meta: Optional[Dict[str, Any]] = No
         f"the first new token (relative RMSE < {LOGITS_RTOL:.0e}) and {NEW_TOKENS} greedy tokens for a batch of "
         f"{len(PROMPT_LENGTHS)} prompts of {' and '.join(map(str, PROMPT_LENGTHS))} tokens (token-identical).",
         "",
-        f"**Decoder-only: {s['passed']} of {s['decoder_only']} pass end to end ({s['pass_rate']:.1f}%).**",
+        f"**Decoder-only: {s['passed']} of {s['decoder_only']} pass end to end ({s['pass_rate']:.1f}%); "
+        f"{s['passed'] - s['passed_recompute']} of them with the paged KV cache, {s['passed_recompute']} in "
+        "recompute mode.**",
+        "",
+        "Cache mode: `paged KV` is the normal path (cached attention). `recompute` means `recompute_fallback` "
+        "found that a KV cache cannot serve the model and ran it exactly, but re-running each sequence's whole "
+        "history every step; the reason column says why (state outside attention such as convolution or SSM "
+        "layers, attention the matchers did not canonicalise, or a model that only exports with a static "
+        "sequence length).",
         "",
         "Results: `pass`; `FAIL: wrong tokens` / `FAIL: wrong logits` (ran through, output differs from HF); "
         "`FAIL: error` (an exception at the stage shown, with the failing transform); `FAIL: timeout`. "
@@ -94,12 +108,15 @@ def markdown(results: Sequence[CheckResult], meta: Optional[Dict[str, Any]] = No
         for stage, n in s["errors_by_stage"].items():
             lines.append(f"| {stage} | {n} |")
     lines += ["", "## Decoder-only model types", "",
-              "| model type | stage reached | result | logits rel. RMSE | first error line |",
-              "|---|---|---|---|---|"]
+              "| model type | stage reached | result | cache mode | logits rel. RMSE | first error line, or why "
+              "recompute |",
+              "|---|---|---|---|---|---|"]
     for r in results:
         if r.category != DECODER_ONLY:
             continue
-        lines.append(f"| {r.model_type} | {_stage_cell(r)} | {r.outcome} | {_rmse_cell(r)} | {_cell(r.error)} |")
+        note = r.error or (_cell(r.cache_mode_reason, 160) if r.cache_mode == "recompute" else "")
+        lines.append(f"| {r.model_type} | {_stage_cell(r)} | {r.outcome} | {_mode_cell(r)} | {_rmse_cell(r)} | "
+                     f"{_cell(note)} |")
     excluded = [r for r in results if r.category != DECODER_ONLY]
     if excluded:
         ran = any(r.status != EXCLUDED for r in excluded)

@@ -16,10 +16,10 @@ from torch.export import Dim
 
 from ..utils.errors import ExportError
 from ..utils.logging import get_logger
-from .hf_attention import hf_attention_route
+from .hf_attention import AD_ATTN_IMPL, RouteUnsupportedError, hf_attention_route
 from .hf_moe import hf_experts_route
 from .hf_names import rename_to_checkpoint
-from .patches import apply_export_patches
+from .patches import apply_export_patches, real_value_of_meta_constant
 
 logger = get_logger(__name__)
 
@@ -74,6 +74,39 @@ def _describe_failure(exc: BaseException, stack: List[str]) -> str:
     return f"torch.export failed{where}{op_text}: {type(exc).__name__}: {first}"
 
 
+CONSTANT_VALUES = "autodeploy_constant_values"  # gm.meta: attribute path -> CPU value for load_weights
+
+
+def _meta_constant_values(ep: torch.export.ExportedProgram) -> Dict[str, torch.Tensor]:
+    """The real (CPU) values of constants the forward built on the meta device, by constant
+    name. They stay meta in the graph (next to meta parameters) until load_weights puts them
+    on the target device."""
+    values = {}
+    for name, value in ep.constants.items():
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            real = real_value_of_meta_constant(value)
+            if real is not None:
+                values[name] = real
+    return values
+
+
+def _caused_by(exc: BaseException, cls: type) -> Optional[BaseException]:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, cls):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return None
+
+
+def _seq_constraint_violated(exc: BaseException) -> bool:
+    """torch.export found that the model cannot take every sequence length (it specialised the
+    seq dim, or guards it with chunk-size arithmetic)."""
+    text = str(exc)
+    return "Constraints violated (seq)" in text or ("seq" in text and "specialized it to be a constant" in text)
+
+
 def export_causal_lm(
     model: nn.Module,
     *,
@@ -85,32 +118,74 @@ def export_causal_lm(
     example_seq: int = 8,
     experts_implementation: str = "autodeploy",
     checkpoint_keys: Optional[Collection[str]] = None,
+    static_seq_len: Optional[int] = None,
 ) -> fx.GraphModule:
     """Export ``model`` (any device, usually meta) with dynamic batch and sequence dims.
 
+    When the sequence dim cannot be dynamic and ``static_seq_len`` is given, the model is
+    exported again with that fixed length (``gm.meta['autodeploy_export']['static_seq_len']``);
+    such a graph only runs in recompute mode, with right-padded inputs.
     ``experts_implementation`` and ``checkpoint_keys`` steer HF MoE experts (``hf_moe``)."""
     device = next(iter(model.parameters())).device
     batch = min(example_batch, max(max_batch_size, 2))
-    seq = min(example_seq, max(max_seq_len, 2))
-    input_ids = torch.zeros((batch, seq), dtype=torch.long, device=device)
-    position_ids = torch.arange(seq, device=device).expand(batch, seq).contiguous()
     b = Dim("batch", min=1, max=max(max_batch_size, 2))
     s = Dim("seq", min=1, max=max(max_seq_len, 2))
-    dynamic_shapes = {"input_ids": {0: b, 1: s}, "position_ids": {0: b, 1: s}}
-    stack: List[str] = []
+    seq = min(example_seq, max(max_seq_len, 2))
+
+    def run(seq: int, seq_dim: Any) -> torch.export.ExportedProgram:
+        nonlocal attn_implementation
+        try:
+            return run_route(seq, seq_dim, attn_implementation)
+        except ExportError as err:
+            cause = _caused_by(err, RouteUnsupportedError)
+            if attn_implementation != AD_ATTN_IMPL or cause is None:
+                raise
+            logger.warning("%s; exporting with HF's sdpa attention for the pattern matchers instead", cause)
+            attn_implementation = "sdpa"
+            return run_route(seq, seq_dim, attn_implementation)
+
+    def run_route(seq: int, seq_dim: Any, attn_implementation: str) -> torch.export.ExportedProgram:
+        input_ids = torch.zeros((batch, seq), dtype=torch.long, device=device)
+        position_ids = torch.arange(seq, device=device).expand(batch, seq).contiguous()
+        dims = {0: b, 1: seq_dim} if seq_dim is not None else {0: b}
+        stack: List[str] = []
+        try:
+            with apply_export_patches(model, dict(patches or {})), hf_attention_route(
+                model, attn_implementation
+            ), hf_experts_route(model, experts_implementation, checkpoint_keys), _logits_only_forward(
+                model
+            ), _module_tracker(model, stack):
+                ep = torch.export.export(
+                    model, args=(), kwargs={"input_ids": input_ids, "position_ids": position_ids},
+                    dynamic_shapes={"input_ids": dims, "position_ids": dims}, strict=False,
+                )
+                ep.graph_module.meta[CONSTANT_VALUES] = _meta_constant_values(ep)
+                return ep
+        except Exception as exc:  # noqa: BLE001 - every export failure becomes one actionable message
+            raise ExportError(_describe_failure(exc, stack)) from exc
+
+    static = None
     try:
-        with apply_export_patches(model, dict(patches or {})), hf_attention_route(
-            model, attn_implementation
-        ), hf_experts_route(model, experts_implementation, checkpoint_keys), _logits_only_forward(
-            model
-        ), _module_tracker(model, stack):
-            ep = torch.export.export(
-                model, args=(), kwargs={"input_ids": input_ids, "position_ids": position_ids},
-                dynamic_shapes=dynamic_shapes, strict=False,
-            )
-    except Exception as exc:  # noqa: BLE001 - every export failure becomes one actionable message
-        raise ExportError(_describe_failure(exc, stack)) from exc
+        ep = run(seq, s)
+    except ExportError as err:
+        if static_seq_len is None or not _seq_constraint_violated(err.__cause__ or err):
+            raise
+        logger.warning(
+            "the model does not export with a dynamic sequence length (%s); exporting it with a static length "
+            "of %d tokens instead, which only runs in recompute mode", str(err).split(": ", 1)[-1][:200],
+            static_seq_len,
+        )
+        static = static_seq_len
+        try:
+            ep = run(static_seq_len, None)
+        except ExportError as static_err:
+            raise ExportError(f"{err} (and with a static length of {static_seq_len}: {static_err})") from static_err
+    constant_values = ep.graph_module.meta.get(CONSTANT_VALUES, {})
     gm = _plain_graph_module(ep)
+    if constant_values:
+        gm.meta[CONSTANT_VALUES] = dict(constant_values)  # ep.module() keeps the constants' names as paths
+    if static is not None:
+        gm.meta["autodeploy_export"]["static_seq_len"] = static
     rename_to_checkpoint(gm, model, checkpoint_keys)
     return gm
 

@@ -33,6 +33,10 @@ SUPPORTED_ATTN_IMPLS = (AD_ATTN_IMPL, "sdpa", "eager")
 _EMITTED_MASKS: Dict[int, Tuple[torch.Tensor, Optional[int]]] = {}
 
 
+class RouteUnsupportedError(NotImplementedError):
+    """The ``autodeploy`` route met a mask it cannot express (the exporter retries with ``sdpa``)."""
+
+
 def classify_mask_function(mask_function: Callable) -> Tuple[bool, Optional[int]]:
     """``(understood, sliding_window)`` for an HF mask function built by ``masking_utils``.
 
@@ -99,7 +103,7 @@ def _make_mask_builder(impl: str, hf_builder: Optional[Callable]) -> Callable:
             _EMITTED_MASKS[id(mask)] = (mask, window)
             return mask
         if hf_builder is None:
-            raise NotImplementedError(
+            raise RouteUnsupportedError(
                 f"attention mask {getattr(mask_function, '__qualname__', mask_function)} is not supported by "
                 f"the '{AD_ATTN_IMPL}' attention route; export with attn_implementation 'sdpa' or 'eager'"
             )

@@ -156,3 +156,63 @@ def test_export_to_graph_module_dynamic_dims():
 def test_export_to_graph_module_unknown_patch():
     with pytest.raises(ValueError, match="nope"):
         export_to_graph_module(TwoInputs(), (torch.randn(2, 5, 8), torch.randn(2, 5, 3)), patches={"nope": True})
+
+
+class _ConstantsInForward(nn.Module):
+    """A causal toy LM whose forward builds constants the way HF code does: a Python-list index
+    (Falcon's ``fused_qkv[..., [-2], :]``) and ``torch.tensor(data, device=x.device)`` (GPT-Neo's
+    mask value, CPM-Ant's position list)."""
+
+    def __init__(self, vocab: int = 16, hidden: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(2 * hidden, vocab)
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        x = self.embed(input_ids)
+        picked = x[..., [-1, 0]]  # list index
+        offsets = torch.tensor([3.0, -2.0], device=x.device)  # constant built on the model's device
+        scale = torch.tensor(0.5, device=x.device)
+        mixed = torch.cat([x * scale, x + (picked * offsets).sum(-1, keepdim=True)], dim=-1)
+        return self.head(mixed)
+
+
+def _export_on_meta(**patches: bool) -> fx.GraphModule:
+    with torch.device("meta"):
+        meta = _ConstantsInForward()
+    return export_causal_lm(meta, max_batch_size=2, max_seq_len=8, patches=patches)
+
+
+def _load_like(gm: fx.GraphModule, module: nn.Module) -> fx.GraphModule:
+    """What load_weights does for this toy: parameters from ``module``, constants from export."""
+    from autodeploy.transform.library.load_weights import _restore_constants
+
+    for name, param in module.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        setattr(gm.get_submodule(owner), leaf, nn.Parameter(param.detach().clone()))
+    _restore_constants(gm, torch.device("cpu"))
+    return gm
+
+
+def _meta_constants(gm: fx.GraphModule) -> list:
+    lifted = [str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and "lifted" in str(n.target)]
+    assert lifted, "the toy must produce lifted constants"
+    return [t for t in lifted if getattr(gm, t).is_meta]
+
+
+def test_constants_built_on_the_meta_device_keep_their_values():
+    torch.manual_seed(0)
+    module = _ConstantsInForward().eval()
+    gm = _load_like(_export_on_meta(), module)
+    assert _meta_constants(gm) == []
+    ids = torch.randint(0, 16, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(gm(ids, torch.arange(5).expand(2, 5)), module(ids))
+
+
+@pytest.mark.parametrize("patch", ["list_index_constants", "meta_tensor_constants"])
+def test_without_the_constant_patches_the_values_are_lost(patch):
+    """Near miss: each patch switched off leaves at least one constant on the meta device."""
+    module = _ConstantsInForward().eval()
+    gm = _load_like(_export_on_meta(**{patch: False}), module)
+    assert _meta_constants(gm)

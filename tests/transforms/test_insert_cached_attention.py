@@ -180,9 +180,9 @@ def _small_graph(mode):
     return export_gm(_Attn(mode).eval(), ids, torch.arange(6)[None].expand(2, 6))
 
 
-def _apply(gm, backend="sdpa"):
+def _apply(gm, backend="sdpa", **config):
     ctx = PipelineContext(max_seq_len=16, max_num_tokens=16, max_batch_size=2, page_size=4)
-    out = build_transform("insert_cached_attention", {"backend": backend})(gm, ctx)
+    out = build_transform("insert_cached_attention", {"backend": backend, **config})(gm, ctx)
     return out, ctx
 
 
@@ -208,11 +208,20 @@ def test_explicit_mask_is_an_error_naming_the_node():
     node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target == ad.torch_attention.default)
     assert node.args[3] is not None  # the mask survived export
     with pytest.raises(RuntimeError, match=rf"attention {node.name}\b.*explicit mask"):
-        _apply(gm)
+        _apply(gm, on_uncacheable="error")
 
 
 def test_non_causal_attention_is_an_error():
     gm = _small_graph("bidirectional")
     node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target == ad.torch_attention.default)
     with pytest.raises(RuntimeError, match=rf"attention {node.name}\b.*not causal"):
-        _apply(gm)
+        _apply(gm, on_uncacheable="error")
+
+
+@pytest.mark.parametrize("kind, reason", [("mask", "explicit mask"), ("bidirectional", "not causal")])
+def test_uncacheable_attention_is_left_for_recompute_with_its_reason(kind, reason):
+    """The default: the graph stays uncached (attention intact) and recompute_fallback gets the reason."""
+    gm = _small_graph(kind)
+    out, ctx = _apply(gm)
+    assert count_op(out, ad.torch_attention) == 1 and ctx.cache is None
+    assert reason in ctx.extras["uncached_reason"] and ctx.history[-1].status == "skipped"

@@ -14,6 +14,7 @@ from pydantic import Field
 from torch import nn
 
 from ...compile import compile_graph
+from ...utils.errors import ConfigError
 from ..graph_utils import graph_modules
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
@@ -48,6 +49,11 @@ class CompileModel(BaseTransform):
         if cfg.backend == "torch-simple":
             return mod, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         (gm,) = list(graph_modules(mod))
+        if "autodeploy_recompute" in gm.meta:
+            raise ConfigError(
+                f"compile backend '{cfg.backend}' needs the KV-cached graph, but this model runs in recompute mode "
+                f"({ctx.extras.get('recompute_reason', 'see the warning above')}); use compile_backend: torch-simple"
+            )
         compiled = compile_graph(
             gm, ctx.cache, cfg.backend, cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes, cache_dir=cfg.cache_dir,
             piecewise_enabled=cfg.piecewise_enabled, piecewise_num_tokens=cfg.piecewise_num_tokens,

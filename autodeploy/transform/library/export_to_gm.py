@@ -28,6 +28,12 @@ class ExportToGMConfig(TransformConfig):
         description="HF MoE experts implementation used while tracing: 'autodeploy' emits torch_moe / "
         "torch_moe_fused directly; 'batched_mm' keeps HF's exportable code for match_moe_pattern.",
     )
+    static_seq_fallback: bool = Field(
+        default=True,
+        description="When the sequence dim cannot be exported dynamic (Python loops over it, chunk-size "
+        "guards), export with a static length of max_seq_len instead; recompute_fallback then runs the model "
+        "in recompute mode.",
+    )
     patches: Dict[str, bool] = Field(
         default_factory=dict, description="Switch export patches on/off by name (all registered patches are on)."
     )
@@ -60,6 +66,7 @@ class ExportToGM(BaseTransform):
             patches=cfg.patches,
             experts_implementation=cfg.experts_implementation,
             checkpoint_keys=_checkpoint_keys(ctx),
+            static_seq_len=ctx.max_seq_len if cfg.static_seq_fallback else None,
         )
         # The export graph is functional but carries dead mask nodes and export checks.
         return gm, TransformInfo(num_matches=1, is_clean=False, has_valid_shapes=True)

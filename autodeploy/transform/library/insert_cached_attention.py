@@ -14,11 +14,13 @@ After (one prepare node per graph; metadata and per-layer cache inputs added)::
 
 After this the graph is called with every token of a step flattened into one row
 (``[1, total_tokens]``); see ``autodeploy.cache.sequence_info``. An attention that is not
-causal or still carries an explicit mask cannot be cached correctly, so it is an error naming
-the layer rather than a silently wrong answer.
+causal or still carries an explicit mask cannot be cached correctly, and neither can a graph
+exported with a static sequence length: with ``on_uncacheable: recompute`` (the default) the
+graph is left uncached with the reason for ``recompute_fallback``; with ``error`` it is an
+error naming the layer. Never a silently wrong answer.
 """
 
-from typing import Dict, List
+from typing import Dict, List, Literal, Optional
 
 import torch
 from pydantic import Field
@@ -29,6 +31,7 @@ from ...cache.attention_backends import attention_backends, get_attention_backen
 from ...cache.sequence_info import METADATA_NAMES
 from ...utils.errors import ConfigError
 from ..graph_utils import arg, is_op
+from .recompute_fallback import UNCACHED_GRAPH, UNCACHED_REASON, copy_graph_module
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
 
@@ -36,6 +39,11 @@ class InsertCachedAttentionConfig(TransformConfig):
     stage: Stage = Stage.CACHE_INIT
     requires_shape_prop: bool = True
     backend: str = Field(default="sdpa", description="Attention backend: " + ", ".join(["torch", "sdpa"]) + ".")
+    on_uncacheable: Literal["recompute", "error"] = Field(
+        default="recompute",
+        description="When an attention cannot be KV-cached (explicit mask, not causal, static-length export): "
+        "leave the graph uncached for recompute_fallback, or raise.",
+    )
 
 
 def _example_meta(name: str, max_batch: int, device: torch.device) -> torch.Tensor:
@@ -68,13 +76,25 @@ class InsertCachedAttention(BaseTransform):
             raise ConfigError(f"attention backend '{backend.name}' does not run on {device.type}")
         graph = gm.graph
         attn_nodes = [n for n in graph.nodes if is_op(n, torch.ops.autodeploy.torch_attention)]
-        if not attn_nodes:
+        problem = self._static_length_problem(gm)
+        if not attn_nodes or problem is not None and cfg.on_uncacheable == "recompute":
+            if problem is not None:
+                ctx.extras[UNCACHED_REASON] = problem
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         if [p.name for p in placeholders] != ["input_ids", "position_ids"]:
             raise RuntimeError(f"insert_cached_attention expects inputs (input_ids, position_ids), got {placeholders}")
-        for node in attn_nodes:
-            self._check_cacheable(node)
+        try:
+            for node in attn_nodes:
+                self._check_cacheable(node)
+        except RuntimeError as err:
+            problem = problem or str(err)
+        if problem is not None:
+            if cfg.on_uncacheable == "error":
+                raise RuntimeError(problem)
+            ctx.extras[UNCACHED_REASON] = problem
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+        ctx.extras[UNCACHED_GRAPH] = copy_graph_module(gm)  # recompute_fallback's way back
         if ctx.cache is None:
             ctx.cache = CachedSequenceInterface(
                 page_size=ctx.page_size, max_batch_size=ctx.max_batch_size, max_seq_len=ctx.max_seq_len,
@@ -119,6 +139,14 @@ class InsertCachedAttention(BaseTransform):
             graph.erase_node(node)
         gm.meta["autodeploy_cached"] = {"attn_backend": backend.name, "layers": len(attn_nodes)}
         return TransformInfo(num_matches=len(attn_nodes), is_clean=False, has_valid_shapes=False)
+
+    @staticmethod
+    def _static_length_problem(gm: fx.GraphModule) -> Optional[str]:
+        static_len = (gm.meta.get("autodeploy_export") or {}).get("static_seq_len")
+        if static_len is None:
+            return None
+        return (f"the graph was exported with a static sequence length ({static_len}), so it cannot take a "
+                "step's tokens as one row")
 
     @staticmethod
     def _check_cacheable(node: fx.Node) -> None:

@@ -2,15 +2,17 @@
 
 Before: parameters and buffers on ``meta``, device arguments ``device='meta'``.
 After: every parameter loaded (memory-mapped safetensors, cast to the deployment dtype) on the
-target device, non-persistent buffers restored, device arguments pointing at the target.
+target device, non-persistent buffers restored, constants the forward built on the meta device
+given the values export recorded, device arguments pointing at the target.
 """
 
 from typing import Optional, Tuple
 
 import torch
 from pydantic import Field
-from torch import nn
+from torch import fx, nn
 
+from ...export.exporter import CONSTANT_VALUES
 from ...models.weight_loader import load_into_module
 from ...utils.logging import get_logger
 from ..graph_utils import graph_modules, move_graph_to_device
@@ -49,11 +51,27 @@ class LoadWeights(BaseTransform):
                 tied=factory.tied_parameters, initial_buffers=factory.initial_buffers,
                 base_prefixes=(factory.base_model_prefix,), show_progress=show,
             )
+            restored = _restore_constants(gm, device)
             move_graph_to_device(gm, device)
             total += report.loaded + report.tied
             logger.info(
-                "loaded %d tensors (%.1f MiB, %d via hooks, %d tied, %d initial buffers) onto %s as %s",
-                report.loaded, report.bytes / 2**20, report.from_hooks, report.tied, report.from_initial,
+                "loaded %d tensors (%.1f MiB, %d via hooks, %d tied, %d initial buffers, %d constants) onto %s as %s",
+                report.loaded, report.bytes / 2**20, report.from_hooks, report.tied, report.from_initial, restored,
                 device, str(ctx.dtype).replace("torch.", ""),
             )
         return mod, TransformInfo(num_matches=total, is_clean=True, has_valid_shapes=False)
+
+
+def _restore_constants(gm: fx.GraphModule, device: torch.device) -> int:
+    """Constants recorded by export (``torch.tensor(data, device=<meta>)`` in a forward)."""
+    restored = 0
+    for path, value in gm.meta.pop(CONSTANT_VALUES, {}).items():
+        owner_path, _, name = path.rpartition(".")
+        try:
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+        except AttributeError:
+            continue  # a transform removed its only user
+        if isinstance(getattr(owner, name, None), torch.Tensor):
+            setattr(owner, name, value.to(device))
+            restored += 1
+    return restored

@@ -1,0 +1,141 @@
+"""A build-time check that the cached graph computes what the uncached model computes.
+
+The KV cache only carries attention's keys and values between steps, and the flattened-token
+row puts several sequences side by side. A layer that mixes tokens any other way (a short
+convolution, an SSM scan, a cumulative sum over the sequence) would then see a truncated
+history or its neighbour's tokens, and the model would answer wrongly without any error.
+Rather than trying to recognise every such layer, the check runs the same two prompts through
+the cached graph scheduled two ways and compares the next-token logits:
+
+* A: both prompts in one prefill step, side by side in the row;
+* B: the short prompt alone, then the long one as a prefill of all but its last token followed
+  by a one-token decode step.
+
+A model whose state lives entirely in the KV cache gives the same logits both ways (up to
+floating-point reduction order); one with hidden sequence state does not.
+
+A recompute graph exported with a static length pads each history on the right. That is exact
+only if no position looks at later ones; a model that does (a top-k over all keys before the
+causal mask, say) would silently change its answers with the padding, so schedule A is run a
+second time with a different pad token and must give the same logits.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .interface import CachedSequenceInterface
+from .sequence_info import build_sequence_info
+
+# Relative RMSE allowed between the two schedules. fp32 reduction-order noise is ~1e-7; a lost
+# convolution state in a tiny random model shows up around 1e-3.
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
+HALF_TOLERANCE = 1e-2
+
+
+@dataclass
+class ConsistencyResult:
+    ok: bool
+    error: float  # the largest relative RMSE seen
+    tolerance: float
+    detail: str = ""
+
+
+def _rel_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def _pages(first: int, tokens: int, page_size: int) -> List[int]:
+    return list(range(first, first + -(-tokens // page_size)))
+
+
+def check_cache_consistency(model: nn.Module, cache: CachedSequenceInterface, vocab_size: int,
+                            dtype: torch.dtype, long_len: int = 7, short_len: int = 3,
+                            seed: int = 0) -> Optional[ConsistencyResult]:
+    """Compare schedules A and B (module docstring). ``None`` when the pool or ``max_seq_len``
+    is too small to run them."""
+    long_len = min(long_len, cache.max_seq_len)
+    short_len = min(short_len, long_len - 1)
+    p = cache.page_size
+    long_pages = _pages(0, long_len, p)
+    short_pages = _pages(len(long_pages), short_len, p)
+    if short_len < 1 or len(long_pages) + len(short_pages) > cache.allocatable_pages:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    long_ids = torch.randint(0, vocab_size, (long_len,), generator=gen).tolist()
+    short_ids = torch.randint(0, vocab_size, (short_len,), generator=gen).tolist()
+
+    def run(tokens: Sequence[List[int]], starts: Sequence[int], tables: Sequence[List[int]]) -> torch.Tensor:
+        info = build_sequence_info(tokens, starts, tables, device=cache.device)
+        out = model(*cache.graph_args(info))
+        rows = torch.arange(info.num_sequences) if cache.gathered_logits else info.last_token_indices()
+        return out[0, rows.to(out.device)].float().cpu()
+
+    with torch.inference_mode():
+        together = run([long_ids, short_ids], [0, 0], [long_pages, short_pages])
+        short_alone = run([short_ids], [0], [short_pages])
+        run([long_ids[:-1]], [0], [long_pages])
+        long_split = run([long_ids[-1:]], [long_len - 1], [long_pages])
+        repadded = None
+        runner = getattr(model, "recompute", None)
+        if runner is not None and runner.static_seq_len is not None:
+            runner.pad_token_id = vocab_size - 1
+            try:
+                repadded = run([long_ids, short_ids], [0, 0], [long_pages, short_pages])
+            finally:
+                runner.pad_token_id = 0
+        for tensor in cache.caches.values():
+            tensor.zero_()
+    tolerance = TOLERANCE.get(dtype, HALF_TOLERANCE)
+    packed_err = _rel_rmse(short_alone[0], together[1])
+    split_err = _rel_rmse(long_split[0], together[0])
+    details = []
+    if packed_err > tolerance:
+        details.append(f"a prompt's logits change when another prompt shares its step (rel. RMSE {packed_err:.1e})")
+    if split_err > tolerance:
+        details.append(f"a prompt's logits change when its last token comes in a later step (rel. RMSE {split_err:.1e})")
+    pad_err = _rel_rmse(repadded, together) if repadded is not None else 0.0
+    if pad_err > tolerance:
+        details.append(f"the logits change with the padding after the prompt (rel. RMSE {pad_err:.1e}): positions "
+                       "look at later tokens, so a static-length export cannot serve the model")
+    return ConsistencyResult(not details, max(packed_err, split_err, pad_err), tolerance, "; ".join(details))
+
+
+def check_static_export_against_eager(runner: nn.Module, factory: object, dtype: torch.dtype,
+                                      device: torch.device, lengths: Sequence[int] = (3, 13),
+                                      seed: int = 0) -> ConsistencyResult:
+    """Compare a static-length recompute graph with the eager model at the prompts' real lengths.
+
+    A model that only exports with a static length may branch on the sequence length (a
+    top-k that only starts above some window, a chunked path above some size): the padded
+    graph would then take the branch of the static length for every prompt. Padding checks
+    cannot see that, so the eager model (loaded from the same checkpoint, once, at build time)
+    is the reference here."""
+    from transformers import AutoModelForCausalLM
+
+    width = runner.static_seq_len
+    vocab = int(factory.vocab_size)  # type: ignore[attr-defined]
+    eager = AutoModelForCausalLM.from_pretrained(
+        factory.directory, dtype=dtype, use_safetensors=True,  # type: ignore[attr-defined]
+        trust_remote_code=factory.trust_remote_code,  # type: ignore[attr-defined]
+    ).to(device).eval()
+    gen = torch.Generator().manual_seed(seed)
+    worst, details = 0.0, []
+    try:
+        with torch.inference_mode():
+            for length in sorted({min(n, width) for n in lengths}):
+                ids = torch.randint(0, vocab, (length,), generator=gen).to(device)
+                ours = runner._run_padded([ids], [length])[0, 0].float().cpu()
+                ref = eager(ids[None], use_cache=False).logits[0, -1].float().cpu()
+                err = _rel_rmse(ours, ref)
+                worst = max(worst, err)
+                if err > TOLERANCE.get(dtype, HALF_TOLERANCE):
+                    details.append(f"a {length}-token prompt's logits differ from the eager model's (rel. RMSE "
+                                   f"{err:.1e}): the model depends on the sequence length beyond causality")
+    finally:
+        del eager
+    tolerance = TOLERANCE.get(dtype, HALF_TOLERANCE)
+    return ConsistencyResult(not details, worst, tolerance, "; ".join(details))

@@ -1,0 +1,109 @@
+"""The recompute path: a paged *token* cache instead of a KV cache, for models the KV cache
+cannot serve.
+
+Some graphs cannot be cached per attention layer: their attention was not canonicalised (an
+explicit mask the matchers could not read, a custom attention), they carry state across tokens
+outside attention (short convolutions, SSM scans, linear attention, recurrences), or they only
+export with a static sequence length. Rather than refusing them, or worse running them with a
+KV cache that silently drops that state, the pipeline can run them in *recompute* mode: the
+cache holds each sequence's token ids in the same pages the scheduler already manages, and
+each step runs the uncached graph over every scheduled sequence's whole history. A causal LM's
+output at position ``i`` depends only on tokens ``0..i``, so this is exact; it costs a full
+forward per sequence per step (quadratic in length), which is why it is a fallback and says so.
+
+A graph exported with a static sequence length ``S`` gets each history right-padded to ``S``
+(pad tokens only follow the real ones, so causality keeps them out of the real positions) and
+all sequences of the step run as one ``[B, S]`` batch.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from torch import fx, nn
+
+from .resources import ResourceHandler
+from .sequence_info import METADATA_NAMES
+
+TOKEN_CACHE = "token_cache"
+
+
+@dataclass(frozen=True)
+class TokenCacheHandler(ResourceHandler):
+    """Token ids of every cached position: ``[num_pages, page_size]`` int64."""
+
+    def bytes_per_page(self, page_size: int) -> int:
+        return page_size * 8
+
+    def allocate(self, num_pages: int, page_size: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(num_pages, page_size, dtype=torch.long, device=device)
+
+
+class RecomputeRunner(nn.Module):
+    """Runs the uncached graph ``model(input_ids [b, s], position_ids [b, s]) -> [b, s, V]`` over
+    each sequence's full history, read back from the token cache.
+
+    Returns one logits row per sequence (its last new token): ``[1, B, V]``.
+    """
+
+    def __init__(self, model: fx.GraphModule, page_size: int, static_seq_len: Optional[int] = None):
+        super().__init__()
+        self.model = model
+        self.page_size = page_size
+        self.static_seq_len = static_seq_len
+        self.pad_token_id = 0  # what fills a static-length row after the history (see check_cache_consistency)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch_info: torch.Tensor,
+                seq_len: torch.Tensor, input_pos: torch.Tensor, cu_seqlen: torch.Tensor, page_table: torch.Tensor,
+                token_cache: torch.Tensor) -> torch.Tensor:
+        page = self.page_size
+        positions = position_ids[0]
+        # Scatter the new tokens into their slots (same page arithmetic as the KV caches).
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(seq_len.numel(), device=seq_len.device), seq_len.long(), output_size=positions.numel()
+        )
+        pages = page_table[seq_of_token, positions // page].long()
+        token_cache[pages, positions % page] = input_ids[0]
+        totals: List[int] = (input_pos + seq_len).tolist()
+        histories = []
+        for i, total in enumerate(totals):
+            idx = torch.arange(total, device=token_cache.device)
+            histories.append(token_cache[page_table[i, idx // page].long(), idx % page])
+        if self.static_seq_len is not None:
+            return self._run_padded(histories, totals)
+        rows = []
+        for hist, total in zip(histories, totals):
+            pos = torch.arange(total, device=hist.device)[None]
+            rows.append(self.model(hist[None], pos)[:, -1:])
+        return torch.cat(rows, dim=1)
+
+    def _run_padded(self, histories: List[torch.Tensor], totals: List[int]) -> torch.Tensor:
+        width = self.static_seq_len
+        assert width is not None
+        if max(totals) > width:
+            raise RuntimeError(f"a sequence of {max(totals)} tokens exceeds the graph's static length {width}")
+        batch = torch.full((len(histories), width), self.pad_token_id, dtype=torch.long, device=histories[0].device)
+        for row, hist in zip(batch, histories):
+            row[: hist.numel()] = hist
+        pos = torch.arange(width, device=batch.device).expand(len(histories), width)
+        logits = self.model(batch, pos)
+        last = torch.tensor(totals, device=logits.device) - 1
+        return logits[torch.arange(len(totals), device=logits.device), last][None]
+
+
+def build_recompute_graph(inner: fx.GraphModule, page_size: int, static_seq_len: Optional[int]) -> fx.GraphModule:
+    """A GraphModule with the cached interface (``input_ids, position_ids, <metadata>,
+    token_cache``) whose one node calls the runner, so the rest of the pipeline and the runtime
+    treat it like any cached graph."""
+    root = nn.Module()
+    root.recompute = RecomputeRunner(inner, page_size, static_seq_len)
+    graph = fx.Graph()
+    args = [graph.placeholder(name) for name in ("input_ids", "position_ids", *METADATA_NAMES, TOKEN_CACHE)]
+    out = graph.call_module("recompute", tuple(args))
+    graph.output(out)
+    gm = fx.GraphModule(root, graph)
+    gm.meta["autodeploy_recompute"] = {"static_seq_len": static_seq_len}
+    for key in ("autodeploy_export",):
+        if key in inner.meta:
+            gm.meta[key] = inner.meta[key]
+    return gm
