@@ -18,7 +18,7 @@ from ..utils.errors import ExportError
 from ..utils.logging import get_logger
 from .hf_attention import AD_ATTN_IMPL, RouteUnsupportedError, hf_attention_route
 from .hf_moe import hf_experts_route
-from .hf_names import rename_to_checkpoint
+from .hf_names import conversions, rename_to_checkpoint
 from .patches import apply_export_patches, real_value_of_meta_constant
 
 logger = get_logger(__name__)
@@ -74,6 +74,7 @@ def _describe_failure(exc: BaseException, stack: List[str]) -> str:
     return f"torch.export failed{where}{op_text}: {type(exc).__name__}: {first}"
 
 
+WEIGHT_CONVERSIONS = "autodeploy_weight_conversions"  # gm.meta: transformers' converters for the model
 CONSTANT_VALUES = "autodeploy_constant_values"  # gm.meta: attribute path -> CPU value for load_weights
 
 
@@ -187,6 +188,7 @@ def export_causal_lm(
     if static is not None:
         gm.meta["autodeploy_export"]["static_seq_len"] = static
     rename_to_checkpoint(gm, model, checkpoint_keys)
+    gm.meta[WEIGHT_CONVERSIONS] = conversions(model)  # load_weights replays the converters
     return gm
 
 

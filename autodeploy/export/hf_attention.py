@@ -120,6 +120,11 @@ def _is_zero(x: Any) -> bool:
     return isinstance(x, int) and x == 0
 
 
+# Tensor kwargs HF passes to attention functions that change nothing here (positions are
+# already applied; packed-sequence lengths do not apply to one sequence per row), plus sinks.
+_IGNORABLE_TENSOR_KWARGS = frozenset({"sinks", "position_ids", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k"})
+
+
 def autodeploy_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -133,7 +138,16 @@ def autodeploy_attention(
     s_aux: Optional[torch.Tensor] = None,
     **kwargs: Any,
 ) -> Tuple[torch.Tensor, None]:
-    """HF attention-interface function: q/k/v arrive ``bnsd``, the output leaves ``bsnd``."""
+    """HF attention-interface function: q/k/v arrive ``bnsd``, the output leaves ``bsnd``.
+
+    A tensor argument it does not know (an additive ``position_bias``, say) would be dropped
+    silently, so it is refused instead and the exporter retries with HF's sdpa route."""
+    unknown = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _IGNORABLE_TENSOR_KWARGS)
+    if unknown:
+        raise RouteUnsupportedError(
+            f"attention of {type(module).__name__} passes {', '.join(unknown)}, which the '{AD_ATTN_IMPL}' "
+            "attention route does not express"
+        )
     sinks = kwargs.get("sinks", s_aux)
     emitted = _EMITTED_MASKS.get(id(attention_mask)) if attention_mask is not None else None
     if attention_mask is None or emitted is not None:

@@ -7,7 +7,7 @@ dim, or stack a new leading dim, e.g. per-expert weights into one 3-D tensor).
 
 import re
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,6 +27,12 @@ class LoadHook:
         if m is None:
             return None
         return [m.expand(s) for s in self.sources]
+
+    def resolve(self, param_name: str) -> Optional[Tuple[List[str], Callable[[List[torch.Tensor]], torch.Tensor]]]:
+        """The checkpoint keys for ``param_name`` and how to combine them (the loader's interface;
+        ``conversion_hooks.ConversionHook`` has the same)."""
+        keys = self.source_names(param_name)
+        return (keys, self.combine) if keys is not None else None
 
 
 def rename(pattern: str, source: str) -> LoadHook:

@@ -96,10 +96,10 @@ def load_into_module(
             if name in reader:
                 return fetch(name)
             for hook in hooks:
-                keys = hook.source_names(name)
-                if keys is not None and all(k in reader for k in keys):
+                resolved = hook.resolve(name)
+                if resolved is not None and all(k in reader for k in resolved[0]):
                     report.from_hooks += 1
-                    return hook.combine([fetch(k) for k in keys])
+                    return resolved[1]([fetch(k) for k in resolved[0]])
             alt = next((a for a in _prefix_variants(name, base_prefixes) if a in reader), None)
             return fetch(alt) if alt is not None else None
 

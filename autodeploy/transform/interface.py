@@ -162,6 +162,10 @@ def model_tensor_bytes(mod: Optional[nn.Module]) -> int:
     return total
 
 
+class ShapePropError(RuntimeError):
+    """Shape propagation could not run on the graph (an op whose fake kernel needs concrete sizes)."""
+
+
 class BaseTransform(ABC):
     """Base class of all transforms (see module docstring).
 
@@ -219,7 +223,15 @@ class BaseTransform(ABC):
             ctx.history.append(TransformRecord(self._key, cfg.stage.value, "disabled"))
             return mod
         if mod is not None:
-            self._prepare(mod)
+            try:
+                self._prepare(mod)
+            except ShapePropError as err:
+                # Every transform is an optimisation of a graph that already computes the right thing
+                # (insert_cached_attention included: recompute_fallback serves an uncached graph), so a
+                # graph that cannot be analysed is left as it is rather than failing the build.
+                logger.warning("transform %s skipped: %s", self._key, err)
+                ctx.history.append(TransformRecord(self._key, cfg.stage.value, "skipped", error=str(err)[:200]))
+                return mod
         mem_before = model_tensor_bytes(mod)
         start = time.perf_counter()
         try:
@@ -267,7 +279,11 @@ class BaseTransform(ABC):
                 canonicalize_graph(gm)
                 clean = True
             if self.config.requires_shape_prop and not shapes_ok:
-                run_shape_prop(gm)
+                try:
+                    run_shape_prop(gm)
+                except Exception as exc:  # noqa: BLE001 - reported as one line by __call__
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    raise ShapePropError(f"shape propagation failed ({type(exc).__name__}: {first})") from exc
                 shapes_ok = True
             gm.meta[_META_LAST_INFO] = TransformInfo(is_clean=clean, has_valid_shapes=shapes_ok)
 

@@ -216,3 +216,16 @@ def test_without_the_constant_patches_the_values_are_lost(patch):
     module = _ConstantsInForward().eval()
     gm = _load_like(_export_on_meta(**{patch: False}), module)
     assert _meta_constants(gm)
+
+
+def test_autodeploy_route_refuses_attention_arguments_it_would_drop():
+    """An additive position bias (Inkling) must not vanish: the route refuses it, naming it, and
+    export_causal_lm retries with HF's sdpa route. Positions and sinks are understood."""
+    from autodeploy.export.hf_attention import RouteUnsupportedError, autodeploy_attention
+
+    q = k = v = torch.randn(1, 4, 3, 8)
+    module = nn.Module()
+    out, _ = autodeploy_attention(module, q, k, v, None, scaling=0.5, position_ids=torch.arange(3)[None])
+    assert out.shape == (1, 3, 4, 8)
+    with pytest.raises(RouteUnsupportedError, match="position_bias"):
+        autodeploy_attention(module, q, k, v, None, scaling=0.5, position_bias=torch.zeros(1, 4, 3, 3))

@@ -278,3 +278,27 @@ def test_a_shape_preserving_transform_does_not_vouch_for_stale_shapes():
     CheckShapes.widths = []
     _run({"_test_widen": {}, "_test_retarget": {}, "_test_check_shapes": {}})
     assert CheckShapes.widths == [8]
+
+
+def test_a_graph_shape_propagation_cannot_handle_skips_the_transform_not_the_build(monkeypatch, caplog):
+    """Some ops' fake kernels need concrete sizes (RWKV, Bloom): a transform that needs shapes is
+    then skipped with the reason, the graph is left as it was, and the pipeline goes on."""
+    import autodeploy.transform.interface as interface
+
+    def broken(gm):
+        raise RuntimeError("SymIntArrayRef expected to contain only concrete integers\nmore")
+
+    monkeypatch.setattr(interface, "run_shape_prop", broken)
+    NeedsShapes.seen_vals = []
+    gm = _gm()
+    x = torch.randn(2, 3, 4)
+    ref = gm(x)
+    with caplog.at_level(logging.WARNING):
+        out, ctx = _run({"_test_add_dead_node": {}, "_test_needs_shapes": {}}, gm)
+    record = ctx.history[-1]
+    assert record.key == "_test_needs_shapes" and record.status == "skipped"
+    assert record.error == "shape propagation failed (RuntimeError: SymIntArrayRef expected to contain only " \
+                           "concrete integers)"
+    assert NeedsShapes.seen_vals == []  # it never ran
+    assert "transform _test_needs_shapes skipped" in caplog.text
+    torch.testing.assert_close(out(x), ref)

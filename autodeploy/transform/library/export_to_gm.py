@@ -2,6 +2,12 @@
 
 Before: ``nn.Module`` (meta). After: ``GraphModule(input_ids [b, s], position_ids [b, s]) ->
 logits``, aten ops plus canonical attention/mask ops emitted by the HF attention route.
+
+A model whose sequence dim cannot be dynamic (a Python loop over it, chunk-size arithmetic that
+torch.export guards) is exported again with a static length of ``max_seq_len`` tokens
+(``gm.meta['autodeploy_export']['static_seq_len']``); such a graph only runs in recompute mode
+(``recompute_fallback``), which pads each history on the right and checks the result against the
+eager model once.
 """
 
 from typing import Dict, Literal, Optional, Set, Tuple

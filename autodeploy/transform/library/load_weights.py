@@ -12,7 +12,9 @@ import torch
 from pydantic import Field
 from torch import fx, nn
 
-from ...export.exporter import CONSTANT_VALUES
+from ...export.exporter import CONSTANT_VALUES, WEIGHT_CONVERSIONS
+from ...export.hf_names import checkpoint_name, reverted_renamings
+from ...models.conversion_hooks import conversion_hooks
 from ...models.weight_loader import load_into_module
 from ...utils.logging import get_logger
 from ..graph_utils import graph_modules, move_graph_to_device
@@ -46,8 +48,13 @@ class LoadWeights(BaseTransform):
         device = torch.device(ctx.device)
         total = 0
         for gm in graph_modules(mod):
+            converters = gm.meta.get(WEIGHT_CONVERSIONS) or []
+            renamings = reverted_renamings(converters) if converters else []
+            hooks = list(factory.load_hooks) + conversion_hooks(
+                converters, set(index.weight_map), lambda name: checkpoint_name(name, renamings)
+            )
             report = load_into_module(
-                gm, index, device=device, dtype=ctx.dtype, hooks=factory.load_hooks,
+                gm, index, device=device, dtype=ctx.dtype, hooks=hooks,
                 tied=factory.tied_parameters, initial_buffers=factory.initial_buffers,
                 base_prefixes=(factory.base_model_prefix,), show_progress=show,
             )

@@ -119,7 +119,9 @@ class RecomputeFallback(BaseTransform):
     def _reason(gm: fx.GraphModule, ctx: PipelineContext, cfg: RecomputeFallbackConfig, cached: bool,
                 vocab: Optional[int]) -> Optional[str]:
         if not cached:
-            return ctx.extras.get(UNCACHED_REASON) or (
+            skipped = [r.error for r in ctx.history if r.key == "insert_cached_attention" and r.error]
+            return ctx.extras.get(UNCACHED_REASON) or (f"insert_cached_attention was skipped: {skipped[-1]}"
+                                                       if skipped else None) or (
                 "no attention was canonicalised to torch_attention, so a KV cache has nothing to hold"
             )
         if cfg.mode == "always":
