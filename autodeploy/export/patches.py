@@ -118,3 +118,6 @@ def _meta_tensor_constants(model: nn.Module) -> Iterator[None]:
     finally:
         torch.tensor = original  # type: ignore[assignment]
         _META_CONSTANTS.clear()
+
+
+from . import family_patches  # noqa: E402,F401  (registers the per-family patches)
