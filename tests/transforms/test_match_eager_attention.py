@@ -173,7 +173,35 @@ def _eager_q_prescaled(module, query, key, value, attention_mask, scaling, dropo
     return torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous(), attn_weights
 
 
-@pytest.mark.parametrize("fn", [_eager_div_scale, _eager_q_prescaled])
+def _eager_inplace_div(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Falcon style: ``scores /= sqrt(d)`` in place."""
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(-1, -2))
+    attn_weights /= 1.0 / scaling
+    attn_weights = nn.functional.softmax(attn_weights + attention_mask, dim=-1, dtype=torch.float32)
+    return torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous(), attn_weights
+
+
+def _eager_inplace_div_scores_reused(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Near miss: the raw scores are read again after the in-place division."""
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    raw = torch.matmul(query, key_states.transpose(-1, -2))
+    scaled = raw.div_(1.0 / scaling)
+    attn_weights = nn.functional.softmax(scaled + attention_mask, dim=-1)
+    out = torch.matmul(attn_weights, value_states) + raw.mean()
+    return out.transpose(1, 2).contiguous(), attn_weights
+
+
+def test_inplace_scaled_scores_read_again_keep_the_eager_math():
+    ref, gm, record = _run(EagerBlock(n=4, n_kv=2, fn=_eager_inplace_div_scores_reused, scaling=0.2),
+                           torch.randn(2, 6, HIDDEN))
+    assert record.num_matches == 0 and count_op(gm, ad.torch_attention) == 0
+    assert_same_outputs(ref, gm, _xs((2, 6), (3, 5)))
+
+
+@pytest.mark.parametrize("fn", [_eager_div_scale, _eager_q_prescaled, _eager_inplace_div])
 def test_scale_variants(fn):
     ref, gm, record = _run(EagerBlock(n=4, n_kv=2, fn=fn, scaling=0.2), torch.randn(2, 6, HIDDEN))
     _assert_eager_gone(gm, record)

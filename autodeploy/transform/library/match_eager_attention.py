@@ -2,7 +2,7 @@
 
 Before (bnsd; optional pieces in brackets)::
 
-    s = matmul(q, transpose(k, 2, 3)) [* scale | / d]
+    s = matmul(q, transpose(k, 2, 3)) [* scale | / d]  (also in place: s /= d)
     [s = tanh(s / cap) * cap]                       # Gemma-2 soft-capping
     [s = s + mask]
     p = softmax(s, -1 [, f32]) [-> to(q.dtype)] [-> dropout(p=0 / train=False)]
@@ -54,12 +54,20 @@ def _peel_probs(p: Any, consumer: fx.Node) -> Optional[fx.Node]:
     return None
 
 
-def _scale_of(node: fx.Node) -> Tuple[fx.Node, Optional[float]]:
-    """``(inner, scale)`` for ``inner * c`` / ``inner / c`` with a Python number c."""
-    if is_op(node, aten.mul) and isinstance(node.args[1], (int, float)):
-        return node.args[0], float(node.args[1])
-    if is_op(node, aten.div) and isinstance(node.args[1], (int, float)) and node.args[1] != 0:
-        return node.args[0], 1.0 / float(node.args[1])
+def _scale_of(node: fx.Node, allow_inplace: bool = False) -> Tuple[fx.Node, Optional[float]]:
+    """``(inner, scale)`` for ``inner * c`` / ``inner / c`` with a Python number c. The in-place
+    forms (Falcon's ``scores /= sqrt(d)``) count, where allowed, when ``inner`` has no other
+    reader, so the mutation is invisible (not for q: the mutated q would still be read)."""
+    other = arg(node, 1, "other") if isinstance(node, fx.Node) else None
+    if not isinstance(other, (int, float)):
+        return node, None
+    inner, c = node.args[0], float(other)
+    if is_op(node, (aten.mul_, aten.div_)) and not (allow_inplace and _only_user(inner, node)):
+        return node, None
+    if is_op(node, (aten.mul, aten.mul_)):
+        return inner, c
+    if is_op(node, (aten.div, aten.div_)) and c != 0:
+        return inner, 1.0 / c
     return node, None
 
 
@@ -97,7 +105,9 @@ def match_eager(o: fx.Node) -> Optional[dict]:
     elif not _only_user(s, softmax):
         return None
     s, cap = _peel_softcap(s)
-    s, scale = _scale_of(s)
+    scaled = s
+    s, scale = _scale_of(s, allow_inplace=True)
+    inplace = [scaled] if scale is not None and is_op(scaled, (aten.mul_, aten.div_)) else []
     if not is_op(s, aten.matmul) or not _is_kt(s.args[1]) or len(s.users) != 1:
         return None
     q, k = s.args[0], s.args[1].args[0]
@@ -106,7 +116,7 @@ def match_eager(o: fx.Node) -> Optional[dict]:
     if scale is None:
         q, scale = _scale_of(q)  # some models scale q before the product
         scale = 1.0 if scale is None else scale
-    return {"q": q, "k": k, "v": v, "mask": mask, "scale": scale, "logit_cap": cap}
+    return {"q": q, "k": k, "v": v, "mask": mask, "scale": scale, "logit_cap": cap, "inplace": inplace}
 
 
 class MatchEagerConfig(TransformConfig):
@@ -121,6 +131,7 @@ class MatchEagerAttention(BaseTransform):
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         count = 0
+        inplace: list = []
         for node in reversed(list(gm.graph.nodes)):
             if node._erased or not is_op(node, aten.matmul) or len(node.args) != 2:
                 continue
@@ -135,6 +146,12 @@ class MatchEagerAttention(BaseTransform):
             )
             gm.graph.erase_node(node)
             count += 1
+            inplace.extend(found["inplace"])
         if count:
+            eliminate_dead_code(gm)
+            # DCE keeps mutating ops: an in-place scale nobody reads any more goes by hand
+            for scaled in inplace:
+                if not scaled.users:
+                    gm.graph.erase_node(scaled)
             eliminate_dead_code(gm)
         return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=count == 0)
