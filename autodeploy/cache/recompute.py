@@ -13,7 +13,10 @@ forward per sequence per step (quadratic in length), which is why it is a fallba
 
 A graph exported with a static sequence length ``S`` gets each history right-padded to ``S``
 (pad tokens only follow the real ones, so causality keeps them out of the real positions) and
-all sequences of the step run as one ``[B, S]`` batch.
+all sequences of the step run as one ``[B, S]`` batch; a graph whose automatic dynamic dim
+starts at 2 tokens gets a one-token history padded to 2. ``recompute_fallback`` checks both
+against the eager model once, since padding is exact only for a model that does not branch on
+the sequence length.
 """
 
 from dataclasses import dataclass
@@ -46,11 +49,13 @@ class RecomputeRunner(nn.Module):
     Returns one logits row per sequence (its last new token): ``[1, B, V]``.
     """
 
-    def __init__(self, model: fx.GraphModule, page_size: int, static_seq_len: Optional[int] = None):
+    def __init__(self, model: fx.GraphModule, page_size: int, static_seq_len: Optional[int] = None,
+                 min_seq_len: int = 1):
         super().__init__()
         self.model = model
         self.page_size = page_size
         self.static_seq_len = static_seq_len
+        self.min_seq_len = min_seq_len  # a graph exported with an automatic dim may need >= 2 tokens
         self.pad_token_id = 0  # what fills a static-length row after the history (see check_cache_consistency)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch_info: torch.Tensor,
@@ -69,17 +74,23 @@ class RecomputeRunner(nn.Module):
         for i, total in enumerate(totals):
             idx = torch.arange(total, device=token_cache.device)
             histories.append(token_cache[page_table[i, idx // page].long(), idx % page])
+        return self.last_logits(histories)
+
+    def last_logits(self, histories: List[torch.Tensor]) -> torch.Tensor:
+        """Next-token logits after each history: ``[1, len(histories), V]``."""
+        totals = [int(h.numel()) for h in histories]
         if self.static_seq_len is not None:
-            return self._run_padded(histories, totals)
+            return self._run_padded(histories, totals, self.static_seq_len)
         rows = []
         for hist, total in zip(histories, totals):
+            if total < self.min_seq_len:
+                rows.append(self._run_padded([hist], [total], self.min_seq_len))
+                continue
             pos = torch.arange(total, device=hist.device)[None]
             rows.append(self.model(hist[None], pos)[:, -1:])
         return torch.cat(rows, dim=1)
 
-    def _run_padded(self, histories: List[torch.Tensor], totals: List[int]) -> torch.Tensor:
-        width = self.static_seq_len
-        assert width is not None
+    def _run_padded(self, histories: List[torch.Tensor], totals: List[int], width: int) -> torch.Tensor:
         if max(totals) > width:
             raise RuntimeError(f"a sequence of {max(totals)} tokens exceeds the graph's static length {width}")
         batch = torch.full((len(histories), width), self.pad_token_id, dtype=torch.long, device=histories[0].device)
@@ -91,18 +102,19 @@ class RecomputeRunner(nn.Module):
         return logits[torch.arange(len(totals), device=logits.device), last][None]
 
 
-def build_recompute_graph(inner: fx.GraphModule, page_size: int, static_seq_len: Optional[int]) -> fx.GraphModule:
+def build_recompute_graph(inner: fx.GraphModule, page_size: int, static_seq_len: Optional[int],
+                          min_seq_len: int = 1) -> fx.GraphModule:
     """A GraphModule with the cached interface (``input_ids, position_ids, <metadata>,
     token_cache``) whose one node calls the runner, so the rest of the pipeline and the runtime
     treat it like any cached graph."""
     root = nn.Module()
-    root.recompute = RecomputeRunner(inner, page_size, static_seq_len)
+    root.recompute = RecomputeRunner(inner, page_size, static_seq_len, min_seq_len)
     graph = fx.Graph()
     args = [graph.placeholder(name) for name in ("input_ids", "position_ids", *METADATA_NAMES, TOKEN_CACHE)]
     out = graph.call_module("recompute", tuple(args))
     graph.output(out)
     gm = fx.GraphModule(root, graph)
-    gm.meta["autodeploy_recompute"] = {"static_seq_len": static_seq_len}
+    gm.meta["autodeploy_recompute"] = {"static_seq_len": static_seq_len, "min_seq_len": min_seq_len}
     for key in ("autodeploy_export",):
         if key in inner.meta:
             gm.meta[key] = inner.meta[key]

@@ -101,6 +101,18 @@ def _caused_by(exc: BaseException, cls: type) -> Optional[BaseException]:
     return None
 
 
+def _symbolic_seq_min(ep: torch.export.ExportedProgram) -> Optional[int]:
+    """The smallest sequence length the program accepts, or None if its seq dim was specialised."""
+    ph = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name.endswith("input_ids"))
+    size = ph.meta["val"].shape[1]
+    if isinstance(size, int):
+        return None
+    for symbol, bounds in ep.range_constraints.items():
+        if str(symbol) == str(size.node.expr):
+            return max(1, int(bounds.lower))
+    return None
+
+
 def _seq_constraint_violated(exc: BaseException) -> bool:
     """torch.export found that the model cannot take every sequence length (it specialised the
     seq dim, or guards it with chunk-size arithmetic)."""
@@ -123,9 +135,12 @@ def export_causal_lm(
 ) -> fx.GraphModule:
     """Export ``model`` (any device, usually meta) with dynamic batch and sequence dims.
 
-    When the sequence dim cannot be dynamic and ``static_seq_len`` is given, the model is
-    exported again with that fixed length (``gm.meta['autodeploy_export']['static_seq_len']``);
-    such a graph only runs in recompute mode, with right-padded inputs.
+    When the named sequence dim is rejected and ``static_seq_len`` is given, the model is
+    exported again with an automatic dynamic dim (``Dim.DYNAMIC``: chunk-size guards often only
+    trip the named-dim solver; ``meta['autodeploy_export']['min_seq_len']`` is its lower bound,
+    usually 2), else with the fixed length ``static_seq_len``
+    (``meta['autodeploy_export']['static_seq_len']``). Either graph only runs in recompute
+    mode; shorter histories are right-padded.
     ``experts_implementation`` and ``checkpoint_keys`` steer HF MoE experts (``hf_moe``)."""
     device = next(iter(model.parameters())).device
     batch = min(example_batch, max(max_batch_size, 2))
@@ -165,28 +180,43 @@ def export_causal_lm(
         except Exception as exc:  # noqa: BLE001 - every export failure becomes one actionable message
             raise ExportError(_describe_failure(exc, stack)) from exc
 
-    static = None
+    static, min_seq = None, None
     try:
         ep = run(seq, s)
     except ExportError as err:
         if static_seq_len is None or not _seq_constraint_violated(err.__cause__ or err):
             raise
-        logger.warning(
-            "the model does not export with a dynamic sequence length (%s); exporting it with a static length "
-            "of %d tokens instead, which only runs in recompute mode", str(err).split(": ", 1)[-1][:200],
-            static_seq_len,
-        )
-        static = static_seq_len
+        reason = str(err).split(": ", 1)[-1][:200]
+        # Chunk-size arithmetic often only trips the named-Dim constraint solver: an automatic
+        # dynamic dim accepts it. Usable when seq stayed symbolic (a loop specialises it).
         try:
-            ep = run(static_seq_len, None)
-        except ExportError as static_err:
-            raise ExportError(f"{err} (and with a static length of {static_seq_len}: {static_err})") from static_err
+            ep = run(seq, Dim.DYNAMIC)
+            min_seq = _symbolic_seq_min(ep)
+        except ExportError:
+            min_seq = None
+        if min_seq is not None:
+            logger.warning(
+                "the model does not export with a named dynamic sequence dim (%s); exported with an automatic one "
+                "(sequences of at least %d tokens), which runs in recompute mode", reason, min_seq,
+            )
+        else:
+            logger.warning(
+                "the model does not export with a dynamic sequence length (%s); exporting it with a static length "
+                "of %d tokens instead, which only runs in recompute mode", reason, static_seq_len,
+            )
+            static = static_seq_len
+            try:
+                ep = run(static_seq_len, None)
+            except ExportError as static_err:
+                raise ExportError(f"{err} (and with a static length of {static_seq_len}: {static_err})") from static_err
     constant_values = ep.graph_module.meta.get(CONSTANT_VALUES, {})
     gm = _plain_graph_module(ep)
     if constant_values:
         gm.meta[CONSTANT_VALUES] = dict(constant_values)  # ep.module() keeps the constants' names as paths
     if static is not None:
         gm.meta["autodeploy_export"]["static_seq_len"] = static
+    if min_seq is not None:
+        gm.meta["autodeploy_export"]["min_seq_len"] = min_seq
     rename_to_checkpoint(gm, model, checkpoint_keys)
     gm.meta[WEIGHT_CONVERSIONS] = conversions(model)  # load_weights replays the converters
     return gm

@@ -132,3 +132,33 @@ def test_static_length_export_fallback_and_padded_recompute_are_exact():
     with pytest.raises(RuntimeError, match="static length 12"):
         long = build_sequence_info([list(range(13))], [0], [[4, 5, 6, 7]])
         runner(*long.as_inputs().values(), cache)
+
+
+class _ChunkPadded(nn.Module):
+    """Chunked like SSM scans: pad the sequence to a multiple of 4, work per chunk. The named seq
+    dim is rejected by export's constraint solver; an automatic one (seq >= 2) is accepted."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        x = self.embed(input_ids)
+        b, s, h = x.shape
+        x = torch.nn.functional.pad(x, (0, 0, 0, (4 - s % 4) % 4))
+        x = x.view(b, -1, 4, h).cumsum(2).reshape(b, -1, h)[:, :s]
+        return self.head(x)
+
+
+def test_automatic_dynamic_dim_fallback_and_one_token_padding():
+    torch.manual_seed(0)
+    model = _ChunkPadded().eval()
+    gm = export_causal_lm(model, max_batch_size=4, max_seq_len=12, static_seq_len=12)
+    meta = gm.meta["autodeploy_export"]
+    assert meta["min_seq_len"] == 2 and "static_seq_len" not in meta
+    runner = RecomputeRunner(gm, page_size=4, min_seq_len=2)
+    with torch.no_grad():
+        for length in (1, 2, 7, 12):  # 1 is padded to 2; the others run at their own length
+            ids = torch.randint(0, 32, (length,))
+            torch.testing.assert_close(runner.last_logits([ids])[0, 0], model(ids[None])[0, -1])

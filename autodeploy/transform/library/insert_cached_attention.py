@@ -31,7 +31,7 @@ from ...cache.attention_backends import attention_backends, get_attention_backen
 from ...cache.sequence_info import METADATA_NAMES
 from ...utils.errors import ConfigError
 from ..graph_utils import arg, is_op
-from .recompute_fallback import UNCACHED_GRAPH, UNCACHED_REASON, copy_graph_module
+from .recompute_fallback import UNCACHED_GRAPH, UNCACHED_REASON, copy_graph_module, export_shape_problem
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
 
@@ -76,7 +76,7 @@ class InsertCachedAttention(BaseTransform):
             raise ConfigError(f"attention backend '{backend.name}' does not run on {device.type}")
         graph = gm.graph
         attn_nodes = [n for n in graph.nodes if is_op(n, torch.ops.autodeploy.torch_attention)]
-        problem = self._static_length_problem(gm)
+        problem = export_shape_problem(gm)
         if not attn_nodes or problem is not None and cfg.on_uncacheable == "recompute":
             if problem is not None:
                 ctx.extras[UNCACHED_REASON] = problem
@@ -139,14 +139,6 @@ class InsertCachedAttention(BaseTransform):
             graph.erase_node(node)
         gm.meta["autodeploy_cached"] = {"attn_backend": backend.name, "layers": len(attn_nodes)}
         return TransformInfo(num_matches=len(attn_nodes), is_clean=False, has_valid_shapes=False)
-
-    @staticmethod
-    def _static_length_problem(gm: fx.GraphModule) -> Optional[str]:
-        static_len = (gm.meta.get("autodeploy_export") or {}).get("static_seq_len")
-        if static_len is None:
-            return None
-        return (f"the graph was exported with a static sequence length ({static_len}), so it cannot take a "
-                "step's tokens as one row")
 
     @staticmethod
     def _check_cacheable(node: fx.Node) -> None:

@@ -61,6 +61,19 @@ class RecomputeFallbackConfig(TransformConfig):
     )
 
 
+def export_shape_problem(gm: fx.GraphModule) -> Optional[str]:
+    """Why the exported graph cannot take a step's tokens as one row (static or minimum length)."""
+    export_meta = gm.meta.get("autodeploy_export") or {}
+    static_len, min_len = export_meta.get("static_seq_len"), export_meta.get("min_seq_len", 1)
+    if static_len is not None:
+        return (f"the graph was exported with a static sequence length ({static_len}), so it cannot take a "
+                "step's tokens as one row")
+    if min_len > 1:
+        return (f"the graph was exported for sequences of at least {min_len} tokens (the named dynamic dim was "
+                "rejected), so it cannot take one-token steps")
+    return None
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A second GraphModule over the same parameters with its own copy of the graph."""
     graph = fx.Graph()
@@ -95,8 +108,9 @@ class RecomputeFallback(BaseTransform):
         uncached = ctx.extras.get(UNCACHED_GRAPH) if cached else mod
         if uncached is None:
             raise RuntimeError("recompute_fallback: the graph before insert_cached_attention was not kept")
-        static_len = (uncached.meta.get("autodeploy_export") or {}).get("static_seq_len")
-        gm = build_recompute_graph(uncached, ctx.page_size, static_len)
+        export_meta = uncached.meta.get("autodeploy_export") or {}
+        static_len, min_len = export_meta.get("static_seq_len"), int(export_meta.get("min_seq_len", 1))
+        gm = build_recompute_graph(uncached, ctx.page_size, static_len, min_len)
         ctx.cache = self._token_cache(ctx, keep_pages=ctx.cache.num_pages if cached and ctx.cache.fixed_size else None)
         ctx.extras[CACHE_MODE] = "recompute"
         ctx.extras["recompute_reason"] = reason
@@ -106,11 +120,11 @@ class RecomputeFallback(BaseTransform):
         )
         if cfg.check_consistency and vocab is not None:
             result = check_cache_consistency(gm, ctx.cache, vocab, ctx.dtype)
-            if static_len and cfg.verify_static_export and (result is None or result.ok):
+            if (static_len or min_len > 1) and cfg.verify_static_export and (result is None or result.ok):
                 result = check_static_export_against_eager(gm.recompute, ctx.factory, ctx.dtype,
                                                            torch.device(ctx.device))
             if result is not None and not result.ok:
-                hint = " (export with dynamic shapes failed, see the warning above)" if static_len else ""
+                hint = " (export with dynamic shapes failed, see the warning above)" if static_len or min_len > 1 else ""
                 raise RuntimeError(f"recompute mode cannot serve this model exactly{hint}: {result.detail}")
         ctx.extras.pop(UNCACHED_GRAPH, None)
         return gm, TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
@@ -119,6 +133,9 @@ class RecomputeFallback(BaseTransform):
     def _reason(gm: fx.GraphModule, ctx: PipelineContext, cfg: RecomputeFallbackConfig, cached: bool,
                 vocab: Optional[int]) -> Optional[str]:
         if not cached:
+            shape_problem = export_shape_problem(gm)
+            if shape_problem is not None:
+                return shape_problem
             skipped = [r.error for r in ctx.history if r.key == "insert_cached_attention" and r.error]
             return ctx.extras.get(UNCACHED_REASON) or (f"insert_cached_attention was skipped: {skipped[-1]}"
                                                        if skipped else None) or (
