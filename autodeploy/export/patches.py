@@ -63,23 +63,26 @@ def _is_int_list(obj: object) -> bool:
 )
 @contextmanager
 def _list_index_constants(model: nn.Module) -> Iterator[None]:
-    original = torch.Tensor.__getitem__
+    from torch.overrides import TorchFunctionMode
 
     def as_tensor(index: object) -> object:
         return torch.tensor(index) if _is_int_list(index) else index
 
-    def getitem(self: torch.Tensor, index: object) -> torch.Tensor:
-        if isinstance(index, tuple) and any(_is_int_list(i) for i in index):
-            index = tuple(as_tensor(i) for i in index)
-        elif _is_int_list(index):
-            index = as_tensor(index)
-        return original(self, index)
+    class ListIndexAsTensor(TorchFunctionMode):
+        """Only ``tensor[...list...]`` is rewritten; every other call passes through untouched
+        (replacing ``Tensor.__getitem__`` itself would change how export traces every slice)."""
 
-    torch.Tensor.__getitem__ = getitem  # type: ignore[method-assign,assignment]
-    try:
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.Tensor.__getitem__ and len(args) == 2:
+                index = args[1]
+                if isinstance(index, tuple) and any(_is_int_list(i) for i in index):
+                    args = (args[0], tuple(as_tensor(i) for i in index))
+                elif _is_int_list(index):
+                    args = (args[0], as_tensor(index))
+            return func(*args, **(kwargs or {}))
+
+    with ListIndexAsTensor():
         yield
-    finally:
-        torch.Tensor.__getitem__ = original  # type: ignore[method-assign]
 
 
 # torch.tensor(...) results created on the meta device during the current export: id -> (meta, cpu value)
