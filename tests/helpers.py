@@ -61,15 +61,21 @@ MOE_FAMILIES: Dict[str, Dict[str, Any]] = {
 MOE_LAYERS = {family: 1 if family == "deepseek_v3" else 2 for family in MOE_FAMILIES}
 
 
-def moe_family_checkpoint(family: str) -> str:
-    """Like ``family_checkpoint`` for ``MOE_FAMILIES`` (experts saved per expert, as transformers saves them)."""
-    path = os.path.join(CKPT_CACHE, f"moe-{family}")
+def _cached_checkpoint(name: str, config: Dict[str, Any]) -> str:
+    """A real checkpoint directory for ``config`` under ``CKPT_CACHE/name``, written once (atomically,
+    so parallel test processes never see half a checkpoint)."""
+    path = os.path.join(CKPT_CACHE, name)
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         os.makedirs(CKPT_CACHE, exist_ok=True)
         tmp = path + f".tmp{os.getpid()}"
-        write_random_checkpoint(MOE_FAMILIES[family], tmp, seed=1)
+        write_random_checkpoint(config, tmp, seed=1)
         os.replace(tmp, path)
     return path
+
+
+def moe_family_checkpoint(family: str) -> str:
+    """Like ``family_checkpoint`` for ``MOE_FAMILIES`` (experts saved per expert, as transformers saves them)."""
+    return _cached_checkpoint(f"moe-{family}", MOE_FAMILIES[family])
 
 
 # Models with state outside attention (issue 7): LFM2's short-convolution layers next to an
@@ -82,24 +88,12 @@ STATEFUL_FAMILIES: Dict[str, Dict[str, Any]] = {
 
 def stateful_checkpoint(family: str) -> str:
     """Like ``family_checkpoint`` for ``STATEFUL_FAMILIES``."""
-    path = os.path.join(CKPT_CACHE, f"stateful-{family}")
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
-        os.makedirs(CKPT_CACHE, exist_ok=True)
-        tmp = path + f".tmp{os.getpid()}"
-        write_random_checkpoint(STATEFUL_FAMILIES[family], tmp, seed=1)
-        os.replace(tmp, path)
-    return path
+    return _cached_checkpoint(f"stateful-{family}", STATEFUL_FAMILIES[family])
 
 
 def family_checkpoint(family: str) -> str:
     """A real checkpoint directory (safetensors + tokenizer) for a tiny config, cached on disk."""
-    path = os.path.join(CKPT_CACHE, family)
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
-        os.makedirs(CKPT_CACHE, exist_ok=True)
-        tmp = path + f".tmp{os.getpid()}"
-        write_random_checkpoint(FAMILIES[family], tmp, seed=1)
-        os.replace(tmp, path)
-    return path
+    return _cached_checkpoint(family, FAMILIES[family])
 
 
 def build(model: str, *, up_to: Optional[Stage] = None, route: str = "autodeploy",

@@ -3,11 +3,13 @@ loops that ``torch.export`` cannot trace with dynamic shapes.
 
 Each patch replaces the block's forward, for the duration of one export only, by the canonical
 op computing the same thing over the module's own parameters (views, no copies), so the graph is
-what ``match_moe_pattern`` would have produced and ``fuse_moe`` takes it from there.
+what ``match_moe_pattern`` would have produced and ``fuse_moe`` takes it from there. A block whose
+activation is not SiLU keeps HF's forward (and export reports the failure as before).
 """
 
+import importlib
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -15,23 +17,32 @@ from torch import nn
 from .patches import register_export_patch
 
 
-@register_export_patch(
-    "dbrx_experts",
-    "DBRX experts loop over the experts hit (nonzero, data-dependent): export them as torch_moe_fused over "
-    "views of the stacked w1/v1/w2 parameters",
-)
+def _act_name(act: nn.Module) -> str:
+    return type(act).__name__.lower().replace("activation", "")
+
+
 @contextmanager
-def _dbrx_experts(model: nn.Module) -> Iterator[None]:
+def _forward_replaced(module_path: str, class_name: str,
+                      make_forward: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Swap ``class_name.forward`` (from ``module_path``) for ``make_forward(original)`` while the
+    export runs; nothing happens with a transformers that lacks the family."""
     try:
-        from transformers.models.dbrx.modeling_dbrx import DbrxExperts
-    except ImportError:  # a transformers without DBRX
+        cls = getattr(importlib.import_module(module_path), class_name)
+    except (ImportError, AttributeError):
         yield
         return
+    original = cls.forward
+    cls.forward = make_forward(original)
+    try:
+        yield
+    finally:
+        cls.forward = original
 
+
+def _dbrx_forward(original: Callable) -> Callable:
     def forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        act = self.mlp.activation_fn.__class__.__name__.lower().replace("activation", "")
-        if act != "silu":
+        if _act_name(self.mlp.activation_fn) != "silu":
             return original(self, hidden_states, top_k_index, top_k_weights)
         batch = hidden_states.shape[0]
         x = hidden_states.reshape(-1, self.hidden_size)
@@ -43,31 +54,13 @@ def _dbrx_experts(model: nn.Module) -> Iterator[None]:
         )
         return out.view(batch, -1, self.hidden_size)
 
-    original = DbrxExperts.forward
-    DbrxExperts.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        DbrxExperts.forward = original  # type: ignore[method-assign]
+    return forward
 
 
-@register_export_patch(
-    "longcat_flash_experts",
-    "LongCat-Flash experts loop over the experts hit and include zero-compute (identity) experts: export the "
-    "routed ones as torch_moe_fused and the identity experts as a weighted skip",
-)
-@contextmanager
-def _longcat_flash_experts(model: nn.Module) -> Iterator[None]:
-    try:
-        from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
-    except ImportError:
-        yield
-        return
-
+def _longcat_forward(original: Callable) -> Callable:
     def forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        act = self.act_fn.__class__.__name__.lower().replace("activation", "")
-        if act != "silu" or self.gate_up_proj is None:
+        if _act_name(self.act_fn) != "silu" or self.gate_up_proj is None:
             return original(self, hidden_states, top_k_index, top_k_weights)
         routed = top_k_index < self.num_routed_experts
         weights = top_k_weights.to(hidden_states.dtype)
@@ -79,9 +72,23 @@ def _longcat_flash_experts(model: nn.Module) -> Iterator[None]:
         identity = torch.where(routed, torch.zeros_like(weights), weights).sum(-1, keepdim=True)
         return out + hidden_states * identity
 
-    original = LongcatFlashExperts.forward
-    LongcatFlashExperts.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        LongcatFlashExperts.forward = original  # type: ignore[method-assign]
+    return forward
+
+
+@register_export_patch(
+    "dbrx_experts",
+    "DBRX experts loop over the experts hit (nonzero, data-dependent): export them as torch_moe_fused over "
+    "views of the stacked w1/v1/w2 parameters",
+)
+def _dbrx_experts(model: nn.Module):  # type: ignore[no-untyped-def]
+    return _forward_replaced("transformers.models.dbrx.modeling_dbrx", "DbrxExperts", _dbrx_forward)
+
+
+@register_export_patch(
+    "longcat_flash_experts",
+    "LongCat-Flash experts loop over the experts hit and include zero-compute (identity) experts: export the "
+    "routed ones as torch_moe_fused and the identity experts as a weighted skip",
+)
+def _longcat_flash_experts(model: nn.Module):  # type: ignore[no-untyped-def]
+    return _forward_replaced("transformers.models.longcat_flash.modeling_longcat_flash", "LongcatFlashExperts",
+                             _longcat_forward)
