@@ -148,7 +148,7 @@ def cmd_export(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
     config = _config_from_args(args, overrides)
     result = build_graph(config, log_summary=False)
-    gm = result.graph
+    gm = result.graph_module
     print(result.summary)
     histogram = _op_histogram(gm)
     print("\nops in the transformed graph:")

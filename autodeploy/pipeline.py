@@ -15,10 +15,16 @@ from .utils.errors import ConfigError
 
 @dataclass
 class BuildResult:
-    graph: fx.GraphModule
+    graph: torch.nn.Module  # what the runtime calls: a GraphModule, or a compile backend's CompiledGraph
     context: PipelineContext
     factory: ModelFactory
     config: DeployConfig
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The transformed graph itself (inside a compile backend's wrapper, if there is one)."""
+        inner = getattr(self.graph, "graph", None)
+        return inner if isinstance(inner, fx.GraphModule) else self.graph  # type: ignore[return-value]
 
     @property
     def cache(self):

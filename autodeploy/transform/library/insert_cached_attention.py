@@ -30,9 +30,9 @@ from ...cache import CachedSequenceInterface
 from ...cache.attention_backends import attention_backends, get_attention_backend
 from ...cache.sequence_info import METADATA_NAMES
 from ...utils.errors import ConfigError
-from ..graph_utils import arg, is_op
-from .recompute_fallback import UNCACHED_GRAPH, UNCACHED_REASON, copy_graph_module, export_shape_problem
+from ..graph_utils import arg, copy_graph_module, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+from .recompute_fallback import UNCACHED_GRAPH, UNCACHED_REASON, export_shape_problem
 
 
 class InsertCachedAttentionConfig(TransformConfig):

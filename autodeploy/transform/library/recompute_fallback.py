@@ -74,16 +74,6 @@ def export_shape_problem(gm: fx.GraphModule) -> Optional[str]:
     return None
 
 
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A second GraphModule over the same parameters with its own copy of the graph."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    copy = fx.GraphModule(gm, graph)
-    copy.meta.update(gm.meta)
-    return copy
-
-
 @TransformRegistry.register("recompute_fallback")
 class RecomputeFallback(BaseTransform):
     config_class = RecomputeFallbackConfig
