@@ -252,7 +252,7 @@ def cmd_bench(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         raise AutoDeployError(f"bench takes no dotted overrides; put them in a --yaml variant: {' '.join(overrides)}")
     cfg = BenchConfig(
         model=args.model, dtype=args.dtype, device=args.device, batch_sizes=args.batch_sizes,
-        new_tokens=args.new_tokens, prefill_lens=args.prefill_lens, rounds=args.rounds,
+        new_tokens=args.new_tokens, prefill_lens=args.prefill_lens, rounds=args.rounds, prefill_reps=args.prefill_reps,
         engines=args.engines, yaml_variants=args.yaml or [], threads=args.threads, out_dir=args.out,
     )
     data = run(cfg)
@@ -371,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=128, help="decode length (default 128)")
     p.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512])
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (default 3)")
+    p.add_argument("--prefill-reps", type=int, default=3, help="prefills per length in each round (default 3)")
     p.add_argument("--engines", nargs="+", default=["autodeploy", "hf-eager", "hf+torch.compile"],
                    choices=["autodeploy", "hf-eager", "hf+torch.compile"])
     p.add_argument("--yaml", action="append", help="an autodeploy variant config to measure too (repeatable)")

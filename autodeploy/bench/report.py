@@ -29,7 +29,8 @@ def markdown(data: Dict[str, Any]) -> str:
     lines = [
         f"## {meta['model']} ({meta['dtype']}, {meta['device']}, {hw}, {meta['threads']} threads)", "",
         f"torch {meta['torch']}, transformers {meta['transformers']}, autodeploy {meta['autodeploy_commit']}, "
-        f"{meta['date']}. Median (min-max) of {meta['rounds']} interleaved rounds; decode: {meta['new_tokens']} new "
+        f"{meta['date']}. Median (min-max) of {meta['rounds']} interleaved rounds "
+        f"({meta.get('prefill_reps', 1)} prefills per length per round); decode: {meta['new_tokens']} new "
         f"tokens after a {meta['decode_prompt_len']}-token prompt. In parentheses after the engine rows' ratios: "
         "speed relative to HF eager.", "",
         "| engine | build [s] | warm-up [s] | peak RSS growth [MiB] | " + " | ".join(keys) + " |",

@@ -41,6 +41,7 @@ class BenchConfig:
     decode_prompt_len: int = 32
     prefill_lens: List[int] = field(default_factory=lambda: [128, 512])
     rounds: int = 3
+    prefill_reps: int = 3  # prefills per length per round: one ~0.3-1 s prefill is noisy here
     engines: List[str] = field(default_factory=lambda: ["autodeploy", "hf-eager", "hf+torch.compile"])
     yaml_variants: List[str] = field(default_factory=list)
     threads: Optional[int] = None
@@ -64,7 +65,7 @@ def _meta(cfg: BenchConfig) -> Dict[str, Any]:
     gpu = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else None
     return {"model": cfg.model, "dtype": cfg.dtype, "device": cfg.device, "gpu": gpu, "cpu": cpu,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "autodeploy_commit": commit, "date": time.strftime("%Y-%m-%d %H:%M"), "rounds": cfg.rounds,
+            "autodeploy_commit": commit, "date": time.strftime("%Y-%m-%d %H:%M"), "rounds": cfg.rounds, "prefill_reps": cfg.prefill_reps,
             "new_tokens": cfg.new_tokens, "decode_prompt_len": cfg.decode_prompt_len}
 
 
@@ -110,9 +111,10 @@ def run(cfg: BenchConfig) -> Dict[str, Any]:
         for name, engine in engines.items():
             s = samples[name]
             for length in cfg.prefill_lens:
-                t = engine.generate([[5] * length], 1)
-                s.setdefault(f"ttft_ms_{length}", []).append(t * 1e3)
-                s.setdefault(f"prefill_tok_s_{length}", []).append(length / t)
+                for _ in range(cfg.prefill_reps):
+                    t = engine.generate([[5] * length], 1)
+                    s.setdefault(f"ttft_ms_{length}", []).append(t * 1e3)
+                    s.setdefault(f"prefill_tok_s_{length}", []).append(length / t)
             for b in cfg.batch_sizes:
                 prompts = [[5 + (i % 7)] * cfg.decode_prompt_len for i in range(b)]
                 t1 = engine.generate(prompts, 1)

@@ -1,0 +1,97 @@
+"""run_shape_prop is incremental: unchanged nodes keep their values, changed ones (and what they
+change downstream) are recomputed, and the result equals a full propagation."""
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from autodeploy.transform import graph_utils
+from autodeploy.transform.graph_utils import run_shape_prop
+from helpers import apply_transform, export_gm
+from test_match_rope_pattern import LlamaRope, bnsd
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h).reshape(x.shape[0], -1, 4, 4).sum(-1)
+
+
+def _metas(gm):
+    def meta(v):
+        if isinstance(v, torch.Tensor):
+            return (tuple(str(s) for s in v.shape), tuple(str(s) for s in v.stride()), v.dtype)
+        if isinstance(v, (list, tuple)):
+            return tuple(meta(x) for x in v)
+        return str(v)
+
+    return {n.name: meta(n.meta.get("val")) for n in gm.graph.nodes}
+
+
+def _count_computed(monkeypatch):
+    calls = []
+    original = FakeTensorProp.run_node
+
+    def counting(self, n):
+        calls.append(n.name)
+        return original(self, n)
+
+    monkeypatch.setattr(FakeTensorProp, "run_node", counting)
+    return calls
+
+
+def test_unchanged_graph_recomputes_nothing(monkeypatch):
+    gm = export_gm(Block(), torch.randn(2, 5, 16))
+    run_shape_prop(gm)
+    before = {n.name: n.meta["val"] for n in gm.graph.nodes if n.op == "call_function"}
+    calls = _count_computed(monkeypatch)
+    run_shape_prop(gm)
+    computed = [c for c in calls if c in before]
+    assert computed == []
+    assert all(n.meta["val"] is before[n.name] for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_changed_literal_is_recomputed_and_flows_downstream(monkeypatch):
+    gm = export_gm(Block(), torch.randn(2, 5, 16))
+    run_shape_prop(gm)
+    reshape = next(n for n in gm.graph.nodes if n.target in (torch.ops.aten.reshape.default, torch.ops.aten.view.default))
+    total = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList)
+    assert total.meta["val"].shape[-1] == 4
+    sizes = list(reshape.args[1])
+    sizes[-2:] = [2, 8]  # a near miss of "unchanged": same inputs, a different literal
+    reshape.args = (reshape.args[0], sizes)
+    gm.recompile()
+    calls = _count_computed(monkeypatch)
+    run_shape_prop(gm)
+    assert reshape.name in calls and total.name in calls
+    assert total.meta["val"].shape[-1] == 2
+    assert len([c for c in calls if not c.startswith(("p_", "x", "arg", "b_"))]) < len(gm.graph.nodes) - 3
+
+
+def test_incremental_equals_full_after_a_rewrite():
+    gm = export_gm(LlamaRope(), *bnsd(2, 6))
+    run_shape_prop(gm)
+    gm, record = apply_transform("match_rope_pattern", gm)
+    assert record.num_matches == 1
+    run_shape_prop(gm)  # incremental: the rope op is new, the rest is reused
+    incremental = _metas(gm)
+    for n in gm.graph.nodes:
+        n.meta.pop(graph_utils._PROP_MEMO, None)
+    run_shape_prop(gm, incremental=False)
+    assert _metas(gm) == incremental
+
+
+def test_a_replaced_weight_is_seen(monkeypatch):
+    gm = export_gm(Block(), torch.randn(2, 5, 16))
+    run_shape_prop(gm)
+    lin = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default)
+    assert lin.meta["val"].dtype == torch.float32
+    gm.a.weight = nn.Parameter(gm.a.weight.detach().double())  # what a dtype-changing load would do
+    gm.a.bias = nn.Parameter(gm.a.bias.detach().double())
+    run_shape_prop(gm)
+    assert lin.meta["val"].dtype == torch.float64
+    assert isinstance(gm, fx.GraphModule)
