@@ -112,13 +112,13 @@ def run(cfg: BenchConfig) -> Dict[str, Any]:
             s = samples[name]
             for length in cfg.prefill_lens:
                 for _ in range(cfg.prefill_reps):
-                    t = engine.generate([[5] * length], 1)
+                    t = engine.timed([[5] * length], 1)
                     s.setdefault(f"ttft_ms_{length}", []).append(t * 1e3)
                     s.setdefault(f"prefill_tok_s_{length}", []).append(length / t)
             for b in cfg.batch_sizes:
                 prompts = [[5 + (i % 7)] * cfg.decode_prompt_len for i in range(b)]
-                t1 = engine.generate(prompts, 1)
-                tn = engine.generate(prompts, cfg.new_tokens)
+                t1 = engine.timed(prompts, 1)
+                tn = engine.timed(prompts, cfg.new_tokens)
                 decode_s = max(tn - t1, 1e-9)
                 s.setdefault(f"decode_tok_s_b{b}", []).append(b * (cfg.new_tokens - 1) / decode_s)
                 s.setdefault(f"decode_ms_per_step_b{b}", []).append(decode_s / (cfg.new_tokens - 1) * 1e3)
