@@ -23,6 +23,7 @@ import functools
 import hashlib
 import inspect
 import logging
+import math
 import operator
 import os
 import tempfile
@@ -187,6 +188,8 @@ def _pattern_source(root: ipm.PatternExpr) -> str:
     lines: List[str] = []
 
     def literal(value: Any) -> str:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _Unserializable(f"literal {value!r}")  # repr 'inf' does not load back
         if value is None or isinstance(value, (bool, int, float, str)):
             return repr(value)
         if isinstance(value, torch.dtype):
