@@ -1,6 +1,6 @@
 """Linear."""
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -71,3 +71,20 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> T
 def _onednn_linear_fake(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
+
+
+def linear_forms() -> Tuple[object, ...]:
+    """Every op a plain ``x @ weight.T + bias`` can be in a graph: export's ``aten.linear``,
+    ``torch_linear_simple`` (``match_linear_simple``) and what ``select_linear_backend`` turns
+    linears into. A pass that must recognise a linear in any of its forms (the LM head search of
+    ``gather_logits_before_lm_head``) tests against this one list, so a new backend op is added
+    here once."""
+    forms: Tuple[object, ...] = (
+        torch.ops.aten.linear,
+        torch.ops.autodeploy.torch_linear_simple,
+        torch.ops.autodeploy.blas_linear,
+        torch.ops.autodeploy.onednn_linear,
+    )
+    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        forms += (torch.ops.mkldnn._linear_pointwise,)
+    return forms

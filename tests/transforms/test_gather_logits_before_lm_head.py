@@ -106,6 +106,8 @@ class _Head(nn.Module):
         h = aten.embedding.default(self.emb, input_ids)
         if self.kind == "matmul":
             return aten.matmul.default(h, aten.t.default(self.w))
+        if self.kind == "linear_simple":  # the head as match_linear_simple leaves it
+            return torch.ops.autodeploy.torch_linear_simple.default(h, self.w)
         logits = aten.linear.default(h, self.w)
         if self.kind == "softcap":  # token-wise ops after the head
             return aten.mul.Tensor(aten.tanh.default(aten.div.Tensor(logits, 30.0)), 30.0)
@@ -128,7 +130,7 @@ def _apply(kind):
     return gm, ctx, info, before, after
 
 
-@pytest.mark.parametrize("kind", ["linear", "softcap"])
+@pytest.mark.parametrize("kind", ["linear", "softcap", "linear_simple"])
 def test_small_graph_with_linear_head_is_gathered(kind):
     gm, ctx, info, before, after = _apply(kind)
     assert ctx.history[-1].status == "ok" and ctx.history[-1].num_matches == 1

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 from torch import fx
 
+from ...ops.linear import linear_forms
 from ..graph_utils import is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
@@ -29,9 +30,7 @@ aten = torch.ops.aten
 # Ops between the LM head and the output that act on each token independently.
 TOKENWISE = (aten.mul, aten.div, aten.add, aten.sub, aten.tanh, aten.to, aten._to_copy)
 # The linear forms the head may have by now (select_linear_backend runs before this).
-LINEARS = (aten.linear, torch.ops.autodeploy.blas_linear, torch.ops.autodeploy.onednn_linear) + (
-    (torch.ops.mkldnn._linear_pointwise,) if hasattr(torch.ops.mkldnn, "_linear_pointwise") else ()
-)
+LINEARS = linear_forms()
 
 
 def find_lm_head(gm: fx.GraphModule) -> Optional[fx.Node]:
