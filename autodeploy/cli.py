@@ -113,7 +113,8 @@ def cmd_transforms(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
 # ---- models ------------------------------------------------------------------------------------
 def cmd_models(args: argparse.Namespace, overrides: Sequence[str]) -> int:
-    from .models.presets import DEFAULT_PRESET, PRESETS, cache_root
+    from .models.presets import DEFAULT_PRESET, PRESETS
+    from .utils.paths import cache_root
 
     rows = []
     for name, preset in sorted(PRESETS.items()):

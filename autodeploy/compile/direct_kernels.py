@@ -43,14 +43,15 @@ def python_kernel(target: Any, device_type: str) -> Optional[Callable[..., Any]]
     registered some other way, keep their dispatch)."""
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != NAMESPACE:
         return None
-    opdef = custom_ops.OPDEFS.get(target._schema.name)
-    if opdef is None:
+    # torch's custom-op registry is private: should it change, every op keeps its dispatch
+    opdef = getattr(custom_ops, "OPDEFS", {}).get(target._schema.name)
+    kernels = getattr(opdef, "_backend_fns", None)
+    if not isinstance(kernels, dict):
         return None
-    kernels = opdef._backend_fns
     if device_type in kernels:
         return kernels[device_type]
     if None in kernels:  # the kernel for every device, given where the op was defined
-        return opdef._init_fn
+        return getattr(opdef, "_init_fn", None)
     return None
 
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 from ..utils.errors import ModelSourceError
 from ..utils.logging import get_logger
-from ..utils.paths import cache_root  # noqa: F401  (also imported from here by the CLI)
+from ..utils.paths import cache_root
 
 logger = get_logger(__name__)
 

@@ -103,6 +103,7 @@ def _delete_unused_get_attrs(gm: fx.GraphModule) -> None:
 
 
 _PROP_MEMO = "autodeploy_shape_prop"  # node.meta key: (inputs as last propagated, result)
+_LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 def _same_inputs(a: Any, b: Any) -> bool:
@@ -114,8 +115,7 @@ def _same_inputs(a: Any, b: Any) -> bool:
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same_inputs(a[k], b[k]) for k in a)
     if a is b:
         return True
-    literal = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-    return type(a) is type(b) and isinstance(a, literal) and a == b
+    return type(a) is type(b) and isinstance(a, _LITERALS) and a == b
 
 
 def _same_symbolic(a: Any, b: Any) -> bool:
@@ -149,6 +149,10 @@ class _FakePropWithRealAttrs(FakeTensorProp):
     Why: each full propagation of the 12-layer ``small`` graph took 0.5-1 s (fake dispatch
     with symbolic shapes, ~1.5 ms per node) and a build ran seven of them.
     """
+
+    def __init__(self, module: fx.GraphModule, mode: Any, incremental: bool = True):
+        super().__init__(module, mode=mode)
+        self.incremental = incremental
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "get_attr":
@@ -197,10 +201,8 @@ def run_shape_prop(gm: fx.GraphModule, incremental: bool = True) -> None:
     fake_mode = detect_fake_mode(inputs)
     if fake_mode is None:
         raise RuntimeError("shape propagation found no fake mode on the graph inputs")
-    prop = _FakePropWithRealAttrs(gm, mode=fake_mode)
-    prop.incremental = incremental
     with fake_mode:
-        prop.propagate_dont_convert_inputs(*inputs)
+        _FakePropWithRealAttrs(gm, fake_mode, incremental).propagate_dont_convert_inputs(*inputs)
 
 
 def replace_node_with(node: fx.Node, new: fx.Node, erase: bool = True) -> None:

@@ -2,7 +2,7 @@
 change downstream) are recomputed, and the result equals a full propagation."""
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autodeploy.transform import graph_utils
@@ -69,7 +69,8 @@ def test_changed_literal_is_recomputed_and_flows_downstream(monkeypatch):
     run_shape_prop(gm)
     assert reshape.name in calls and total.name in calls
     assert total.meta["val"].shape[-1] == 2
-    assert len([c for c in calls if not c.startswith(("p_", "x", "arg", "b_"))]) < len(gm.graph.nodes) - 3
+    upstream = [n.name for n in gm.graph.nodes if n.target in (torch.ops.aten.linear.default, torch.ops.aten.relu.default)]
+    assert len(upstream) == 3 and not set(upstream) & set(calls)  # nothing before the change was redone
 
 
 def test_incremental_equals_full_after_a_rewrite():
@@ -94,4 +95,3 @@ def test_a_replaced_weight_is_seen(monkeypatch):
     gm.a.bias = nn.Parameter(gm.a.bias.detach().double())
     run_shape_prop(gm)
     assert lin.meta["val"].dtype == torch.float64
-    assert isinstance(gm, fx.GraphModule)

@@ -61,10 +61,16 @@ class RecomputeFallbackConfig(TransformConfig):
     )
 
 
+def export_lengths(gm: fx.GraphModule) -> Tuple[Optional[int], int]:
+    """``(static_seq_len, min_seq_len)`` the exporter recorded: ``(None, 1)`` for a graph that
+    takes any sequence length."""
+    export_meta = gm.meta.get("autodeploy_export") or {}
+    return export_meta.get("static_seq_len"), int(export_meta.get("min_seq_len", 1))
+
+
 def export_shape_problem(gm: fx.GraphModule) -> Optional[str]:
     """Why the exported graph cannot take a step's tokens as one row (static or minimum length)."""
-    export_meta = gm.meta.get("autodeploy_export") or {}
-    static_len, min_len = export_meta.get("static_seq_len"), export_meta.get("min_seq_len", 1)
+    static_len, min_len = export_lengths(gm)
     if static_len is not None:
         return (f"the graph was exported with a static sequence length ({static_len}), so it cannot take a "
                 "step's tokens as one row")
@@ -98,8 +104,8 @@ class RecomputeFallback(BaseTransform):
         uncached = ctx.extras.get(UNCACHED_GRAPH) if cached else mod
         if uncached is None:
             raise RuntimeError("recompute_fallback: the graph before insert_cached_attention was not kept")
-        export_meta = uncached.meta.get("autodeploy_export") or {}
-        static_len, min_len = export_meta.get("static_seq_len"), int(export_meta.get("min_seq_len", 1))
+        static_len, min_len = export_lengths(uncached)
+        padded = static_len is not None or min_len > 1  # histories are right-padded to a length
         gm = build_recompute_graph(uncached, ctx.page_size, static_len, min_len)
         ctx.cache = self._token_cache(ctx, keep_pages=ctx.cache.num_pages if cached and ctx.cache.fixed_size else None)
         ctx.extras[CACHE_MODE] = "recompute"
@@ -110,11 +116,11 @@ class RecomputeFallback(BaseTransform):
         )
         if cfg.check_consistency and vocab is not None:
             result = check_cache_consistency(gm, ctx.cache, vocab, ctx.dtype)
-            if (static_len or min_len > 1) and cfg.verify_static_export and (result is None or result.ok):
+            if padded and cfg.verify_static_export and (result is None or result.ok):
                 result = check_static_export_against_eager(gm.recompute, ctx.factory, ctx.dtype,
                                                            torch.device(ctx.device))
             if result is not None and not result.ok:
-                hint = " (export with dynamic shapes failed, see the warning above)" if static_len or min_len > 1 else ""
+                hint = " (export with dynamic shapes failed, see the warning above)" if padded else ""
                 raise RuntimeError(f"recompute mode cannot serve this model exactly{hint}: {result.detail}")
         ctx.extras.pop(UNCACHED_GRAPH, None)
         return gm, TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
