@@ -1,6 +1,9 @@
 """Linear."""
 
-from typing import Optional, Tuple
+import math
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -72,6 +75,52 @@ def _onednn_linear_fake(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+_exact = threading.local()
+
+
+@contextmanager
+def exact_linears() -> Iterator[None]:
+    """Within this block (on this thread) ``dual_linear`` reads its float32 weight for every row
+    count. For checks that compare one schedule of the same tokens against another (the KV-cache
+    consistency check): the narrow GEMV copy would make the one-row steps differ by its
+    rounding, which is not what those checks look for."""
+    before = getattr(_exact, "on", False)
+    _exact.on = True
+    try:
+        yield
+    finally:
+        _exact.on = before
+
+
+@torch.library.custom_op("autodeploy::dual_linear", mutates_args=())
+def dual_linear(
+    x: Tensor, weight: Tensor, gemv_weight: Tensor, bias: Optional[Tensor] = None, gemv_max_rows: int = 1
+) -> Tensor:
+    """``x @ weight.T + bias``, read from a narrower copy of the weight when ``x`` has at most
+    ``gemv_max_rows`` rows (decode at batch 1).
+
+    Why: a matrix-vector product reads every weight once per token and does little else, so
+    its speed is the weight's bytes over memory bandwidth. On the CPUs measured here torch's
+    float16/bfloat16 GEMV (activations rounded to that dtype, float32 accumulation) ran 1.4-2.7x
+    faster than oneDNN's float32 one at one row, and was slower from two rows on, where the
+    float32 ``weight`` (which may be oneDNN-packed) still serves. The rounding makes this
+    lossy, hence opt-in (``select_linear_backend.gemv_dtype``). A float16 result that overflowed
+    is computed again in float32 rather than returned as ``inf``.
+    """
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if 0 < rows <= gemv_max_rows and not getattr(_exact, "on", False):
+        out = torch.nn.functional.linear(x.to(gemv_weight.dtype), gemv_weight).to(x.dtype)
+        # one reduction instead of isfinite's three ops: a float32 sum of at most a few thousand
+        # float16-range values is finite exactly when each of them is
+        if gemv_weight.dtype != torch.float16 or math.isfinite(out.sum().item()):
+            return out if bias is None else out + bias
+    return linear(x, weight, bias)
+
+
+@dual_linear.register_fake
+def _dual_linear_fake(x, weight, gemv_weight, bias=None, gemv_max_rows=1):
+    return x.new_empty(*x.shape[:-1], gemv_weight.shape[0])
+
 
 def linear_forms() -> Tuple[object, ...]:
     """Every op a plain ``x @ weight.T + bias`` can be in a graph: export's ``aten.linear``,
@@ -84,6 +133,7 @@ def linear_forms() -> Tuple[object, ...]:
         torch.ops.autodeploy.torch_linear_simple,
         torch.ops.autodeploy.blas_linear,
         torch.ops.autodeploy.onednn_linear,
+        torch.ops.autodeploy.dual_linear,
     )
     if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         forms += (torch.ops.mkldnn._linear_pointwise,)
