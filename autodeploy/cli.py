@@ -255,6 +255,7 @@ def cmd_bench(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         model=args.model, dtype=args.dtype, device=args.device, batch_sizes=args.batch_sizes,
         new_tokens=args.new_tokens, prefill_lens=args.prefill_lens, rounds=args.rounds, prefill_reps=args.prefill_reps,
         engines=args.engines, yaml_variants=args.yaml or [], threads=args.threads, out_dir=args.out,
+        accuracy_prompts=args.accuracy_prompts, accuracy_tokens=args.accuracy_tokens,
     )
     data = run(cfg)
     paths = write(data, cfg.out_dir)
@@ -376,6 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", nargs="+", default=["autodeploy", "hf-eager", "hf+torch.compile"],
                    choices=["autodeploy", "hf-eager", "hf+torch.compile"])
     p.add_argument("--yaml", action="append", help="an autodeploy variant config to measure too (repeatable)")
+    p.add_argument("--accuracy-prompts", type=int, default=4,
+                   help="random prompts each autodeploy engine generates alone and compares with HF eager "
+                   "(default 4; 0: no accuracy check)")
+    p.add_argument("--accuracy-tokens", type=int, default=32, help="greedy tokens per accuracy prompt (default 32)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="where the JSON/markdown/PNG go")
     p.set_defaults(func=cmd_bench, accepts_overrides=True)

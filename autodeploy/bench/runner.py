@@ -9,7 +9,8 @@ Metrics: prefill tokens/s and time to first token for one prompt of each prefill
 decode tokens/s at each batch size (``new_tokens`` generated after a 32-token prompt, prefill
 time subtracted); build time; peak RSS growth (and CUDA peak); the memory-bandwidth floor of
 batch-1 decode (weight bytes per token / measured read bandwidth) and the share of it each
-engine reaches.
+engine reaches; and for each autodeploy engine its accuracy against HF eager (``accuracy.py``),
+so a variant that trades precision for speed shows both.
 """
 
 import json
@@ -25,6 +26,7 @@ import torch
 
 from ..utils.logging import get_logger
 from ..utils.memory import measure_peak
+from .accuracy import compare_with_hf, random_prompts
 from .engines import AutoDeployEngine, BenchEngine, HFEngine, read_bandwidth_gbs, weight_bytes_per_decode_token
 
 logger = get_logger(__name__)
@@ -44,6 +46,8 @@ class BenchConfig:
     prefill_reps: int = 3  # prefills per length per round: one ~0.3-1 s prefill is noisy here
     engines: List[str] = field(default_factory=lambda: ["autodeploy", "hf-eager", "hf+torch.compile"])
     yaml_variants: List[str] = field(default_factory=list)
+    accuracy_prompts: int = 4  # batch-1 greedy prompts compared with HF eager per autodeploy engine; 0: none
+    accuracy_tokens: int = 32
     threads: Optional[int] = None
     out_dir: str = os.path.join(REPO, "benchmarks", "results")
 
@@ -71,7 +75,7 @@ def _meta(cfg: BenchConfig) -> Dict[str, Any]:
 
 def _build(name: str, cfg: BenchConfig, checkpoint: str) -> BenchEngine:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
-    max_len = max(max(cfg.prefill_lens) + 8, cfg.decode_prompt_len + cfg.new_tokens + 8)
+    max_len = max(max(cfg.prefill_lens) + 8, cfg.decode_prompt_len + max(cfg.new_tokens, cfg.accuracy_tokens) + 8)
     settings = dict(dtype=cfg.dtype, device=cfg.device, max_seq_len=max_len, max_batch_size=max(cfg.batch_sizes),
                     max_num_tokens=max(max(cfg.prefill_lens), max(cfg.batch_sizes) * cfg.decode_prompt_len))
     if name == "autodeploy":
@@ -132,6 +136,8 @@ def run(cfg: BenchConfig) -> Dict[str, Any]:
     bandwidth = read_bandwidth_gbs(cfg.device)
     floor_ms = weights["per_token"] / (bandwidth * 1e9) * 1e3
 
+    accuracy = _accuracy(cfg, engines, checkpoint, int(ref.config.vocab_size))
+
     results = {}
     base = "hf-eager" if "hf-eager" in samples else None
     for name, s in samples.items():
@@ -147,6 +153,8 @@ def run(cfg: BenchConfig) -> Dict[str, Any]:
                     row[f"{key}_vs_hf_eager"] = statistics.median(samples[base][key]) / row[key]["median"]
         if "decode_ms_per_step_b1" in s:
             row["bandwidth_floor_fraction_b1"] = floor_ms / row["decode_ms_per_step_b1"]["median"]
+        if name in accuracy:
+            row["accuracy_vs_hf_eager"] = accuracy[name]
         results[name] = row
     for engine in engines.values():
         engine.close()
@@ -154,6 +162,26 @@ def run(cfg: BenchConfig) -> Dict[str, Any]:
                      "weight_mb_per_decode_token": round(weights["per_token"] / 2**20, 1),
                      "b1_floor_ms_per_step": round(floor_ms, 2)},
             "config": asdict(cfg), "results": results}
+
+
+def _accuracy(cfg: BenchConfig, engines: Dict[str, BenchEngine], checkpoint: str,
+              vocab_size: int) -> Dict[str, Dict[str, Any]]:
+    ours = {n: e for n, e in engines.items() if isinstance(e, AutoDeployEngine)}
+    if cfg.accuracy_prompts <= 0 or not ours:
+        return {}
+    hf = engines.get("hf-eager")
+    own = hf is None
+    if own:  # not among the measured engines: load it for this comparison only
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+        hf = HFEngine(checkpoint, dtype, compile=False, device=cfg.device)
+    prompts = random_prompts(cfg.accuracy_prompts, cfg.decode_prompt_len, vocab_size)
+    out = {}
+    for name, engine in ours.items():
+        out[name] = compare_with_hf(engine.llm, hf.model, prompts, cfg.accuracy_tokens)  # type: ignore[union-attr]
+        logger.info("%s accuracy vs HF eager: %s", name, out[name])
+    if own:
+        hf.close()
+    return out
 
 
 def _config(checkpoint: str) -> Any:

@@ -2,17 +2,23 @@
 
 Timing values are never asserted (the machines are noisy); the test checks that the run
 measures what the report claims (every metric for every engine, ratios against HF eager
-computed from the same run) and that the JSON, table and chart are written.
+computed from the same run), that each autodeploy engine's accuracy against HF is in it, and that
+the JSON, table and chart are written.
 """
 
 import json
 import os
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from autodeploy import LLM
+from autodeploy.bench.accuracy import compare_with_hf, random_prompts
 from autodeploy.bench.report import markdown, write
 from autodeploy.bench.runner import BenchConfig, run
 from autodeploy.cli import main
+from helpers import family_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +43,31 @@ def test_every_engine_has_every_metric(result):
     meta = data["meta"]
     for key in ("torch", "transformers", "autodeploy_commit", "cpu", "threads", "dtype", "read_bandwidth_gbs"):
         assert meta[key] not in (None, "")
+
+
+def test_accuracy_of_the_autodeploy_engine(result):
+    _, data = result
+    acc = data["results"]["autodeploy"]["accuracy_vs_hf_eager"]
+    assert "accuracy_vs_hf_eager" not in data["results"]["hf-eager"]
+    assert acc["prompts"] == 4 and acc["new_tokens"] == 32
+    # the default pipeline is float32 throughout: HF's tokens at every step, log-probs to rounding
+    assert acc["greedy_step_match"] == 1.0 and acc["prompts_equal_hf"] == 4
+    assert acc["max_logprob_abs_err"] < 1e-4
+    assert "continuations equal HF greedy" in markdown(data)
+
+
+def test_accuracy_comparison_sees_a_different_model():
+    """The comparison can fail: against HF with perturbed weights the tokens and log-probs differ."""
+    llm = LLM(family_checkpoint("llama"), max_seq_len=64, max_batch_size=2, max_num_tokens=64)
+    reference = AutoModelForCausalLM.from_pretrained(family_checkpoint("llama"), dtype=torch.float32).eval()
+    prompts = random_prompts(3, 8, reference.config.vocab_size)
+    exact = compare_with_hf(llm, reference, prompts, 8)
+    assert exact["greedy_step_match"] == 1.0 and exact["max_logprob_abs_err"] < 1e-4
+    with torch.no_grad():
+        for p in reference.model.layers[0].mlp.parameters():
+            p.mul_(3.0)
+    wrong = compare_with_hf(llm, reference, prompts, 8)
+    assert wrong["max_logprob_abs_err"] > 0.1 and wrong["greedy_step_match"] < 1.0 and wrong["prompts_equal_hf"] < 3
 
 
 def test_report_files_and_targets(result):
