@@ -30,6 +30,7 @@ from .accuracy import compare_with_hf, random_prompts
 from .engines import AutoDeployEngine, BenchEngine, HFEngine, read_bandwidth_gbs, weight_bytes_per_decode_token
 
 logger = get_logger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -74,7 +75,7 @@ def _meta(cfg: BenchConfig) -> Dict[str, Any]:
 
 
 def _build(name: str, cfg: BenchConfig, checkpoint: str) -> BenchEngine:
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+    dtype = _DTYPES[cfg.dtype]
     max_len = max(max(cfg.prefill_lens) + 8, cfg.decode_prompt_len + max(cfg.new_tokens, cfg.accuracy_tokens) + 8)
     settings = dict(dtype=cfg.dtype, device=cfg.device, max_seq_len=max_len, max_batch_size=max(cfg.batch_sizes),
                     max_num_tokens=max(max(cfg.prefill_lens), max(cfg.batch_sizes) * cfg.decode_prompt_len))
@@ -170,17 +171,13 @@ def _accuracy(cfg: BenchConfig, engines: Dict[str, BenchEngine], checkpoint: str
     if cfg.accuracy_prompts <= 0 or not ours:
         return {}
     hf = engines.get("hf-eager")
-    own = hf is None
-    if own:  # not among the measured engines: load it for this comparison only
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
-        hf = HFEngine(checkpoint, dtype, compile=False, device=cfg.device)
+    if not isinstance(hf, HFEngine):  # not among the measured engines: load it for this comparison only
+        hf = HFEngine(checkpoint, _DTYPES[cfg.dtype], compile=False, device=cfg.device)
     prompts = random_prompts(cfg.accuracy_prompts, cfg.decode_prompt_len, vocab_size)
     out = {}
     for name, engine in ours.items():
-        out[name] = compare_with_hf(engine.llm, hf.model, prompts, cfg.accuracy_tokens)  # type: ignore[union-attr]
+        out[name] = compare_with_hf(engine.llm, hf.model, prompts, cfg.accuracy_tokens)
         logger.info("%s accuracy vs HF eager: %s", name, out[name])
-    if own:
-        hf.close()
     return out
 
 

@@ -110,8 +110,8 @@ def dual_linear(
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if 0 < rows <= gemv_max_rows and not getattr(_exact, "on", False):
         out = torch.nn.functional.linear(x.to(gemv_weight.dtype), gemv_weight).to(x.dtype)
-        # one reduction instead of isfinite's three ops: a float32 sum of at most a few thousand
-        # float16-range values is finite exactly when each of them is
+        # one reduction instead of isfinite's three ops: a float32 sum of float16-range values
+        # cannot overflow, so it is finite exactly when each of them is
         if gemv_weight.dtype != torch.float16 or math.isfinite(out.sum().item()):
             return out if bias is None else out + bias
     return linear(x, weight, bias)

@@ -56,6 +56,15 @@ def test_accuracy_of_the_autodeploy_engine(result):
     assert "continuations equal HF greedy" in markdown(data)
 
 
+def test_accuracy_loads_hf_when_it_is_not_measured(tmp_path):
+    cfg = BenchConfig(model="tiny-llama", batch_sizes=[1], new_tokens=2, prefill_lens=[8], rounds=1, prefill_reps=1,
+                      engines=["autodeploy"], accuracy_prompts=2, accuracy_tokens=6, out_dir=str(tmp_path))
+    data = run(cfg)
+    acc = data["results"]["autodeploy"]["accuracy_vs_hf_eager"]
+    assert acc["prompts"] == 2 and acc["new_tokens"] == 6 and acc["greedy_step_match"] == 1.0
+    assert set(data["results"]) == {"autodeploy"}
+
+
 def test_accuracy_comparison_sees_a_different_model():
     """The comparison can fail: against HF with perturbed weights the tokens and log-probs differ."""
     llm = LLM(family_checkpoint("llama"), max_seq_len=64, max_batch_size=2, max_num_tokens=64)
