@@ -51,9 +51,10 @@ def markdown(data: Dict[str, Any]) -> str:
     ours = {n: r for n, r in results.items() if n.startswith("autodeploy")}
     accurate = {n: r["accuracy_vs_hf_eager"] for n, r in ours.items() if "accuracy_vs_hf_eager" in r}
     if accurate:
-        a = next(iter(accurate.values()))
-        lines += ["", f"Accuracy against HF eager ({a['prompts']} random {meta['decode_prompt_len']}-token prompts, "
-                  f"each alone, {a['new_tokens']} greedy tokens; HF teacher-forced on each engine's own tokens):"]
+        first = next(iter(accurate.values()))  # every engine ran the same prompts
+        lines += ["", f"Accuracy against HF eager ({first['prompts']} random {meta['decode_prompt_len']}-token "
+                  f"prompts, each alone, {first['new_tokens']} greedy tokens; HF teacher-forced on each engine's "
+                  "own tokens):"]
         for name, a in accurate.items():
             lines.append(f"- {name}: {a['greedy_step_match']:.1%} of steps pick HF's token, "
                          f"{a['prompts_equal_hf']}/{a['prompts']} continuations equal HF greedy, "

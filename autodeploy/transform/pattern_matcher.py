@@ -22,7 +22,6 @@ the torch version, the source of every module under ``autodeploy/transform`` and
 import functools
 import hashlib
 import inspect
-import logging
 import math
 import operator
 import os
@@ -36,12 +35,13 @@ from torch import fx
 from torch._inductor import pattern_matcher as ipm
 from torch.export import Dim
 
+from ..utils.logging import get_logger
 from ..utils.paths import cache_root
 from .cleanups import cleanup_for_matching
 from .graph_utils import eliminate_dead_code
 
 Match = ipm.Match
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def _pattern_dynamic_shapes(args: Sequence[Any], static_last_dim: bool, static_inputs: Sequence[int] = ()) -> tuple:

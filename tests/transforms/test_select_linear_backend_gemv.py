@@ -16,30 +16,10 @@ from autodeploy.transform.library.recompute_fallback import CACHE_MODE
 from autodeploy.transform.optimizer import build_transform
 from autodeploy.utils.errors import ConfigError
 from helpers import apply_transform, assert_same_outputs, build, count_op, export_gm, family_checkpoint, rel_rmse
+from test_select_linear_backend import ONEDNN, ComputedWeight, FusedSwiglu, TwoLinears, _run
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
-ONEDNN = torch.ops.mkldnn._linear_pointwise
-
-
-class TwoLinears(nn.Module):
-    def __init__(self, dtype=torch.float32):
-        super().__init__()
-        self.a = nn.Linear(32, 48, bias=True).to(dtype)
-        self.b = nn.Linear(48, 16, bias=False).to(dtype)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-
-class FusedSwiglu(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate_up = nn.Parameter(torch.randn(96, 32) / 6)
-        self.down = nn.Parameter(torch.randn(32, 48) / 7)
-
-    def forward(self, x):
-        return ad.torch_fused_swiglu_mlp(x, self.gate_up, self.down)
 
 
 class UnfusedSwiglu(nn.Module):
@@ -53,22 +33,6 @@ class UnfusedSwiglu(nn.Module):
         return ad.torch_swiglu_mlp(x, self.gate, self.up, self.down)
 
 
-class ComputedWeight(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(16, 32))
-
-    def forward(self, x):
-        return F.linear(x, self.w * 2)
-
-
-def _run(module, x, **cfg):
-    gm = export_gm(module.eval(), x)
-    reference = copy.deepcopy(gm)
-    gm, record = apply_transform("select_linear_backend", gm, **cfg)
-    return reference, gm, record
-
-
 def _half_reference(module: TwoLinears, x, dtype):
     """What the narrow path computes: each GEMM on rounded inputs and weights, float32 bias."""
     h = F.linear(x.to(dtype), module.a.weight.to(dtype)).float() + module.a.bias
@@ -79,7 +43,7 @@ def _half_reference(module: TwoLinears, x, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_linears_read_the_narrow_copy_for_one_row(backend, dtype):
     module = TwoLinears()
-    reference, gm, record = _run(module, torch.randn(2, 5, 32), backend=backend, gemv_dtype=str(dtype)[6:])
+    reference, gm, record = _run(module, backend=backend, gemv_dtype=str(dtype)[6:])
     assert record.status == "ok" and record.num_matches == 2
     assert count_op(gm, ad.dual_linear) == 2 and count_op(gm, aten.linear) == 0 and count_op(gm, ONEDNN) == 0
     copies = {n: t for n, t in gm.named_buffers() if n.endswith("_gemv")}
@@ -101,7 +65,7 @@ def test_linears_read_the_narrow_copy_for_one_row(backend, dtype):
 
 
 def test_gemv_max_rows():
-    reference, gm, _ = _run(TwoLinears(), torch.randn(2, 5, 32), gemv_dtype="float16", gemv_max_rows=2)
+    reference, gm, _ = _run(TwoLinears(), gemv_dtype="float16", gemv_max_rows=2)
     assert {n.args[4] for n in gm.graph.find_nodes(op="call_function", target=ad.dual_linear.default)} == {2}
     with torch.no_grad():
         two, three = torch.randn(2, 32), torch.randn(3, 32)
@@ -111,7 +75,7 @@ def test_gemv_max_rows():
 
 @pytest.mark.parametrize("module,linears", [(FusedSwiglu(), 2), (UnfusedSwiglu(), 3)], ids=["fused", "unfused"])
 def test_swiglu_mlps_split_into_dual_linears(module, linears):
-    reference, gm, record = _run(module, torch.randn(2, 5, 32), gemv_dtype="float16")
+    reference, gm, record = _run(module, gemv_dtype="float16")
     assert record.num_matches == linears and count_op(gm, ad.dual_linear) == linears
     assert count_op(gm, ad.torch_fused_swiglu_mlp) == 0 and count_op(gm, ad.torch_swiglu_mlp) == 0
     assert all(t.is_mkldnn for n, t in gm.named_buffers() if not n.endswith("_gemv"))
@@ -124,7 +88,7 @@ def test_swiglu_mlps_split_into_dual_linears(module, linears):
 @pytest.mark.parametrize("module,dtype", [(TwoLinears(torch.bfloat16), torch.bfloat16), (ComputedWeight(), torch.float32)],
                          ids=["bf16-weights", "computed-weight"])
 def test_near_misses_are_left_alone(module, dtype):
-    reference, gm, record = _run(module, torch.randn(2, 5, 32, dtype=dtype), backend="torch", gemv_dtype="float16")
+    reference, gm, record = _run(module, dtype=dtype, backend="torch", gemv_dtype="float16")
     assert record.num_matches == 0 and count_op(gm, ad.dual_linear) == 0
     assert not [n for n, _ in gm.named_buffers() if n.endswith("_gemv")]
     x = torch.randn(1, 1, 32, dtype=dtype)
