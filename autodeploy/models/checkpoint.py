@@ -7,9 +7,10 @@ they are refused unless the user opts in; even then they are read with ``weights
 import glob
 import json
 import os
+import struct
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -18,6 +19,9 @@ from ..utils.errors import ModelSourceError
 SAFE_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
+# safetensors dtype names of ordinary floating tensors; other "F*" types (F8_E4M3, F8_E5M2, F8_E8M0,
+# F4, ...) only hold quantized data.
+SAFETENSORS_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 @dataclass
@@ -32,6 +36,33 @@ class CheckpointIndex:
 
     def total_bytes(self) -> int:
         return sum(os.path.getsize(f) for f in self.files)
+
+    def dtypes(self) -> Dict[str, str]:
+        """Tensor name -> safetensors dtype name ("BF16", "F8_E4M3", "U8", ...), read from the file
+        headers only (no tensor data); empty for pickled checkpoints."""
+        if self.format != "safetensors":
+            return {}
+        out: Dict[str, str] = {}
+        for path in self.files:
+            out.update(safetensors_header_dtypes(path))
+        return {k: v for k, v in out.items() if k in self.weight_map}
+
+    def quantized_dtype_tensors(self) -> List[Tuple[str, str]]:
+        """(name, dtype) of tensors stored in a floating type that only holds quantized data (FP8, FP4)."""
+        return sorted(
+            (k, v) for k, v in self.dtypes().items() if v.startswith("F") and v not in SAFETENSORS_FLOAT_DTYPES
+        )
+
+
+def safetensors_header_dtypes(path: str) -> Dict[str, str]:
+    """Tensor name -> dtype name from a safetensors file's JSON header."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error) as exc:
+        raise ModelSourceError(f"cannot read the safetensors header of {path}: {exc}") from None
+    return {k: v["dtype"] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict) and "dtype" in v}
 
 
 def _safetensors_keys(path: str) -> List[str]:

@@ -21,10 +21,14 @@ from .checkpoint import CheckpointIndex, find_checkpoint
 from .custom import custom_model_for
 from .load_hooks import LoadHook
 from .presets import PRESETS, preset_dir
+from .quantization import QuantizationInfo, check_quantization, quantized_dtype_error
 
 logger = get_logger(__name__)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Files one of which a tokenizer directory holds (fast, SentencePiece, BPE vocab, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "spiece.model", "vocab.txt", "tokenizer.tiktoken", "sentencepiece.bpe.model")
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 
 
@@ -102,6 +106,8 @@ class ModelFactory:
         self.load_hooks: List[LoadHook] = list(load_hooks or [])
         self._directory: Optional[str] = None
         self._config: Any = None
+        # The quantization the checkpoint declares (only ever a supported one; see quantization.py).
+        self.quantization: Optional[QuantizationInfo] = None
         # Initial values of buffers, by name: restored at weight load for those not in the checkpoint.
         self.initial_buffers: Dict[str, torch.Tensor] = {}
         # Parameter names that share storage with another (tied embeddings), name -> canonical name.
@@ -121,12 +127,15 @@ class ModelFactory:
         return find_checkpoint(self.directory, allow_pickle=self.allow_pickle)
 
     # ---- config ---------------------------------------------------------------------------
-    def _check_remote_code(self) -> None:
+    def _raw_config(self) -> Dict[str, Any]:
         path = os.path.join(self.directory, "config.json")
         if not os.path.exists(path):
             raise ModelSourceError(f"{self.directory} has no config.json; is it an HF checkpoint directory?")
         with open(path) as f:
-            raw = json.load(f)
+            return json.load(f)
+
+    def _check_remote_code(self, raw: Optional[Dict[str, Any]] = None) -> None:
+        raw = self._raw_config() if raw is None else raw
         if "auto_map" in raw and not self.trust_remote_code:
             raise ModelSourceError(
                 f"{self.source} needs custom model code from its repository (config.json has auto_map); "
@@ -139,7 +148,11 @@ class ModelFactory:
         if self._config is None:
             from transformers import AutoConfig
 
-            self._check_remote_code()
+            raw = self._raw_config()
+            self._check_remote_code(raw)
+            # A quantized checkpoint would load as garbage (narrow weights cast, scales dropped):
+            # refuse the formats autodeploy cannot load before anything is built.
+            self.quantization = check_quantization(self.directory, raw, self.source)
             try:
                 config = AutoConfig.from_pretrained(self.directory, trust_remote_code=self.trust_remote_code)
             except (ValueError, KeyError, OSError) as exc:
@@ -160,6 +173,7 @@ class ModelFactory:
     def build_model(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         """The model with parameters on the meta device, in eval mode."""
         config = self.config
+        self._check_checkpoint_dtypes(dtype)
         custom_cls = custom_model_for(config)
         with _parameters_on_meta():
             if custom_cls is not None:
@@ -183,15 +197,38 @@ class ModelFactory:
         self.base_model_prefix = getattr(model, "base_model_prefix", "") or "model"
         return model.to("meta")
 
+    def _check_checkpoint_dtypes(self, dtype: torch.dtype) -> None:
+        """Refuse FP8/FP4 checkpoint tensors from the safetensors headers, before export (the loader
+        checks every tensor again; this only makes a quantized checkpoint whose config.json does
+        not say so fail early)."""
+        if self.quantization is not None:
+            return  # a supported quantized format: its loader knows its dtypes
+        try:
+            index = self.checkpoint_index()
+        except ModelSourceError:
+            return  # no (safe) weights here yet: the load stage reports it
+        quantized = index.quantized_dtype_tensors()
+        if quantized:
+            raise quantized_dtype_error(index.directory, quantized, dtype)
+
     # ---- tokenizer ------------------------------------------------------------------------
     def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (or ``tokenizer``'s). A directory without tokenizer files is
+        an error: transformers 5 would build an empty tokenizer from the config alone, which turns
+        every text into no tokens."""
         from transformers import AutoTokenizer
 
         source = self.tokenizer_source or self.directory
+        local = os.path.isdir(os.path.expanduser(source))
+        if local and not any(os.path.exists(os.path.join(source, name)) for name in TOKENIZER_FILES):
+            raise ModelSourceError(f"{source} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)")
         try:
-            return AutoTokenizer.from_pretrained(source, trust_remote_code=self.trust_remote_code)
-        except (OSError, ValueError) as exc:
+            tok = AutoTokenizer.from_pretrained(source, trust_remote_code=self.trust_remote_code)
+        except (OSError, ValueError, TypeError) as exc:
             raise ModelSourceError(f"cannot load a tokenizer from {source}: {str(exc).splitlines()[0]}") from None
+        if len(tok) < 2:
+            raise ModelSourceError(f"the tokenizer loaded from {source} has an empty vocabulary")
+        return tok
 
     def generation_config(self) -> Dict[str, Any]:
         path = os.path.join(self.directory, "generation_config.json")

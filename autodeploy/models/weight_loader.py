@@ -5,6 +5,11 @@ tensor of the same name; a load hook (renamed or combined tensors); the same nam
 model's base prefix added or removed; the name it is tied to; the value the buffer had when
 the model was built (RoPE tables and other non-persistent buffers). Anything left is an error
 that lists the names, so a wrong checkpoint never runs on uninitialised memory.
+
+Floating tensors are cast to the deployment dtype, but never across kinds: FP8/FP4 or integer
+(packed) data for a floating parameter is an error, and so are unused tensors named like the
+scales of a quantization format (a quantized checkpoint must not load as garbage; see
+``quantization``). Other unused tensors are only a warning.
 """
 
 from dataclasses import dataclass, field
@@ -17,6 +22,7 @@ from ..utils.errors import ModelSourceError
 from ..utils.logging import get_logger
 from .checkpoint import CheckpointIndex, CheckpointReader
 from .load_hooks import LoadHook
+from .quantization import check_tensor_dtype, companions_error, quantization_companions
 
 logger = get_logger(__name__)
 
@@ -79,9 +85,12 @@ def load_into_module(
         progress = tqdm(total=index.total_bytes(), unit="B", unit_scale=True, desc="loading weights")
     with CheckpointReader(index) as reader:
 
-        def fetch(key: str) -> torch.Tensor:
+        def fetch(key: str, target: str) -> torch.Tensor:
             used.add(key)
             t = reader.get(key)
+            current = params[target] if target in params else buffers[target]
+            expected = dtype if target in params and current.is_floating_point() else current.dtype
+            check_tensor_dtype(key, t.dtype, target, expected)  # before a hook combines or we cast it
             if progress is not None:
                 progress.update(t.numel() * t.element_size())
             return t
@@ -92,16 +101,16 @@ def load_into_module(
             groups.setdefault(canonical, [canonical]).append(alias)
         group_of = {n: members for members in groups.values() for n in members}
 
-        def find(name: str) -> Optional[torch.Tensor]:
+        def find(name: str, target: str) -> Optional[torch.Tensor]:
             if name in reader:
-                return fetch(name)
+                return fetch(name, target)
             for hook in hooks:
                 resolved = hook.resolve(name)
                 if resolved is not None and all(k in reader for k in resolved[0]):
                     report.from_hooks += 1
-                    return resolved[1]([fetch(k) for k in resolved[0]])
+                    return resolved[1]([fetch(k, target) for k in resolved[0]])
             alt = next((a for a in _prefix_variants(name, base_prefixes) if a in reader), None)
-            return fetch(alt) if alt is not None else None
+            return fetch(alt, target) if alt is not None else None
 
         for name, is_param in targets.items():
             current = params[name] if is_param else buffers[name]
@@ -112,7 +121,7 @@ def load_into_module(
                 continue
             source = None
             for candidate in [name] + [m for m in group_of.get(name, []) if m != name]:
-                source = find(candidate)
+                source = find(candidate, name)
                 if source is not None:
                     break
             if source is None and not is_param and name in initial_buffers:
@@ -135,10 +144,15 @@ def load_into_module(
             _set_tensor(module, name, tensor, is_param)
     if progress is not None:
         progress.close()
+    report.unused = sorted(set(index.weight_map) - used)
+    # Scales of a quantization format the model does not use: the checkpoint is quantized (its
+    # weights are missing or were refused above); say so rather than only what is missing.
+    companions = quantization_companions(report.unused)
+    if companions:
+        raise companions_error(index.directory, companions, missing)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelSourceError(f"checkpoint {index.directory} has no tensor for {shown}")
-    report.unused = sorted(set(index.weight_map) - used)
     if report.unused:
         logger.warning(
             "%d checkpoint tensors were not used (e.g. %s)", len(report.unused), ", ".join(report.unused[:3])
