@@ -29,7 +29,7 @@ import torch
 from torch import fx
 from torch._library import custom_ops
 
-from ..transform.graph_utils import copy_graph_module
+from ..utils.fx import copy_graph_module
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)

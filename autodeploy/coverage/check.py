@@ -125,7 +125,7 @@ def failing_transform(exc: BaseException) -> Optional[Any]:
 def _stage_after_build(exc: BaseException) -> str:
     """``cache_init`` when ``LLM`` found no KV cache in the built graph (e.g. no attention layer
     was recognised), else ``runtime`` (tokenizer, engine set-up)."""
-    from ..runtime.llm import LLM
+    from ..llm import LLM
 
     tb = exc.__traceback__
     while tb is not None:
@@ -212,8 +212,8 @@ def _run_stages(result: CheckResult, cache_dir: str, notify: Callable[[CheckResu
 
     enter("factory")  # from here the stage is the failing transform's (see run_check)
     llm = _build_llm(checkpoint)
-    result.cache_mode = llm.build.context.extras.get("cache_mode")
-    result.cache_mode_reason = llm.build.context.extras.get("recompute_reason", "")
+    result.cache_mode = llm.build.context.cache_mode
+    result.cache_mode_reason = llm.build.context.recompute_reason or ""
     t = _lap(result, "build", t)
 
     enter("runtime")
@@ -261,7 +261,7 @@ def _greedy_params(max_tokens: int) -> Any:
 
 def _build_llm(checkpoint: str) -> Any:
     """The default pipeline, fp32 on CPU, sized for the two prompts."""
-    from ..runtime.llm import LLM
+    from ..llm import LLM
 
     return LLM(checkpoint, dtype="float32", device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch_size=len(PROMPT_LENGTHS),
                max_num_tokens=MAX_SEQ_LEN)

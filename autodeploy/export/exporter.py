@@ -19,7 +19,8 @@ from ..utils.logging import get_logger
 from .hf_attention import AD_ATTN_IMPL, RouteUnsupportedError, hf_attention_route
 from .hf_moe import hf_experts_route
 from .hf_names import conversions, rename_to_checkpoint
-from .patches import apply_export_patches, real_value_of_meta_constant
+from .patch_registry import apply_export_patches
+from .patches import real_value_of_meta_constant
 
 logger = get_logger(__name__)
 

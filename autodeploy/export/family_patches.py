@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .patches import register_export_patch
+from .patch_registry import register_export_patch
 
 
 def _act_name(act: nn.Module) -> str:

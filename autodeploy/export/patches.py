@@ -1,50 +1,14 @@
-"""Export patches: context managers that make HF modelling code exportable or canonical.
-
-Each patch is registered under a name, says in one line what quirk it handles, and can be
-switched off from YAML (``transforms.export_to_gm.patches.<name>: false``). They only live for
-the duration of one export, so HF eager runs in the same process are never affected.
+"""The generic export patches, for quirks of HF modelling code in any family (the per-family ones
+are in ``family_patches``); both register in ``patch_registry``, which says what a patch is.
 """
 
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from typing import Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Tuple
+from contextlib import contextmanager
+from typing import ContextManager, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class ExportPatch:
-    name: str
-    description: str
-    factory: Callable[[nn.Module], ContextManager]
-
-
-_PATCHES: Dict[str, ExportPatch] = {}
-
-
-def register_export_patch(name: str, description: str):
-    def decorator(fn: Callable[[nn.Module], ContextManager]) -> Callable[[nn.Module], ContextManager]:
-        _PATCHES[name] = ExportPatch(name, description, fn)
-        return fn
-
-    return decorator
-
-
-def export_patches() -> List[ExportPatch]:
-    return [_PATCHES[k] for k in sorted(_PATCHES)]
-
-
-@contextmanager
-def apply_export_patches(model: nn.Module, enabled: Mapping[str, bool]) -> Iterator[None]:
-    unknown = sorted(set(enabled) - set(_PATCHES))
-    if unknown:
-        raise ValueError(f"unknown export patch(es) {unknown}; known: {sorted(_PATCHES)}")
-    with ExitStack() as stack:
-        for patch in export_patches():
-            if enabled.get(patch.name, True):
-                stack.enter_context(patch.factory(model))
-        yield
+from .patch_registry import register_export_patch
 
 
 @register_export_patch("no_grad", "trace under torch.no_grad so HF's no_grad/autocast regions inline")
@@ -122,5 +86,3 @@ def _meta_tensor_constants(model: nn.Module) -> Iterator[None]:
         torch.tensor = original  # type: ignore[assignment]
         _META_CONSTANTS.clear()
 
-
-from . import family_patches  # noqa: E402,F401  (registers the per-family patches)

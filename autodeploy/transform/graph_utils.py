@@ -56,16 +56,6 @@ def graph_modules(mod: torch.nn.Module) -> Iterator[fx.GraphModule]:
             yield sub
 
 
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A second GraphModule over the same parameters with its own copy of the graph."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    copy = fx.GraphModule(gm, graph)
-    copy.meta.update(gm.meta)
-    return copy
-
-
 def get_attr_value(gm: fx.GraphModule, node: fx.Node) -> Any:
     """The tensor (or module) a ``get_attr`` node refers to."""
     obj: Any = gm

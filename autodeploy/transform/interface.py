@@ -13,7 +13,7 @@ import time
 from abc import ABC
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple, Type
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -119,7 +119,9 @@ class TransformRecord:
 
 @dataclass
 class PipelineContext:
-    """What transforms share besides the model: where it comes from and the deployment limits.
+    """What transforms share besides the model: where it comes from, the deployment limits, and
+    the state one transform leaves for a later one (every such field is declared here, with
+    who writes and who reads it).
 
     The factory object is kept untyped here so the IR never imports model-loading code paths
     it does not need; the factory transforms know its interface.
@@ -132,10 +134,30 @@ class PipelineContext:
     max_seq_len: int = 512
     max_num_tokens: int = 2048
     page_size: int = 16
+    # The user left max_batch_size unset: max_batch_size above is only an upper bound for building
+    # the graph; resize_kv_cache (or initialize_cache for a fixed pool) chooses the value from the pool.
+    auto_batch_size: bool = False
+    # The user left max_seq_len unset: it is the model's own limit, which resize_kv_cache may lower
+    # to what the page pool can hold (a user's value is never lowered: too large is an error).
+    auto_seq_len: bool = False
     # The cache interface (``autodeploy.cache.CachedSequenceInterface``) once cache_init made one.
     cache: Any = None
     history: List[TransformRecord] = field(default_factory=list)
-    extras: Dict[str, Any] = field(default_factory=dict)
+    # The compile_model backend the build will use (set by ``autodeploy.pipeline`` from the
+    # config), so that earlier transforms choose kernels it can compile: select_linear_backend,
+    # and recompute_fallback, which skips its consistency check for the non-simple backends.
+    compile_backend: str = "torch-simple"
+    # insert_cached_attention -> recompute_fallback: the graph as it was before the cached ops
+    # went in (recompute_fallback's way back; it drops it once it has decided) ...
+    uncached_graph: Optional[fx.GraphModule] = None
+    # ... or, when insert_cached_attention left the graph uncached, why.
+    uncached_reason: Optional[str] = None
+    # recompute_fallback's decision: "paged_kv" (the KV-cached graph serves the model) or
+    # "recompute" (every step recomputes each sequence's history; see autodeploy.cache.recompute).
+    # None until it ran. Read by compile_model and the coverage check.
+    cache_mode: Optional[Literal["paged_kv", "recompute"]] = None
+    # Why the model runs in recompute mode (set with cache_mode == "recompute").
+    recompute_reason: Optional[str] = None
 
 
 _META_LAST_INFO = "autodeploy_last_info"

@@ -10,7 +10,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from autodeploy.export.exporter import export_causal_lm, export_to_graph_module
-from autodeploy.export.patches import export_patches
+from autodeploy.export.patch_registry import export_patches
 from autodeploy.models.factory import ModelFactory
 from autodeploy.utils.errors import AutoDeployError, ExportError
 from helpers import family_checkpoint
@@ -121,7 +121,7 @@ def test_unsupported_attn_implementation():
 def test_export_patches_registry():
     patches = export_patches()
     names = [p.name for p in patches]
-    assert "no_grad" in names
+    assert "no_grad" in names and "dbrx_experts" in names  # the generic and the per-family patches
     assert names == sorted(names) and len(set(names)) == len(names)
     assert all(p.description for p in patches)
 

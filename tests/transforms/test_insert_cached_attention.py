@@ -224,4 +224,4 @@ def test_uncacheable_attention_is_left_for_recompute_with_its_reason(kind, reaso
     gm = _small_graph(kind)
     out, ctx = _apply(gm)
     assert count_op(out, ad.torch_attention) == 1 and ctx.cache is None
-    assert reason in ctx.extras["uncached_reason"] and ctx.history[-1].status == "skipped"
+    assert reason in ctx.uncached_reason and ctx.history[-1].status == "skipped"

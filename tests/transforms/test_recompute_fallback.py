@@ -37,8 +37,8 @@ def test_state_outside_attention_fails_the_check_and_recompute_matches_hf():
     path = stateful_checkpoint("lfm2")
     res = build(path, **SMALL)
     ctx = res.context
-    assert ctx.extras["cache_mode"] == "recompute"
-    assert "disagrees with itself" in ctx.extras["recompute_reason"]
+    assert ctx.cache_mode == "recompute"
+    assert "disagrees with itself" in ctx.recompute_reason
     assert list(res.cache.handlers) == ["token_cache"]
     assert [r.status for r in ctx.history if r.key == "recompute_fallback"] == ["ok"]
 
@@ -61,7 +61,7 @@ def test_the_paged_kv_graph_of_a_stateful_model_is_caught_by_the_check():
 def test_attention_only_model_passes_the_check_and_keeps_the_kv_cache():
     """Near miss: Llama's schedules agree (fp32 noise), so nothing changes."""
     res = build(family_checkpoint("llama"), **SMALL)
-    assert res.context.extras["cache_mode"] == "paged_kv"
+    assert res.context.cache_mode == "paged_kv"
     assert [r.status for r in res.context.history if r.key == "recompute_fallback"] == ["skipped"]
     result = check_cache_consistency(res.graph, res.cache, res.factory.vocab_size, torch.float32)
     assert result is not None and result.ok and result.error < 1e-5
@@ -72,7 +72,7 @@ def test_mode_always_gives_the_same_tokens_as_the_kv_cache():
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     kv = [o.token_ids for o in LLM(path, **SMALL).generate(PROMPTS, params)]
     llm = LLM(path, transforms={"recompute_fallback": {"mode": "always"}}, **SMALL)
-    assert llm.build.context.extras["cache_mode"] == "recompute"
+    assert llm.build.context.cache_mode == "recompute"
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == kv
 
 

@@ -175,7 +175,7 @@ def test_auto_uses_the_custom_op_for_torch_compile():
     """inductor cannot lower mkldnn's op, so graphs for torch-compile get the opaque custom op."""
     gm = export_gm(TwoLinears().eval(), torch.randn(2, 5, 32))
     reference = copy.deepcopy(gm)
-    ctx = PipelineContext(extras={"compile_backend": "torch-compile"})
+    ctx = PipelineContext(compile_backend="torch-compile")
     gm = build_transform("select_linear_backend", {})(gm, ctx)
     assert ctx.history[-1].status == "ok" and ctx.history[-1].num_matches == 2
     assert count_op(gm, ad.onednn_linear) == 2 and count_op(gm, ONEDNN) == 0 and count_op(gm, aten.linear) == 0

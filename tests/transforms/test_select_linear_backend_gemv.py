@@ -12,7 +12,6 @@ from torch import nn
 from autodeploy import LLM, SamplingParams
 from autodeploy.ops.linear import exact_linears
 from autodeploy.transform.interface import PipelineContext
-from autodeploy.transform.library.recompute_fallback import CACHE_MODE
 from autodeploy.transform.optimizer import build_transform
 from autodeploy.utils.errors import ConfigError
 from helpers import apply_transform, assert_same_outputs, build, count_op, export_gm, family_checkpoint, rel_rmse
@@ -119,7 +118,7 @@ def test_config_errors_and_memory_expectation():
 def test_torch_compile_runs_the_dual_linear_as_an_opaque_op():
     gm = export_gm(TwoLinears().eval(), torch.randn(2, 5, 32))
     reference = copy.deepcopy(gm)
-    ctx = PipelineContext(extras={"compile_backend": "torch-compile"})
+    ctx = PipelineContext(compile_backend="torch-compile")
     gm = build_transform("select_linear_backend", {"gemv_dtype": "float16"})(gm, ctx)
     assert ctx.history[-1].num_matches == 2 and count_op(gm, ad.dual_linear) == 2
     compiled = torch.compile(gm, dynamic=True, fullgraph=True)
@@ -136,7 +135,7 @@ def test_llama_pipeline_keeps_the_kv_cache_and_gathers_the_head():
     history = {r.key: r for r in result.context.history}
     assert history["select_linear_backend"].num_matches == 2 * (1 + 1 + 2) + 1  # qkv, o, MLP's two; head
     assert history["gather_logits_before_lm_head"].num_matches == 1
-    assert result.context.extras[CACHE_MODE] == "paged_kv"
+    assert result.context.cache_mode == "paged_kv"
     assert count_op(result.graph_module, ad.dual_linear) == 9
 
 

@@ -61,7 +61,7 @@ class CompileModel(BaseTransform):
         if "autodeploy_recompute" in gm.meta:
             raise ConfigError(
                 f"compile backend '{cfg.backend}' needs the KV-cached graph, but this model runs in recompute mode "
-                f"({ctx.extras.get('recompute_reason', 'see the warning above')}); use compile_backend: torch-simple"
+                f"({ctx.recompute_reason or 'see the warning above'}); use compile_backend: torch-simple"
             )
         compiled = compile_graph(
             gm, ctx.cache, cfg.backend, cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes, cache_dir=cfg.cache_dir,

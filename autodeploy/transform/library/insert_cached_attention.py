@@ -30,9 +30,10 @@ from ...cache import CachedSequenceInterface
 from ...cache.attention_backends import attention_backends, get_attention_backend
 from ...cache.sequence_info import METADATA_NAMES
 from ...utils.errors import ConfigError
-from ..graph_utils import arg, copy_graph_module, is_op
+from ...utils.fx import copy_graph_module
+from ..graph_utils import arg, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from .recompute_fallback import UNCACHED_GRAPH, UNCACHED_REASON, export_shape_problem
+from .recompute_fallback import export_shape_problem
 
 
 class InsertCachedAttentionConfig(TransformConfig):
@@ -79,7 +80,7 @@ class InsertCachedAttention(BaseTransform):
         problem = export_shape_problem(gm)
         if not attn_nodes or problem is not None and cfg.on_uncacheable == "recompute":
             if problem is not None:
-                ctx.extras[UNCACHED_REASON] = problem
+                ctx.uncached_reason = problem
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         if [p.name for p in placeholders] != ["input_ids", "position_ids"]:
@@ -92,9 +93,9 @@ class InsertCachedAttention(BaseTransform):
         if problem is not None:
             if cfg.on_uncacheable == "error":
                 raise RuntimeError(problem)
-            ctx.extras[UNCACHED_REASON] = problem
+            ctx.uncached_reason = problem
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
-        ctx.extras[UNCACHED_GRAPH] = copy_graph_module(gm)  # recompute_fallback's way back
+        ctx.uncached_graph = copy_graph_module(gm)  # recompute_fallback's way back
         if ctx.cache is None:
             ctx.cache = CachedSequenceInterface(
                 page_size=ctx.page_size, max_batch_size=ctx.max_batch_size, max_seq_len=ctx.max_seq_len,

@@ -35,10 +35,6 @@ from .initialize_cache import sizing_pages
 
 logger = get_logger(__name__)
 
-UNCACHED_GRAPH = "uncached_graph"  # ctx.extras: the graph as it was before insert_cached_attention
-UNCACHED_REASON = "uncached_reason"  # ctx.extras: why insert_cached_attention left the graph uncached
-CACHE_MODE = "cache_mode"  # ctx.extras: "paged_kv" or "recompute"
-
 
 class RecomputeFallbackConfig(TransformConfig):
     stage: Stage = Stage.CACHE_INIT
@@ -93,23 +89,23 @@ class RecomputeFallback(BaseTransform):
         cached = ctx.cache is not None and bool(ctx.cache.caches)
         reason = self._reason(mod, ctx, cfg, cached, vocab)
         if reason is None:
-            ctx.extras[CACHE_MODE] = "paged_kv"
-            ctx.extras.pop(UNCACHED_GRAPH, None)
+            ctx.cache_mode = "paged_kv"
+            ctx.uncached_graph = None
             return mod, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         if cfg.mode == "never":
             raise ConfigError(
                 f"this model cannot run with a KV cache: {reason}. Set transforms.recompute_fallback.mode to "
                 "'auto' to run it in recompute mode (exact, but each step recomputes every sequence)"
             )
-        uncached = ctx.extras.get(UNCACHED_GRAPH) if cached else mod
+        uncached = ctx.uncached_graph if cached else mod
         if uncached is None:
             raise RuntimeError("recompute_fallback: the graph before insert_cached_attention was not kept")
         static_len, min_len = export_lengths(uncached)
         padded = static_len is not None or min_len > 1  # histories are right-padded to a length
         gm = build_recompute_graph(uncached, ctx.page_size, static_len, min_len)
         ctx.cache = self._token_cache(ctx, keep_pages=ctx.cache.num_pages if cached and ctx.cache.fixed_size else None)
-        ctx.extras[CACHE_MODE] = "recompute"
-        ctx.extras["recompute_reason"] = reason
+        ctx.cache_mode = "recompute"
+        ctx.recompute_reason = reason
         logger.warning(
             "running in recompute mode: %s. Each step runs the whole history of every scheduled sequence%s; "
             "exact, but slower than a KV cache", reason, f" padded to {static_len} tokens" if static_len else "",
@@ -122,7 +118,7 @@ class RecomputeFallback(BaseTransform):
             if result is not None and not result.ok:
                 hint = " (export with dynamic shapes failed, see the warning above)" if padded else ""
                 raise RuntimeError(f"recompute mode cannot serve this model exactly{hint}: {result.detail}")
-        ctx.extras.pop(UNCACHED_GRAPH, None)
+        ctx.uncached_graph = None
         return gm, TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
 
     @staticmethod
@@ -133,7 +129,7 @@ class RecomputeFallback(BaseTransform):
             if shape_problem is not None:
                 return shape_problem
             skipped = [r.error for r in ctx.history if r.key == "insert_cached_attention" and r.error]
-            return ctx.extras.get(UNCACHED_REASON) or (f"insert_cached_attention was skipped: {skipped[-1]}"
+            return ctx.uncached_reason or (f"insert_cached_attention was skipped: {skipped[-1]}"
                                                        if skipped else None) or (
                 "no attention was canonicalised to torch_attention, so a KV cache has nothing to hold"
             )
@@ -141,7 +137,7 @@ class RecomputeFallback(BaseTransform):
             return "recompute_fallback.mode is 'always'"
         if not cfg.check_consistency or vocab is None:
             return None
-        backend = ctx.extras.get("compile_backend", "torch-simple")
+        backend = ctx.compile_backend
         if backend != "torch-simple":
             # Known issue: after these eager runs, torch.compile of a later model in the same process
             # failed ("Attempt to trace generator"; tests/runtime/test_generation_vs_hf.py). Until that

@@ -127,7 +127,7 @@ class SelectLinearBackend(BaseTransform):
         if gemv_dtype is not None:
             count = _use_gemv_copies(gm, gemv_dtype, self.config.gemv_max_rows)  # type: ignore[attr-defined]
         if backend == "onednn":
-            retraced = ctx.extras.get("compile_backend", "torch-simple") in _RETRACING_BACKENDS
+            retraced = ctx.compile_backend in _RETRACING_BACKENDS
             count = _use_onednn(gm, as_custom_op=retraced)
         elif backend == "blas":
             count = _use_blas(gm)

@@ -1,0 +1,49 @@
+"""The registry of export patches: context managers that make HF modelling code exportable or
+canonical, each registered under a name with a one-line description of the quirk it handles.
+
+Every patch can be switched off from YAML (``transforms.export_to_gm.patches.<name>: false``) and
+only lives for the duration of one export, so HF eager runs in the same process are never affected.
+This module imports no patch: the generic ones (``patches``) and the per-family ones
+(``family_patches``) register here, and ``autodeploy/export/__init__.py`` imports both, so they
+are registered as soon as anything under ``autodeploy.export`` is imported.
+"""
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Dict, Iterator, List, Mapping
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ExportPatch:
+    name: str
+    description: str
+    factory: Callable[[nn.Module], ContextManager]
+
+
+_PATCHES: Dict[str, ExportPatch] = {}
+
+
+def register_export_patch(name: str, description: str):
+    def decorator(fn: Callable[[nn.Module], ContextManager]) -> Callable[[nn.Module], ContextManager]:
+        _PATCHES[name] = ExportPatch(name, description, fn)
+        return fn
+
+    return decorator
+
+
+def export_patches() -> List[ExportPatch]:
+    return [_PATCHES[k] for k in sorted(_PATCHES)]
+
+
+@contextmanager
+def apply_export_patches(model: nn.Module, enabled: Mapping[str, bool]) -> Iterator[None]:
+    unknown = sorted(set(enabled) - set(_PATCHES))
+    if unknown:
+        raise ValueError(f"unknown export patch(es) {unknown}; known: {sorted(_PATCHES)}")
+    with ExitStack() as stack:
+        for patch in export_patches():
+            if enabled.get(patch.name, True):
+                stack.enter_context(patch.factory(model))
+        yield

@@ -1,0 +1,14 @@
+"""``torch.fx`` helpers for more than the transforms: the compile backends use them too, and they
+must not import the transform package (which imports them), so they live here."""
+
+from torch import fx
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A second GraphModule over the same parameters with its own copy of the graph."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    copy = fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    return copy
