@@ -8,17 +8,21 @@ from . import ops as _ops  # noqa: F401  (registers torch.ops.autodeploy.*)
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "InvalidRequestError", "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy: importing the package (e.g. for the ops) does not build the runtime.
     if name == "LLM":
-        from .runtime.llm import LLM
+        from .llm import LLM
 
         return LLM
     if name == "SamplingParams":
         from .runtime.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "InvalidRequestError":
+        from .runtime.sampling_params import InvalidRequestError
+
+        return InvalidRequestError
     raise AttributeError(f"module 'autodeploy' has no attribute '{name}'")

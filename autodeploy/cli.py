@@ -199,7 +199,7 @@ DEFAULT_PROMPTS = ("The for statement", "A class definition", "The import statem
 def cmd_run(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     import time
 
-    from .runtime.llm import LLM
+    from .llm import LLM
 
     prompts = _read_prompts(args)
     params = _sampling_params(args)
@@ -229,7 +229,7 @@ def cmd_run(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
 # ---- serve -------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace, overrides: Sequence[str]) -> int:
-    from .runtime.llm import LLM
+    from .llm import LLM
     from .serve.server import serve
 
     config = _config_from_args(args, overrides)

@@ -6,11 +6,16 @@ from typing import Optional
 import torch
 from torch import fx
 
+from .cache.limits import MAX_BATCH_SIZE_CAP
 from .config import DeployConfig
 from .models.factory import ModelFactory
+from .models.limits import ContextLimit, DEFAULT_WHEN_UNKNOWN, model_context_limit
 from .transform.interface import PipelineContext
 from .transform.optimizer import InferenceOptimizer, format_summary
 from .utils.errors import ConfigError
+from .utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -47,6 +52,24 @@ def make_factory(config: DeployConfig) -> ModelFactory:
     )
 
 
+def resolve_max_seq_len(requested: Optional[int], limit: ContextLimit) -> int:
+    """The user's ``max_seq_len`` if the model can take it, else an error naming both numbers;
+    unset: the model's own limit (``DEFAULT_WHEN_UNKNOWN`` when its config names none)."""
+    if requested is not None:
+        if limit.tokens is not None and requested > limit.tokens:
+            raise ConfigError(
+                f"max_seq_len {requested} is larger than the model's limit of {limit.describe()}; set "
+                f"max_seq_len to at most {limit.tokens}, or leave it unset to use {limit.tokens}"
+            )
+        return requested
+    if limit.tokens is None:
+        logger.info("max_seq_len %d: the model's config names no sequence limit (set max_seq_len to change it)",
+                    DEFAULT_WHEN_UNKNOWN)
+        return DEFAULT_WHEN_UNKNOWN
+    logger.info("max_seq_len %d: the model's limit (%s)", limit.tokens, limit.source)
+    return limit.tokens
+
+
 def build_graph(
     config: DeployConfig, factory: Optional[ModelFactory] = None, log_summary: bool = True,
     show_progress: bool = False,
@@ -63,12 +86,14 @@ def build_graph(
         factory=factory,
         device=config.device,
         dtype=config.torch_dtype(checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else None),
-        max_batch_size=config.max_batch_size,
-        max_seq_len=config.max_seq_len,
+        max_batch_size=config.max_batch_size or MAX_BATCH_SIZE_CAP,
+        max_seq_len=resolve_max_seq_len(config.max_seq_len, model_context_limit(factory.config)),
         max_num_tokens=config.max_num_tokens,
         page_size=config.page_size,
+        auto_batch_size=config.max_batch_size is None,
+        auto_seq_len=config.max_seq_len is None,
     )
     # transforms before compile_model choose kernels it must be able to compile
-    ctx.extras["compile_backend"] = (config.transforms.get("compile_model") or {}).get("backend", "torch-simple")
+    ctx.compile_backend = (config.transforms.get("compile_model") or {}).get("backend", "torch-simple")
     gm = optimizer(ctx, log_summary=log_summary, show_progress=show_progress)
     return BuildResult(gm, ctx, factory, config)  # type: ignore[arg-type]

@@ -57,7 +57,7 @@ class BenchEngine:
 
 class AutoDeployEngine(BenchEngine):
     def __init__(self, model: str, label: str = "autodeploy", yaml: Optional[str] = None, **settings: Any):
-        from ..runtime.llm import LLM
+        from ..llm import LLM
         from ..runtime.sampling_params import SamplingParams
         from ..transform import library  # noqa: F401  (module imports are once per process, not build)
 

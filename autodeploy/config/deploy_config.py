@@ -32,15 +32,33 @@ class DeployConfig(BaseModel):
         default="auto", description="Compute/weight dtype; auto = float32 on CPU, checkpoint dtype on CUDA."
     )
     world_size: int = Field(default=1, ge=1, description="Number of ranks (tensor parallelism).")
-    max_batch_size: int = Field(default=8, ge=1, description="Most sequences in one step.")
-    max_seq_len: int = Field(default=512, ge=2, description="Longest sequence (prompt + generated tokens).")
+    max_batch_size: Optional[int] = Field(
+        default=None, ge=1,
+        description="Most sequences in one step; unset: chosen from the KV-cache pool (resize_kv_cache): the "
+        "full-length sequences it holds, at least 64, at most 256.",
+    )
+    max_seq_len: Optional[int] = Field(
+        default=None, ge=2,
+        description="Longest sequence (prompt + generated tokens); unset: the model's own limit from its config "
+        "(max_position_embeddings, n_positions, ...; 2048 when it names none). A value above the model's "
+        "limit is an error.",
+    )
     max_num_tokens: int = Field(default=2048, ge=1, description="Most tokens in one step (prefill budget).")
     page_size: int = Field(default=16, ge=1, description="Tokens per KV-cache page.")
-    attn_backend: str = Field(
-        default="sdpa", description="Cached attention backend (sets transforms.insert_cached_attention.backend)."
+    skip_tokenizer_init: bool = Field(
+        default=False,
+        description="Never load a tokenizer: prompts must be token ids and outputs carry token ids only "
+        "(text is empty). Without it the tokenizer is still loaded only when first needed.",
     )
-    compile_backend: str = Field(
-        default="torch-simple", description="Compile backend (sets transforms.compile_model.backend)."
+    attn_backend: Optional[str] = Field(
+        default=None,
+        description="Shortcut for transforms.insert_cached_attention.backend (sdpa by default); setting both "
+        "to different values is an error.",
+    )
+    compile_backend: Optional[str] = Field(
+        default=None,
+        description="Shortcut for transforms.compile_model.backend (torch-simple by default); setting both to "
+        "different values is an error.",
     )
     transforms: Dict[str, Optional[Dict[str, Any]]] = Field(
         default_factory=dict, description="The transform pipeline: {key: {field: value}}."
@@ -93,18 +111,19 @@ def load_deploy_config(
 ) -> DeployConfig:
     """default.yaml, then each YAML file, then ``settings`` (API keywords), then ``overrides``
     (a nested mapping or dotted CLI tokens); validates settings and the whole pipeline."""
-    data: Dict[str, Any] = load_yaml_file(DEFAULT_YAML)
+    user: Dict[str, Any] = {}  # what the user set, over the defaults (shortcuts read it)
     for path in yaml_files:
-        data = deep_merge(data, load_yaml_file(path))
-    data = deep_merge(data, {k: v for k, v in settings.items() if v is not None})
+        user = deep_merge(user, load_yaml_file(path))
+    user = deep_merge(user, {k: v for k, v in settings.items() if v is not None})
     if overrides:
         parsed = parse_dotted_overrides(overrides) if not isinstance(overrides, Mapping) else dict(overrides)
-        data = deep_merge(data, parsed)
+        user = deep_merge(user, parsed)
+    data = deep_merge(load_yaml_file(DEFAULT_YAML), user)
     try:
         config = DeployConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
-    config = config.model_copy(update={"transforms": _apply_shortcuts(config)})
+    config = config.model_copy(update={"transforms": _apply_shortcuts(config, user)})
     validate_pipeline(config.transforms)
     return config
 
@@ -116,11 +135,25 @@ SHORTCUTS = {
 }
 
 
-def _apply_shortcuts(config: DeployConfig) -> Dict[str, Any]:
+def _apply_shortcuts(config: DeployConfig, user: Mapping[str, Any]) -> Dict[str, Any]:
+    """Write each shortcut the user set into its transform field. The transform field is the one
+    source of truth: an unset shortcut changes nothing, and a shortcut that disagrees with a
+    transform field the user also set is an error (no silent winner)."""
     transforms = {k: dict(v or {}) for k, v in config.transforms.items()}
+    user_transforms = user.get("transforms") or {}
     for setting, (key, field) in SHORTCUTS.items():
-        if key in transforms:
-            transforms[key][field] = getattr(config, setting)
+        value = getattr(config, setting)
+        if value is None:
+            continue
+        explicit = (user_transforms.get(key) or {}).get(field) if isinstance(user_transforms, Mapping) else None
+        if explicit is not None and explicit != value:
+            raise ConfigError(
+                f"{setting} is '{value}' but transforms.{key}.{field} is '{explicit}'; they are the same setting: "
+                f"set one of them"
+            )
+        if key not in transforms:
+            raise ConfigError(f"{setting} is set but the pipeline has no '{key}' transform to apply it to")
+        transforms[key][field] = value
     return transforms
 
 

@@ -10,12 +10,21 @@ GREEDY_BELOW = 1e-5
 
 
 class InvalidRequestError(AutoDeployError, ValueError):
-    """A request the engine cannot serve (bad parameter, empty or too-long prompt)."""
+    """A request the engine cannot serve (bad parameter, empty or too-long prompt). ``code`` is a
+    machine-readable reason where one exists (``context_length_exceeded``), as OpenAI's API has."""
+
+    def __init__(self, message: str, code: Optional[str] = None):
+        super().__init__(message)
+        self.code = code
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """``temperature=0`` (or below 1e-5) is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+
+    Validated once, on construction, and immutable afterwards (``dataclasses.replace`` makes a
+    changed copy, validated again), so a request's parameters cannot change between the check
+    and the run.
 
     ``stop`` strings end the output (the text is cut before them); ``stop_token_ids`` and the
     model's EOS token end it too unless ``ignore_eos``. ``seed`` makes sampling reproducible per
@@ -36,8 +45,8 @@ class SamplingParams:
     stop_strings: List[str] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        object.__setattr__(self, "stop_strings", [self.stop] if isinstance(self.stop, str) else list(self.stop or []))
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         self.validate()
 
     def validate(self) -> None:

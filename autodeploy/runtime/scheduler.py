@@ -31,6 +31,12 @@ class ScheduledStep:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.prefill) + len(self.decode)
 
+    @property
+    def due(self) -> List[Sequence]:
+        """The sequences this step completes (all their tokens in the cache afterwards): each
+        gets its next token. Read before ``Scheduler.mark_computed``."""
+        return [s for s, n in self.sequences if s.remaining == n]
+
 
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_batch_size: int, max_num_tokens: int, chunked_prefill: bool = True):
@@ -48,6 +54,11 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def mark_computed(self, step: ScheduledStep) -> None:
+        """The step ran: its tokens are in the cache."""
+        for seq, n in step.sequences:
+            seq.num_computed += n
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence wherever it is."""

@@ -1,7 +1,7 @@
 """One sequence being generated (a request with ``n`` completions has ``n`` of them)."""
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -16,25 +16,50 @@ class Sequence:
     params: SamplingParams
     arrival: int
     generator: Optional[torch.Generator] = None
-    output_token_ids: List[int] = field(default_factory=list)
+    # prompt then generated tokens, in one list: a step slices its new tokens without copying the rest
+    token_ids: List[int] = field(init=False)
     num_computed: int = 0  # tokens whose keys/values are in the cache
     pages: List[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
-    text: str = ""
     logprobs: Optional[List[Dict[int, float]]] = None
+    detokenizer: Any = None  # an ``IncrementalDetokenizer`` when the engine has a tokenizer
+    cut_text: Optional[str] = None  # the final text when a stop string cut it
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
 
     @property
-    def all_token_ids(self) -> List[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def text(self) -> str:
+        """The output text so far: read from the detokenizer when asked, so no step copies it
+        (empty without a tokenizer)."""
+        if self.cut_text is not None:
+            return self.cut_text
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> List[int]:
+        """A copy of the generated tokens."""
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def remaining(self) -> int:
         """Tokens not yet in the cache (the prompt, or the last sampled token)."""
-        return self.num_tokens - self.num_computed
+        return len(self.token_ids) - self.num_computed
 
     @property
     def is_decode(self) -> bool:

@@ -13,11 +13,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, List, Optional, Tuple
+from typing import AsyncIterator, Dict, Optional, Tuple
 
 from ..runtime.engine import Engine
 from ..runtime.outputs import RequestOutput
-from ..runtime.sampling_params import SamplingParams
+from ..runtime.request_processor import PreparedRequest, RequestProcessor
 from ..utils.logging import get_logger
 from .metrics import Metrics
 
@@ -40,8 +40,13 @@ class EngineError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, metrics: Optional[Metrics] = None):
-        self.engine = engine
+    """What the server talks to: the request processor (``processor``) to turn a request into
+    ``PreparedRequest``s, and ``generate`` to run one. The engine itself is private to the
+    engine thread."""
+
+    def __init__(self, engine: Engine, processor: RequestProcessor, metrics: Optional[Metrics] = None):
+        self._engine = engine
+        self.processor = processor
         self.metrics = metrics or Metrics()
         self._inbox: "queue.Queue[Tuple[str, tuple]]" = queue.Queue()
         self._streams: Dict[str, _Stream] = {}
@@ -78,16 +83,18 @@ class AsyncEngine:
             return f"{prefix}-{self._ids}"
 
     # ---- handler side --------------------------------------------------------------------------
-    async def generate(
-        self, request_id: str, prompt_token_ids: List[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they grow; aborts the request if the caller stops early.
-        Raises ``InvalidRequestError`` at once for a request the engine cannot serve."""
-        tokens = self.engine.validate_request(prompt_token_ids, params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(tokens))
+    @property
+    def max_seq_len(self) -> int:
+        return self.processor.max_seq_len
+
+    async def generate(self, request_id: str, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs of one prepared request as they grow; aborts the request if the caller stops
+        early."""
+        num_prompt = len(request.prompt_token_ids)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), num_prompt)
         self._streams[request_id] = stream
-        self.metrics.on_request_start(len(tokens))
-        self._post("add", (request_id, tokens, params))
+        self.metrics.on_request_start(num_prompt)
+        self._post("add", (request_id, request))
         finished = False
         try:
             while True:
@@ -138,15 +145,15 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command == "add":
-                request_id, tokens, params = args
+                request_id, request = args
                 if request_id not in self._streams:
                     continue  # the client left before its request started
                 try:
-                    self.engine.add_request(tokens, params, request_id=request_id)
+                    self._engine.add_request(request, request_id=request_id, on_update=self._deliver)
                 except Exception as exc:  # noqa: BLE001 - reported to this request only
                     self._fail(request_id, exc)
             elif command == "abort":
-                self.engine.abort(args[0])
+                self._engine.abort(args[0])
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -156,26 +163,24 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._apply_inbox()
-            if not self.engine.has_unfinished():
+            if not self._engine.has_unfinished():
                 self._update_gauges()
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                self._engine.step()  # outputs reach their streams through on_update (_deliver)
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
                 logger.exception("engine step failed; failing the requests in flight")
                 for request_id in list(self._streams):
-                    self.engine.abort(request_id)
-                    self._fail(request_id, exc)
+                    self._fail(request_id, exc)  # first: the abort below also reports to the stream
+                    self._engine.abort(request_id)
                 continue
-            for out in outputs:
-                self._deliver(out)
             self._update_gauges()
 
     def _update_gauges(self) -> None:
-        pool = self.engine.pool
+        pool = self._engine.pool
         self.metrics.set_gauges(
-            running=self.engine.num_running, waiting=self.engine.num_waiting,
+            running=self._engine.num_running, waiting=self._engine.num_waiting,
             pages_used=pool.num_used, pages_free=pool.num_free,
         )

@@ -8,10 +8,13 @@ To keep to two builds, the small-pool engine also uses the other attention backe
 preemption), so a backend mismatch shows there first.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from autodeploy import LLM, SamplingParams
+from autodeploy.transform.graph_utils import count_op
 from autodeploy.runtime.sampling_params import InvalidRequestError
 
 BASE = dict(max_seq_len=64, max_batch_size=4, max_num_tokens=64, page_size=4)
@@ -74,6 +77,11 @@ def ids_of(llm, prompt):
     return llm.tokenizer(prompt)["input_ids"]
 
 
+def prep(llm, prompt, params):
+    """A request as the engine takes it: checked by the request processor."""
+    return llm.processor.prepare(prompt, params)
+
+
 # ---- (a) continuous batching ---------------------------------------------------------------------
 def test_continuous_batching_matches_each_request_alone(llm, ref):
     eng = llm.engine
@@ -86,14 +94,14 @@ def test_continuous_batching_matches_each_request_alone(llm, ref):
                 if out.finished:
                     finals[out.request_id] = out
 
-    rids[eng.add_request(ids_of(llm, PROMPTS[0]), greedy())] = PROMPTS[0]
+    rids[eng.add_request(prep(llm, PROMPTS[0], greedy()))] = PROMPTS[0]
     step(3)
-    rids[eng.add_request(ids_of(llm, PROMPTS[1]), greedy())] = PROMPTS[1]
+    rids[eng.add_request(prep(llm, PROMPTS[1], greedy()))] = PROMPTS[1]
     step()
-    rids[eng.add_request(ids_of(llm, PROMPTS[2]), greedy())] = PROMPTS[2]
+    rids[eng.add_request(prep(llm, PROMPTS[2], greedy()))] = PROMPTS[2]
     step(2)
     assert len(eng.scheduler.running) == 3  # really batched together
-    rids[eng.add_request(ids_of(llm, PROMPTS[3]), greedy())] = PROMPTS[3]
+    rids[eng.add_request(prep(llm, PROMPTS[3], greedy()))] = PROMPTS[3]
     while eng.has_unfinished():
         step()
     assert set(finals) == set(rids)
@@ -135,7 +143,10 @@ def test_preemption_under_a_small_pool_gives_the_same_tokens(small_llm, ref):
 
 
 def test_attention_backends_torch_and_sdpa_agree(llm, small_llm, ref):
-    assert llm.config.attn_backend == "sdpa" and small_llm.config.attn_backend == "torch"
+    ops = torch.ops.autodeploy
+    assert count_op(llm.build.graph_module, ops.sdpa_cached_attention_with_cache) == 2  # the default backend
+    assert count_op(small_llm.build.graph_module, ops.torch_cached_attention_with_cache) == 2
+    assert count_op(small_llm.build.graph_module, ops.sdpa_cached_attention_with_cache) == 0
     eng = small_llm.engine
     before = eng.scheduler.num_preemptions
     short = [p for p in PROMPTS if len(ids_of(small_llm, p)) <= 16]  # one prefill step each
@@ -148,28 +159,31 @@ def test_attention_backends_torch_and_sdpa_agree(llm, small_llm, ref):
 # ---- (d) bad requests ----------------------------------------------------------------------------
 def test_bad_requests_raise_and_leave_running_requests_alone(llm, ref):
     eng = llm.engine
-    good = {eng.add_request(ids_of(llm, p), greedy()): p for p in PROMPTS[:2]}
+    good = {eng.add_request(prep(llm, p, greedy())): p for p in PROMPTS[:2]}
     for _ in range(3):
         eng.step()
     in_flight = set(eng.requests)
     free = eng.num_free_pages
     ok = greedy(4)
-    with pytest.raises(InvalidRequestError, match="max_seq_len"):
-        eng.add_request([5] * 64, ok)
+    with pytest.raises(InvalidRequestError, match="max_seq_len") as err:
+        llm.processor.prepare([5] * 64, ok)
+    assert err.value.code == "context_length_exceeded"
     with pytest.raises(InvalidRequestError, match="empty"):
-        eng.add_request([], ok)
+        llm.processor.prepare([], ok)
     with pytest.raises(InvalidRequestError, match=r"token ids must be in \[0, 512\)"):
-        eng.add_request([5, 512], ok)
+        llm.processor.prepare([5, 512], ok)
     with pytest.raises(InvalidRequestError, match=r"token ids must be in \[0, 512\)"):
-        eng.add_request([-1, 5], ok)
+        llm.processor.prepare({"prompt_token_ids": [-1, 5]}, ok)
+    with pytest.raises(InvalidRequestError, match="integers"):
+        llm.processor.prepare([5, True], ok)
     with pytest.raises(InvalidRequestError, match="top_p"):
         SamplingParams(top_p=2)
-    mutated = greedy(4)
-    mutated.top_p = 2.0  # validated again when the request is added
-    with pytest.raises(InvalidRequestError, match="top_p"):
-        eng.add_request([5, 6], mutated)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        greedy(4).top_p = 2.0  # parameters cannot change after they were checked
+    with pytest.raises(TypeError, match="PreparedRequest"):
+        eng.add_request([5, 6])  # the engine only takes checked requests
     with pytest.raises(InvalidRequestError, match="already in use"):
-        eng.add_request([5, 6], ok, request_id=next(iter(good)))
+        eng.add_request(prep(llm, [5, 6], ok), request_id=next(iter(good)))
     with pytest.raises(InvalidRequestError, match="prompt 1"):
         llm.generate(["x", PROMPTS[2] * 8], ok)  # the second prompt is too long
     with pytest.raises(InvalidRequestError, match="prompt 1.*empty"):
@@ -336,8 +350,8 @@ def test_logprobs_match_a_full_forward(llm, ref):
 def test_abort_frees_pages_immediately(llm, ref):
     eng = llm.engine
     total = eng.pool.num_pages
-    keep = eng.add_request(ids_of(llm, PROMPTS[1]), greedy())
-    drop = eng.add_request(ids_of(llm, PROMPTS[2]), greedy(40))
+    keep = eng.add_request(prep(llm, PROMPTS[1], greedy()))
+    drop = eng.add_request(prep(llm, PROMPTS[2], greedy(40)))
     for _ in range(4):
         eng.step()
     with_both = eng.num_free_pages
@@ -349,14 +363,14 @@ def test_abort_frees_pages_immediately(llm, ref):
     assert final[keep].token_ids == ref[PROMPTS[1]]
     assert eng.num_free_pages == total
     # aborting a running request alone returns every page at once
-    rid = eng.add_request(ids_of(llm, PROMPTS[0]), greedy())
+    rid = eng.add_request(prep(llm, PROMPTS[0], greedy()))
     eng.step()
     eng.step()
     assert eng.num_free_pages < total
     eng.abort(rid)
     assert eng.num_free_pages == total and not eng.has_unfinished()
     # and a request still waiting (never scheduled)
-    rid = eng.add_request(ids_of(llm, PROMPTS[0]), greedy())
+    rid = eng.add_request(prep(llm, PROMPTS[0], greedy()))
     eng.abort(rid)
     assert not eng.has_unfinished() and eng.step() == []
 
@@ -364,7 +378,7 @@ def test_abort_frees_pages_immediately(llm, ref):
 def test_aborted_request_reports_abort(llm):
     eng = llm.engine
     seen = []
-    rid = eng.add_request(ids_of(llm, PROMPTS[0]), greedy(), on_update=seen.append)
+    rid = eng.add_request(prep(llm, PROMPTS[0], greedy()), on_update=seen.append)
     eng.step()
     eng.abort(rid)
     assert seen[-1].finished and seen[-1].finish_reason == "abort"

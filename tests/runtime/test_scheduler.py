@@ -80,7 +80,7 @@ class Driver:
             record.append((seq, n, "decode" if seq in step.decode else "prefill", len(seq.pages)))
             seq.num_computed += n
             if seq.remaining == 0:
-                seq.output_token_ids.append(7)
+                seq.append_token(7)
                 if len(seq.output_token_ids) >= seq.params.max_tokens:
                     seq.finish_reason = "length"
                     sched.finish(seq)

@@ -2,7 +2,11 @@
 
 import copy
 import gc
+import json
 import operator
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -226,33 +230,48 @@ class BigGroups(nn.Module):
         return x
 
 
-def test_peak_memory_is_one_group_not_the_model():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pytest.skip("/proc/self/clear_refs is not writable: cannot reset the peak RSS")
+def _measure_fusion_peak():
+    """Build BigGroups, fuse it, and report the RSS peak of the fusion (run in a fresh process)."""
     with torch.no_grad():
         module = BigGroups()
         gm = export_gm(module.eval(), torch.randn(2, 3, D))
     del module
     gc.collect()
     model_bytes = sum(p.numel() * p.element_size() for p in gm.parameters())
-    group_bytes = 2 * D * D * 4
     numel_before = _numel(gm)
-    assert model_bytes >= 250 * 2**20
     with measure_peak(torch.device("cpu")) as peak:
         gm, record = apply_transform("fuse_gemms", gm)
-    assert record.num_matches == 4
-    assert count_op(gm, aten.linear) == 4
-    assert _numel(gm) == numel_before
-    assert abs(record.mem_delta_mb) < 1
-    extra = peak[0]
+    return {"model_bytes": model_bytes, "extra": peak[0], "num_matches": record.num_matches,
+            "linears": count_op(gm, aten.linear), "numel_same": _numel(gm) == numel_before,
+            "mem_delta_mb": record.mem_delta_mb}
+
+
+def test_peak_memory_is_one_group_not_the_model():
+    """Measured in a fresh process: the RSS peak of a process that ran other tests depends on
+    what the allocator kept from them (glibc raises its mmap threshold after big frees, so later
+    blocks of a few MiB stay resident once freed)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("/proc/self/clear_refs is not writable: cannot reset the peak RSS")
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import json, sys; sys.path[:0] = [sys.argv[1]]; import conftest; "
+            "from transforms.test_fuse_gemms import _measure_fusion_peak; print(json.dumps(_measure_fusion_peak()))")
+    done = subprocess.run([sys.executable, "-c", code, tests_dir], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    group_bytes = 2 * D * D * 4
+    assert r["model_bytes"] >= 250 * 2**20
+    assert r["num_matches"] == 4 and r["linears"] == 4 and r["numel_same"]
+    assert abs(r["mem_delta_mb"]) < 1
+    extra = r["extra"]
     assert extra >= 0.9 * group_bytes, f"measurement sanity: concatenating a group needs {group_bytes} bytes, saw {extra}"
     assert extra < 1.25 * group_bytes + 16 * 2**20, (
-        f"peak extra {extra / 2**20:.0f} MiB; largest group {group_bytes / 2**20:.0f} MiB, model {model_bytes / 2**20:.0f} MiB"
+        f"peak extra {extra / 2**20:.0f} MiB; largest group {group_bytes / 2**20:.0f} MiB, "
+        f"model {r['model_bytes'] / 2**20:.0f} MiB"
     )
-    assert extra < 0.5 * model_bytes
+    assert extra < 0.5 * r["model_bytes"]
 
 
 # ---- the pipeline on the tiny llama checkpoint --------------------------------------------------

@@ -4,8 +4,9 @@ Before: ``nn.Module`` (meta). After: ``GraphModule(input_ids [b, s], position_id
 logits``, aten ops plus canonical attention/mask ops emitted by the HF attention route.
 
 A model whose sequence dim cannot be dynamic (a Python loop over it, chunk-size arithmetic that
-torch.export guards) is exported again with a static length of ``max_seq_len`` tokens
-(``gm.meta['autodeploy_export']['static_seq_len']``); such a graph only runs in recompute mode
+torch.export guards) is exported again with a static length of ``max_seq_len`` tokens (when
+``max_seq_len`` was left to the model, at most ``AUTO_STATIC_SEQ_LEN``, and ``max_seq_len`` is
+lowered to it) (``gm.meta['autodeploy_export']['static_seq_len']``); such a graph only runs in recompute mode
 (``recompute_fallback``), which pads each history on the right and checks the result against the
 eager model once.
 """
@@ -16,8 +17,11 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from ...export.exporter import export_causal_lm
-from ...export.patches import export_patches
+from ...export.patch_registry import export_patches
+from ...utils.logging import get_logger
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+
+logger = get_logger(__name__)
 
 
 class ExportToGMConfig(TransformConfig):
@@ -72,10 +76,29 @@ class ExportToGM(BaseTransform):
             patches=cfg.patches,
             experts_implementation=cfg.experts_implementation,
             checkpoint_keys=_checkpoint_keys(ctx),
-            static_seq_len=ctx.max_seq_len if cfg.static_seq_fallback else None,
+            static_seq_len=_static_length(ctx, cfg),
         )
+        static = (gm.meta.get("autodeploy_export") or {}).get("static_seq_len")
+        if static is not None and static < ctx.max_seq_len:
+            logger.warning(
+                "max_seq_len lowered from the model's %d to %d tokens: the graph has a static length and every "
+                "recompute step runs all of it (set max_seq_len to choose another length)", ctx.max_seq_len, static,
+            )
+            ctx.max_seq_len = static
         # The export graph is functional but carries dead mask nodes and export checks.
         return gm, TransformInfo(num_matches=1, is_clean=False, has_valid_shapes=True)
+
+
+# A static-length graph runs all of its length at every recompute step: with max_seq_len left to
+# the model (often thousands of tokens) the length is capped here, where it was before max_seq_len
+# followed the model.
+AUTO_STATIC_SEQ_LEN = 512
+
+
+def _static_length(ctx: PipelineContext, cfg: ExportToGMConfig) -> Optional[int]:
+    if not cfg.static_seq_fallback:
+        return None
+    return min(ctx.max_seq_len, AUTO_STATIC_SEQ_LEN) if ctx.auto_seq_len else ctx.max_seq_len
 
 
 def _checkpoint_keys(ctx: PipelineContext) -> Optional[Set[str]]:

@@ -11,6 +11,7 @@ from typing import Optional
 from pydantic import Field
 from torch import fx
 
+from ...cache.limits import auto_batch_size
 from ...utils.logging import get_logger
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
@@ -45,6 +46,8 @@ class InitializeCache(BaseTransform):
         pages = cfg.num_pages if cfg.num_pages is not None else sizing_pages(cache)
         cache.allocate(pages)
         cache.fixed_size = cfg.num_pages is not None
+        if ctx.auto_batch_size:  # resize_kv_cache chooses again for the pool it makes
+            cache.max_batch_size = ctx.max_batch_size = auto_batch_size(cache)
         logger.info(
             "KV cache: %d pages x %d tokens, %.1f MiB (%d cache tensors)",
             pages, cache.page_size, cache.cache_bytes() / 2**20, len(cache.caches),

@@ -1,12 +1,20 @@
 """``resize_kv_cache`` (cache_init): grow the page pool to a fraction of the free memory.
 
 Before: the sizing pool from ``initialize_cache``. After: a pool of
-``min(useful, free_mem_ratio * (free - forward_peak) / bytes_per_page)`` pages, where the
-forward peak is measured by running one step of ``max_num_tokens`` tokens (CUDA: allocator
-peak and ``mem_get_info``; CPU: peak RSS and ``MemAvailable``), and ``useful`` is what
-``max_batch_size`` sequences of ``max_seq_len`` tokens can ever hold. A pool fixed by
+``min(useful, budget / bytes_per_page)`` pages, where the budget is
+``free_mem_ratio * (free - forward_peak)`` (on CPU at most ``cpu_max_cache_gb``), the forward
+peak is measured by running one step of ``max_num_tokens`` tokens (CUDA: allocator peak and
+``mem_get_info``; CPU: peak RSS and ``MemAvailable``), and ``useful`` is what ``max_batch_size``
+sequences of ``max_seq_len`` tokens can ever hold. A pool fixed by
 ``initialize_cache.num_pages`` is kept; the forward still runs as a check.
+
+Then the limits left to the pool are chosen (``autodeploy.cache.limits``): an unset
+``max_batch_size`` from the sequences the pool holds; an unset ``max_seq_len`` (the model's own
+limit) is lowered, with a warning, when the budget cannot hold one sequence that long. A
+``max_seq_len`` the user set that does not fit is an error naming the numbers.
 """
+
+from typing import Optional
 
 import torch
 from pydantic import Field
@@ -15,6 +23,8 @@ from torch import fx
 from ...cache.sequence_info import build_sequence_info
 from ...utils.logging import get_logger
 from ...utils.memory import free_memory_bytes, measure_peak
+from ...cache.limits import MAX_BATCH_SIZE_CAP, auto_batch_size
+from ...utils.errors import ConfigError
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
 logger = get_logger(__name__)
@@ -24,6 +34,11 @@ class ResizeKVCacheConfig(TransformConfig):
     stage: Stage = Stage.CACHE_INIT
     expect_mem_change: bool = True
     free_mem_ratio: float = Field(default=0.5, gt=0.0, le=0.95, description="Share of free memory the pool may take.")
+    cpu_max_cache_gb: Optional[float] = Field(
+        default=4.0, gt=0.0,
+        description="On CPU, the most GiB the pool takes (RAM is shared with the machine; as vLLM's CPU "
+        "default); null: only free_mem_ratio bounds it. Not used on CUDA.",
+    )
 
 
 def sizing_step(cache):
@@ -61,14 +76,58 @@ class ResizeKVCache(BaseTransform):
         if getattr(cache, "fixed_size", False):
             logger.info("KV cache kept at %d pages (fixed); sizing forward peak %.1f MiB", cache.num_pages,
                         forward_peak / 2**20)
+            choose_batch_size(ctx, cache)
             return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
         free = free_memory_bytes(cache.device) + cache.cache_bytes()  # the sizing pool is given back
         budget = int(cfg.free_mem_ratio * max(0, free - forward_peak))
+        if cache.device.type == "cpu" and cfg.cpu_max_cache_gb is not None:
+            budget = min(budget, int(cfg.cpu_max_cache_gb * 2**30))
         affordable = budget // max(1, cache.bytes_per_page())
-        pages = max(cache.min_pages, min(cache.useful_pages, affordable))
+        _fit_max_seq_len(ctx, cache, affordable, budget, max(0, free - forward_peak))
+        # an unset max_batch_size is chosen from this pool, so the pool may hold as many as the cap
+        batch_bound = MAX_BATCH_SIZE_CAP if ctx.auto_batch_size else cache.max_batch_size
+        pages = max(cache.min_pages, min(batch_bound * cache.pages_per_sequence, affordable))
         cache.allocate(pages)
+        choose_batch_size(ctx, cache)
         logger.info(
-            "KV cache resized to %d pages (%.1f MiB): free %.0f MiB, forward peak %.1f MiB, useful max %d pages",
-            pages, cache.cache_bytes() / 2**20, free / 2**20, forward_peak / 2**20, cache.useful_pages,
+            "KV cache resized to %d pages (%.1f MiB, %d tokens): free %.0f MiB, forward peak %.1f MiB, budget %.0f MiB, "
+            "max_batch_size %d, max_seq_len %d", pages, cache.cache_bytes() / 2**20, pages * cache.page_size,
+            free / 2**20, forward_peak / 2**20, budget / 2**20, cache.max_batch_size, cache.max_seq_len,
         )
         return TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
+
+
+def choose_batch_size(ctx: PipelineContext, cache) -> None:
+    """An unset max_batch_size becomes what the pool holds (``autodeploy.cache.limits``)."""
+    if ctx.auto_batch_size:
+        cache.max_batch_size = ctx.max_batch_size = auto_batch_size(cache)
+
+
+def _fit_max_seq_len(ctx: PipelineContext, cache, affordable_pages: int, budget: int, available: int) -> None:
+    """The pool holds at least one sequence of max_seq_len. When the budget cannot: an automatic
+    max_seq_len is lowered to what it holds; a user's is kept while one sequence fits in free
+    memory (the pool then exceeds the budget, with a warning), and is an error beyond that."""
+    if affordable_pages >= cache.min_pages:
+        return
+    per_seq = cache.min_pages * cache.bytes_per_page()
+    fits = affordable_pages * cache.page_size
+    if ctx.auto_seq_len and fits >= 2 * cache.page_size:
+        logger.warning(
+            "max_seq_len lowered from the model's %d to %d tokens: one sequence that long needs %s of cache, the "
+            "budget is %s (set max_seq_len, or raise resize_kv_cache.free_mem_ratio / cpu_max_cache_gb)",
+            cache.max_seq_len, fits, _size(per_seq), _size(budget),
+        )
+        cache.max_seq_len = ctx.max_seq_len = fits
+        return
+    if per_seq <= available:
+        logger.warning("the cache budget (%s) is smaller than one sequence of max_seq_len=%d (%s); the pool holds "
+                       "that one sequence", _size(budget), cache.max_seq_len, _size(per_seq))
+        return
+    raise ConfigError(
+        f"one sequence of max_seq_len={cache.max_seq_len} tokens needs {_size(per_seq)} of cache, more than the "
+        f"{_size(available)} of free memory; lower max_seq_len to at most {max(fits, 0)}"
+    )
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB" if num_bytes >= 2**20 else f"{num_bytes / 2**10:.1f} KiB"

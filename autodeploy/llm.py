@@ -1,0 +1,170 @@
+"""``LLM``: a model source in, a running engine out, with vLLM's generate/chat/stream API.
+
+    from autodeploy import LLM, SamplingParams
+    llm = LLM("tiny-llama", max_seq_len=256)
+    out = llm.generate(["The for statement"], SamplingParams(max_tokens=32, temperature=0))
+    print(out[0].text)
+
+It wires the three layers together and adds nothing of its own: the configuration
+(``autodeploy.config``), the build (``autodeploy.pipeline``: factory, export, transforms) and
+the runtime (``autodeploy.runtime``: request processor and engine).
+"""
+
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+
+from .config import load_deploy_config
+from .pipeline import BuildResult, build_graph
+from .runtime.engine import Engine
+from .runtime.outputs import RequestOutput
+from .runtime.request_processor import Message, Prompt, RequestProcessor, TokenizerHandle
+from .runtime.sampling_params import InvalidRequestError, SamplingParams
+from .utils.errors import ConfigError
+from .utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class LLM:
+    """A deployed model: the transformed graph, its caches, a request processor and an engine.
+
+    ``config`` takes any ``DeployConfig`` setting (``dtype``, ``device``, ``max_seq_len``,
+    ``max_batch_size``, ``max_num_tokens``, ``attn_backend``, ``compile_backend``,
+    ``page_size``, ``skip_tokenizer_init``, ``transforms``, ...); ``yaml`` is one path or a list
+    of YAML files applied first.
+    """
+
+    def __init__(self, model: Optional[str] = None, *, yaml: Union[str, Sequence[str], None] = None,
+                 show_progress: bool = False, **config: Any):
+        yaml_files = [yaml] if isinstance(yaml, str) else list(yaml or [])
+        self.config = load_deploy_config(yaml_files, model=model, **config)
+        self.build: BuildResult = build_graph(self.config, show_progress=show_progress)
+        cache = self.build.cache
+        if cache is None or not cache.caches:
+            raise ConfigError("the pipeline made no KV cache; keep insert_cached_attention and initialize_cache enabled")
+        factory = self.build.factory
+        self.tokenizer_handle = TokenizerHandle(factory.tokenizer, skip=self.config.skip_tokenizer_init)
+        self.generation_config = factory.generation_config()
+        self.processor = RequestProcessor(self.tokenizer_handle, max_seq_len=cache.max_seq_len,
+                                          vocab_size=factory.vocab_size)
+        self.engine = Engine(self.build.graph, cache, tokenizer=self.tokenizer_handle,
+                             eos_token_ids=self._eos_token_ids())
+
+    @property
+    def tokenizer(self) -> Any:
+        """The HF tokenizer (loaded on first use), or ``None`` when there is none."""
+        return self.tokenizer_handle.tokenizer
+
+    # ---- defaults ------------------------------------------------------------------------------
+    def _eos_token_ids(self) -> List[int]:
+        """From generation_config.json, else the model's config, else the tokenizer (if any)."""
+        eos = self.generation_config.get("eos_token_id")
+        if eos is None:
+            eos = getattr(self.build.factory.config, "eos_token_id", None)
+        if eos is None and self.tokenizer_handle.available:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """Sampling defaults from the checkpoint's ``generation_config.json``."""
+        gc = self.generation_config
+        kwargs: Dict[str, Any] = {"max_tokens": int(gc.get("max_new_tokens") or 16)}
+        if gc.get("do_sample"):
+            kwargs.update(temperature=float(gc.get("temperature", 1.0)), top_k=int(gc.get("top_k") or 0),
+                          top_p=float(gc.get("top_p", 1.0)))
+        else:
+            kwargs["temperature"] = 0.0
+        return SamplingParams(**kwargs)
+
+    # ---- generation ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = False,
+    ) -> List[RequestOutput]:
+        """Generate for every prompt (continuous batching); outputs come in prompt order.
+
+        A prompt the engine cannot serve raises ``InvalidRequestError`` naming it, before any
+        prompt of this call is queued.
+        """
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params_list = [self.get_default_sampling_params()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        requests = self.processor.prepare_all(prompts, params_list)
+        request_ids = [self.engine.add_request(r) for r in requests]
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="generating")
+        done: Dict[str, RequestOutput] = {}
+        while len(done) < len(request_ids):
+            outputs = self.engine.step()
+            for out in outputs:
+                done[out.request_id] = out
+            if progress is not None and outputs:
+                progress.update(len(outputs))
+            if not outputs and not self.engine.has_unfinished():
+                break
+        if progress is not None:
+            progress.close()
+        return [done[rid] for rid in request_ids]
+
+    def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator[RequestOutput]:
+        """Yield the request's output (all of it so far) each time it grows, until it finishes."""
+        request = self.processor.prepare(prompt, sampling_params or self.get_default_sampling_params())
+        updates: List[RequestOutput] = []
+        rid = self.engine.add_request(request, on_update=updates.append)
+        finished = False
+        try:
+            while not finished:
+                self.engine.step()
+                if not updates and not self.engine.has_unfinished():
+                    break
+                while updates:
+                    out = updates.pop(0)
+                    finished = finished or out.finished
+                    yield out
+        finally:
+            if not finished:
+                self.engine.abort(rid)
+
+    def chat(
+        self,
+        messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> List[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        if not messages:
+            raise InvalidRequestError("chat() needs at least one message")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                prompts.append(self.processor.chat_prompt(conversation, add_generation_prompt))  # type: ignore[arg-type]
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"conversation {i}: {exc}") from None
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @property
+    def summary(self) -> str:
+        return self.build.summary
+
+
+def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> List[Prompt]:
+    """One prompt (text or a mapping) or a list of prompts (each text, a mapping or a list of
+    token ids). A flat list of ints is a list of prompts, each of which is then invalid: one
+    token-id prompt is ``[[1, 2, 3]]`` or ``{"prompt_token_ids": [1, 2, 3]}``."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    return list(prompts)

@@ -1,0 +1,48 @@
+"""The model runner: one scheduled step through the compiled graph.
+
+It owns everything between the scheduler's decision and the sampler: the step's inputs (the
+flattened tokens and the ``SequenceInfo`` metadata of ``autodeploy.cache``), the graph call,
+and which rows of the output are next-token logits. The graph returns either one row per token
+or, when ``gather_logits_before_lm_head`` ran (``cache.gathered_logits``), one row per
+sequence (its last token); the runner hides that difference.
+"""
+
+from typing import Callable, List
+
+import torch
+
+from ..cache.interface import CachedSequenceInterface
+from ..cache.sequence_info import build_sequence_info
+from .scheduler import ScheduledStep
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: Callable[..., torch.Tensor], cache: CachedSequenceInterface):
+        self.model = model
+        self.cache = cache
+
+    @torch.inference_mode()
+    def run(self, step: ScheduledStep) -> torch.Tensor:
+        """Next-token logits ``[len(step.due), vocab]`` of the sequences ``step.due`` (those whose
+        scheduled tokens complete them), in that order; an empty tensor when none is due."""
+        batch = step.sequences
+        info = build_sequence_info(
+            [s.token_ids[s.num_computed : s.num_computed + n] for s, n in batch],
+            [s.num_computed for s, _ in batch],
+            [s.pages for s, _ in batch],
+            device=self.cache.device,
+        )
+        logits = self.model(*self.cache.graph_args(info))[0]
+        due = step.due
+        if len(due) == len(batch):
+            # every sequence is due: one row each, either already (gathered) or at its last token
+            return logits if self.cache.gathered_logits else logits.index_select(
+                0, info.last_token_indices().to(logits.device))
+        rows: List[int] = [i for i, (seq, n) in enumerate(batch) if _completes(seq, n)]
+        index = torch.tensor(rows, dtype=torch.long) if self.cache.gathered_logits else info.last_token_indices()[rows]
+        return logits.index_select(0, index.to(logits.device))
+
+
+def _completes(seq: Sequence, n: int) -> bool:
+    return seq.remaining == n
