@@ -9,21 +9,28 @@ import signal
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
 
-from ..runtime.llm import LLM
+from ..llm import LLM
+from ..utils.errors import ConfigError
 from ..utils.logging import get_logger
-from .app import ServerState, create_app
+from .app import create_app
 from .async_engine import AsyncEngine
+from .state import ServerState
 
 logger = get_logger(__name__)
 
 
 def build_state(llm: LLM, *, model_name: Optional[str] = None, api_key: Optional[str] = None,
                 max_request_bytes: int = 1 << 20, max_tokens_limit: Optional[int] = None) -> ServerState:
-    engine = AsyncEngine(llm.engine)
+    if llm.tokenizer is None:
+        raise ConfigError(
+            "serving needs a tokenizer (the OpenAI API speaks text), but this model has none: "
+            f"{'skip_tokenizer_init is set' if llm.config.skip_tokenizer_init else 'none could be loaded'}; "
+            "pass --tokenizer <checkpoint or hub id> (or use the Python API with token-id prompts)"
+        )
+    engine = AsyncEngine(llm.engine, llm.processor)
     return ServerState(
-        engine=engine, tokenizer=llm.tokenizer, model_name=model_name or llm.config.model,
-        max_seq_len=llm.engine.max_seq_len, api_key=api_key, max_request_bytes=max_request_bytes,
-        max_tokens_limit=max_tokens_limit,
+        engine=engine, model_name=model_name or llm.config.model, api_key=api_key,
+        max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit,
     )
 
 

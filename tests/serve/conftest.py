@@ -12,7 +12,7 @@ from typing import Dict
 import httpx
 import pytest
 
-from serve_utils import FIXTURE_OF, MAX_SEQ_LEN, MODEL, SERVER_ARGS, ServerProcess
+from serve_utils import FIXTURE_OF, MAX_BATCH_SIZE, MAX_SEQ_LEN, MODEL, SERVER_ARGS, ServerProcess
 
 # ---- process management ----------------------------------------------------------------------
 _SERVERS: Dict[str, ServerProcess] = {}
@@ -75,7 +75,7 @@ def llm():
     """The reference: the same preset built in this process through the Python API."""
     from autodeploy import LLM
 
-    return LLM(MODEL, max_seq_len=MAX_SEQ_LEN)
+    return LLM(MODEL, max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH_SIZE)
 
 
 @pytest.fixture

@@ -17,6 +17,9 @@ AUTODEPLOY = os.path.join(os.path.dirname(sys.executable), "autodeploy")
 
 MODEL = "tiny-llama"
 MAX_SEQ_LEN = 128
+# The tests that need work still running when something happens (a disconnect, a SIGTERM, a bad
+# request joining the same steps) size it in batches of 8; pinned, not the build-time default.
+MAX_BATCH_SIZE = 8
 SERVED_NAME = "tiny-served"  # the main server's --served-model-name
 MAX_REQUEST_BYTES = 4096  # the main server's --max-request-bytes
 API_KEY = "secret"  # the aux server's --api-key
@@ -58,7 +61,7 @@ class ServerProcess:
         fd, self.log_path = tempfile.mkstemp(prefix=f"autodeploy-serve-{self.name}-", suffix=".log")
         self._log = os.fdopen(fd, "wb")
         cmd = [AUTODEPLOY, "serve", "--model", MODEL, "--port", str(self.port),
-               "--max_seq_len", str(MAX_SEQ_LEN), *self.extra]
+               "--max_seq_len", str(MAX_SEQ_LEN), "--max_batch_size", str(MAX_BATCH_SIZE), *self.extra]
         env = dict(os.environ)
         env.setdefault("AUTODEPLOY_CACHE", os.path.join(REPO, ".cache", "autodeploy"))
         env.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,0 +1,86 @@
+"""``POST /v1/chat/completions``: a conversation in (rendered with the tokenizer's chat
+template), assistant messages out, whole or streamed, with the chat logprobs format
+(``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``).
+"""
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Dict, List
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..runtime.request_processor import PreparedRequest
+from ..runtime.sampling_params import InvalidRequestError
+from .protocol import APIError, ChatCompletionRequest
+from .requests import (check_model, check_prompt, final_output, prepare_request, resolve_max_tokens,
+                       to_sampling_params, unless_disconnected, usage)
+from .state import ServerState
+from .streaming import ChoiceDelta, StreamedRequest, stream_sse
+
+
+def chat_logprobs(tokenizer: Any, steps: List[Dict[int, float]], top: int) -> Dict[str, Any]:
+    content = []
+    for step in steps:
+        items = list(step.items())
+        chosen, lp = items[0]
+        text = tokenizer.decode([chosen])
+        alts = sorted(items, key=lambda kv: -kv[1])[:top]
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": tokenizer.decode([t]), "logprob": v,
+                                          "bytes": list(tokenizer.decode([t]).encode())} for t, v in alts]})
+    return {"content": content}
+
+
+def router(state: ServerState) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        check_model(state, req.model)
+        req.check_supported()
+        processor = state.engine.processor
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
+        try:
+            prompt = processor.chat_prompt(messages)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), "messages") from None
+        checked = check_prompt(processor, prompt, "messages")
+        ids = checked.prompt_token_ids
+        max_tokens = resolve_max_tokens(state, req.max_completion_tokens or req.max_tokens, len(ids), None)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        prepared = prepare_request(processor, checked, to_sampling_params(req, max_tokens, top), "messages")
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        if req.stream:
+            return StreamingResponse(_stream(state, req, rid, prepared), media_type="text/event-stream")
+        return await _complete(state, request, req, rid, prepared)
+
+    return api
+
+
+async def _complete(state: ServerState, request: Request, req: ChatCompletionRequest, rid: str,
+                    prepared: PreparedRequest) -> JSONResponse:
+    ids = prepared.prompt_token_ids
+    final = await unless_disconnected(request, final_output(state, rid, prepared))
+    choices = []
+    for c in final.outputs:
+        logprobs = chat_logprobs(state.tokenizer, c.logprobs or [], req.top_logprobs or 0) if req.logprobs else None
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+    completion = sum(len(c.token_ids) for c in final.outputs)
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                         "model": state.model_name, "choices": choices, "usage": usage(len(ids), completion)})
+
+
+def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, prepared: PreparedRequest) -> AsyncIterator[str]:
+    def choice(d: ChoiceDelta) -> Dict[str, Any]:
+        if d.opening:  # each choice opens with the assistant's role
+            delta: Dict[str, Any] = {"role": "assistant", "content": d.text}
+        else:
+            delta = {"content": d.text} if d.text else {}
+        lps = None
+        if req.logprobs and d.logprobs is not None:
+            lps = chat_logprobs(state.tokenizer, d.logprobs, req.top_logprobs or 0)
+        return {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
+
+    return stream_sse(state, rid, "chat.completion.chunk", [StreamedRequest(rid, prepared, 0, "")], choice)

@@ -1,0 +1,111 @@
+"""What both endpoints share: turning a request's fields into checked, prepared engine requests
+(every check failure a 400 in OpenAI's shape), running them, and the usage block.
+
+The checks themselves live in the engine's ``RequestProcessor``; this module only maps its
+``InvalidRequestError``s to ``APIError``s naming the request field they concern.
+"""
+
+import asyncio
+from typing import Any, AsyncIterator, Dict, Optional, Union
+
+from fastapi import Request
+
+from ..runtime.outputs import RequestOutput
+from ..runtime.request_processor import CheckedPrompt, PreparedRequest, RequestProcessor
+from ..runtime.sampling_params import InvalidRequestError, SamplingParams
+from .async_engine import EngineError
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .state import ServerState
+
+
+def check_model(state: ServerState, name: str) -> None:
+    if name != state.model_name:
+        raise APIError(404, f"the model '{name}' does not exist; this server serves '{state.model_name}'",
+                       "model", "model_not_found")
+
+
+def resolve_max_tokens(state: ServerState, requested: Optional[int], prompt_len: int, default: Optional[int]) -> int:
+    """The request's max_tokens for a prompt that fits (``RequestProcessor.check``): the server's
+    default fits what is left; an explicit value that does not fit is a 400, as OpenAI does."""
+    room = state.max_seq_len - prompt_len
+    if requested is None:  # the server's default never errors: it fits what is left
+        return min(default, room) if default is not None else room
+    value = requested
+    limit = state.max_tokens_limit
+    if limit is not None and value > limit:
+        raise APIError(400, f"max_tokens is {value}; this server allows at most {limit}", "max_tokens")
+    if value > room:
+        raise APIError(
+            400, f"max_tokens ({value}) plus the prompt ({prompt_len} tokens) exceeds the context of "
+            f"{state.max_seq_len} tokens", "max_tokens", "context_length_exceeded",
+        )
+    return value
+
+
+def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int,
+                       logprobs: Optional[int]) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            stop=req.stop,
+            n=req.n,
+            logprobs=logprobs,
+        )
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def check_prompt(processor: RequestProcessor, prompt: Any, param: str) -> CheckedPrompt:
+    try:
+        return processor.check(prompt)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param, exc.code) from None
+
+
+def prepare_request(processor: RequestProcessor, checked: CheckedPrompt, params: SamplingParams,
+                    param: str) -> PreparedRequest:
+    try:
+        return processor.prepare(checked, params)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param, exc.code) from None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def run_prompt(state: ServerState, request_id: str, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
+    """The outputs of one prepared request as they grow; engine failures become ``APIError``s."""
+    try:
+        async for out in state.engine.generate(request_id, request):
+            yield out
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc)) from None
+    except EngineError as exc:
+        raise APIError(500, f"the engine failed while serving this request: {exc}") from None
+
+
+async def final_output(state: ServerState, request_id: str, request: PreparedRequest) -> RequestOutput:
+    final: Optional[RequestOutput] = None
+    async for out in run_prompt(state, request_id, request):
+        final = out
+    assert final is not None
+    return final
+
+
+async def unless_disconnected(request: Request, work: "asyncio.Future[Any]") -> Any:
+    """Await ``work``; if the client goes away first, cancel it (which aborts its requests and
+    frees their pages) instead of generating for nobody."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            raise APIError(499, "the client closed the connection")

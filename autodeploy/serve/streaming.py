@@ -1,0 +1,138 @@
+"""Streamed responses (server-sent events), one implementation for both endpoints.
+
+``ChoiceStreamer`` turns the growing outputs of one request into per-choice ``ChoiceDelta``s
+that never need taking back (``IncrementalText`` holds back what could still become a stop
+string or is an incomplete character), each choice's logprob steps not sent yet, and exactly
+one final delta per choice. ``stream_sse`` runs the requests one after another and frames the
+deltas as chunks; an endpoint only says how one choice of its chunk looks
+(``format_choice``). The stream ends with a usage chunk and ``[DONE]``; an error after the
+headers went out travels in the stream as an error event, then ``[DONE]``.
+"""
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence
+
+from ..runtime.outputs import RequestOutput
+from ..runtime.request_processor import PreparedRequest
+from .protocol import APIError
+from .requests import run_prompt, usage
+from .state import ServerState
+
+
+class IncrementalText:
+    """Turns the growing output text into deltas that never need taking back: text that could
+    still become a stop string, and an incomplete UTF-8 character (``\\ufffd``), wait."""
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = list(stop)
+        self.sent = 0
+
+    def delta(self, text: str, finished: bool) -> str:
+        end = len(text)
+        if not finished:
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+            for s in self.stop:
+                for k in range(min(len(s) - 1, end - self.sent), 0, -1):
+                    if text[:end].endswith(s[:k]):
+                        end -= k
+                        break
+        out = text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one chunk says about one choice."""
+
+    index: int  # the choice's index in the response
+    text: str  # the new text ("" when there is none)
+    finish_reason: Optional[str] = None
+    logprobs: Optional[List[Dict[int, float]]] = None  # the steps not sent before; None: the output has none
+    offset: int = 0  # characters of the choice's text (opening included) sent before ``text``
+    opening: bool = False  # the choice's first chunk, sent before generation starts
+
+
+@dataclass(frozen=True)
+class StreamedRequest:
+    """One prepared request; its n choices are the response's ``first_index``, ``first_index + 1``, ...
+
+    ``opening``: each choice first gets a chunk with this text (the echoed prompt, or "" for
+    chat's role chunk), which also counts in the choice's text offsets; None: no such chunk."""
+
+    request_id: str
+    prepared: PreparedRequest
+    first_index: int = 0
+    opening: Optional[str] = None
+
+
+class ChoiceStreamer:
+    """The choices of one streamed request: ``update`` takes each output as it grows and
+    returns the deltas to send, at most one final delta per choice."""
+
+    def __init__(self, request: StreamedRequest):
+        n = request.prepared.params.n
+        self.request = request
+        self.base = len(request.opening or "")
+        self.texts = [IncrementalText(request.prepared.params.stop_strings) for _ in range(n)]
+        self.sent_tokens = [0] * n
+        self.finished = [False] * n
+        self.completion_tokens = 0  # known once the request finished
+
+    def opening(self) -> List[ChoiceDelta]:
+        text = self.request.opening
+        if text is None:
+            return []
+        return [ChoiceDelta(self.request.first_index + j, text, opening=True) for j in range(len(self.texts))]
+
+    def update(self, out: RequestOutput) -> List[ChoiceDelta]:
+        deltas = []
+        for c in out.outputs:
+            if self.finished[c.index]:
+                continue  # its last chunk went out already
+            offset = self.base + self.texts[c.index].sent
+            text = self.texts[c.index].delta(c.text, c.finish_reason is not None)
+            if text or c.finish_reason is not None:
+                steps = c.logprobs[self.sent_tokens[c.index]:] if c.logprobs else None
+                self.sent_tokens[c.index] = len(c.token_ids)
+                self.finished[c.index] = c.finish_reason is not None
+                deltas.append(ChoiceDelta(self.request.first_index + c.index, text, c.finish_reason, steps, offset))
+        if out.finished:
+            self.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        return deltas
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def stream_sse(state: ServerState, rid: str, obj: str, requests: Sequence[StreamedRequest],
+                     format_choice: Callable[[ChoiceDelta], Dict[str, Any]]) -> AsyncIterator[str]:
+    """The event stream of a response made of ``requests`` (run one after another): a chunk
+    ``{"id", "object": obj, "created", "model", "choices": [format_choice(delta)]}`` per delta,
+    then the usage chunk and ``[DONE]``."""
+    created = int(time.time())
+
+    def chunk(choices: List[Dict[str, Any]], **extra: Any) -> str:
+        return sse({"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choices,
+                    **extra})
+
+    prompt_tokens = completion_tokens = 0
+    try:
+        for request in requests:
+            streamer = ChoiceStreamer(request)
+            prompt_tokens += len(request.prepared.prompt_token_ids)
+            for delta in streamer.opening():
+                yield chunk([format_choice(delta)])
+            async for out in run_prompt(state, request.request_id, request.prepared):
+                for delta in streamer.update(out):
+                    yield chunk([format_choice(delta)])
+            completion_tokens += streamer.completion_tokens
+        yield chunk([], usage=usage(prompt_tokens, completion_tokens))
+        yield "data: [DONE]\n\n"
+    except APIError as exc:  # after the headers went out, errors travel in the stream
+        yield sse(exc.body())
+        yield "data: [DONE]\n\n"
