@@ -20,6 +20,7 @@ class BenchEngine:
     name: str = ""
     build_s: float = 0.0  # model creation (and for autodeploy: export, transforms, cache init)
     warmup_s: float = 0.0  # compilation and first runs, excluded from the measurements
+    settings: Optional[Dict[str, int]] = None  # limits the engine resolved (autodeploy's defaults)
 
     def generate(self, prompts: List[List[int]], new_tokens: int) -> float:
         """Seconds to generate ``new_tokens`` for every prompt (one batch, greedy)."""
@@ -66,6 +67,10 @@ class AutoDeployEngine(BenchEngine):
         self.llm = LLM(model, yaml=yaml, **settings)
         self.build_s = time.perf_counter() - start
         self._params = SamplingParams
+        cache = self.llm.build.cache
+        # the limits the defaults resolved to, reported with the results
+        self.settings = {"max_seq_len": cache.max_seq_len, "max_batch_size": cache.max_batch_size,
+                         "max_num_tokens": cache.max_num_tokens, "num_pages": cache.num_pages}
         history = {r.key: r.time_s for r in self.llm.build.context.history}
         # compile_model's time is compilation and warm-up, reported apart from the build
         self.warmup_s = history.get("compile_model", 0.0)

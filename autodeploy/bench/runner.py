@@ -53,6 +53,27 @@ class BenchConfig:
     out_dir: str = os.path.join(REPO, "benchmarks", "results")
 
 
+# CPU features that decide which kernels are fast (recorded with every result: machines differ).
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+
+
+def cpu_name() -> str:
+    """The CPU model and the vector features that matter here, e.g. 'AMD EPYC (avx2 avx512f ...)'."""
+    name, flags = platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and name in ("unknown", platform.processor()):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    present = [f for f in CPU_FEATURES if f in flags]
+    return f"{name} ({' '.join(present)})" if present else name
+
+
 def _meta(cfg: BenchConfig) -> Dict[str, Any]:
     import transformers
 
@@ -61,12 +82,7 @@ def _meta(cfg: BenchConfig) -> Dict[str, Any]:
                                          stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_name()
     gpu = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else None
     return {"model": cfg.model, "dtype": cfg.dtype, "device": cfg.device, "gpu": gpu, "cpu": cpu,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
@@ -76,9 +92,9 @@ def _meta(cfg: BenchConfig) -> Dict[str, Any]:
 
 def _build(name: str, cfg: BenchConfig, checkpoint: str) -> BenchEngine:
     dtype = _DTYPES[cfg.dtype]
-    max_len = max(max(cfg.prefill_lens) + 8, cfg.decode_prompt_len + max(cfg.new_tokens, cfg.accuracy_tokens) + 8)
-    settings = dict(dtype=cfg.dtype, device=cfg.device, max_seq_len=max_len, max_batch_size=max(cfg.batch_sizes),
-                    max_num_tokens=max(max(cfg.prefill_lens), max(cfg.batch_sizes) * cfg.decode_prompt_len))
+    # autodeploy runs with its defaults (max_seq_len, max_batch_size and the KV pool chosen from
+    # the model and the machine): what a user who names only the model gets is what is measured.
+    settings = dict(dtype=cfg.dtype, device=cfg.device)
     if name == "autodeploy":
         return AutoDeployEngine(cfg.model, **settings)
     if name.startswith("autodeploy:"):
@@ -144,6 +160,8 @@ def run(cfg: BenchConfig) -> Dict[str, Any]:
     for name, s in samples.items():
         row: Dict[str, Any] = {"build_s": round(engines[name].build_s, 2), "warmup_s": round(engines[name].warmup_s, 2),
                                **memory[name]}
+        if engines[name].settings:
+            row["settings"] = engines[name].settings
         for key, values in s.items():
             row[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
         if base:

@@ -1,5 +1,7 @@
 """fuse_rmsnorm (post_load_fusion): backend ``compile`` swaps the reference RMSNorm ops for the
-inductor-generated ones; backend ``torch`` changes nothing; unknown backends are config errors."""
+inductor-generated ones, ``native`` for autodeploy's C kernel, ``auto`` (the default) picks
+native on CPU when the kernels are available and torch otherwise; backend ``torch`` changes
+nothing; unknown backends are config errors."""
 
 import copy
 
@@ -8,6 +10,7 @@ import torch
 from torch import nn
 
 from autodeploy.config import load_deploy_config
+from autodeploy.ops import native
 from autodeploy.utils.errors import ConfigError
 from helpers import apply_transform, assert_same_outputs, count_op, export_gm
 
@@ -15,6 +18,8 @@ ad = torch.ops.autodeploy
 D = 32
 REFERENCE_OPS = [ad.torch_rmsnorm, ad.torch_fused_add_rmsnorm]
 COMPILED_OPS = [ad.compiled_rmsnorm, ad.compiled_fused_add_rmsnorm]
+NATIVE_OPS = [ad.native_rmsnorm, ad.native_fused_add_rmsnorm]
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
 
 
 class Norms(nn.Module):
@@ -67,11 +72,50 @@ def test_torch_backend_changes_nothing():
     assert_same_outputs(reference, gm, INPUTS, tol=1e-7)
 
 
-def test_default_backend_is_torch():
+@needs_native
+def test_native_backend_swaps_every_norm_and_keeps_numerics():
     gm = _graph()
-    gm, record = apply_transform("fuse_rmsnorm", gm)
+    reference = copy.deepcopy(gm)
+    gm, record = apply_transform("fuse_rmsnorm", gm, backend="native")
+    assert record.status == "ok" and record.num_matches == 3
+    assert count_op(gm, REFERENCE_OPS) == 0
+    assert count_op(gm, ad.native_rmsnorm) == 1 and count_op(gm, ad.native_fused_add_rmsnorm) == 2
+    assert_same_outputs(reference, gm, INPUTS, tol=1e-5)
+    with native.disabled():  # the op's fallback (the reference inside it) means the same
+        assert_same_outputs(reference, gm, INPUTS, tol=1e-6)
+
+
+@needs_native
+def test_native_kernel_matches_the_reference_and_declines_what_it_cannot_take():
+    w = torch.randn(D)
+    for shape in ((1, 1, D), (3, 7, D)):
+        x, r = torch.randn(shape), torch.randn(shape)
+        y, s = ad.native_fused_add_rmsnorm(x, r, w, 1e-6)
+        y_ref, s_ref = ad.torch_fused_add_rmsnorm(x, r, w, 1e-6)
+        torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+        torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+        assert s.data_ptr() not in (x.data_ptr(), r.data_ptr())
+        torch.testing.assert_close(ad.native_rmsnorm(x, w, 1e-5), ad.torch_rmsnorm(x, w, 1e-5), rtol=1e-6, atol=1e-6)
+    x = torch.randn(2, 3, D)
+    # near misses the kernel declines (the op then runs the reference): half precision, strided rows
+    assert native.rmsnorm(x.bfloat16(), w, 1e-6) is None
+    assert native.rmsnorm(x.transpose(0, 1), w, 1e-6) is None
+    assert native.rmsnorm(x, w, 1e-6, residual=torch.randn(3, D)) is None
+    assert native.rmsnorm(x, w, 1e-6) is not None  # positive control
+    torch.testing.assert_close(ad.native_rmsnorm(x.bfloat16(), w.bfloat16(), 1e-6),
+                               ad.torch_rmsnorm(x.bfloat16(), w.bfloat16(), 1e-6))
+
+
+def test_default_backend_is_native_on_cpu_when_the_kernels_load_else_torch():
+    gm, record = apply_transform("fuse_rmsnorm", _graph())
+    if native.available():
+        assert record.status == "ok" and count_op(gm, NATIVE_OPS) == 3
+    else:
+        assert record.status == "skipped" and count_op(gm, REFERENCE_OPS) == 3
+    with native.disabled():
+        gm, record = apply_transform("fuse_rmsnorm", _graph())
     assert record.status == "skipped"
-    assert count_op(gm, COMPILED_OPS) == 0
+    assert count_op(gm, NATIVE_OPS + COMPILED_OPS) == 0 and count_op(gm, REFERENCE_OPS) == 3
 
 
 def test_graph_without_norms_is_a_zero_match():
