@@ -37,7 +37,7 @@ import torch
 from torch import fx
 from torch._library import custom_ops
 
-from ..utils.fx import copy_graph_module
+from ..utils.fx import copy_graph_module, get_attr_value
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -63,14 +63,6 @@ def python_kernel(target: Any, device_type: str) -> Optional[Callable[..., Any]]
     return None
 
 
-def _resolve(module: torch.nn.Module, target: str) -> Any:
-    """The object at dotted path ``target`` under ``module`` (tensor, or a module for calls)."""
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def direct_kernel_graph(gm: fx.GraphModule, device_type: str) -> Tuple[fx.GraphModule, int]:
     """A sibling of ``gm`` (same parameters, copied graph) whose autodeploy ops call their
     Python kernels directly; returns it and the number of calls rewritten."""
@@ -82,7 +74,7 @@ def direct_kernel_graph(gm: fx.GraphModule, device_type: str) -> Tuple[fx.GraphM
             target = str(node.target)
             if target not in flat:
                 flat[target] = f"_weight_{len(flat)}"
-                sibling.__dict__[flat[target]] = _resolve(sibling, target)
+                sibling.__dict__[flat[target]] = get_attr_value(sibling, node)
             node.target = flat[target]
             continue
         if node.op != "call_function":

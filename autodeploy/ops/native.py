@@ -29,6 +29,7 @@ import subprocess
 import tempfile
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -45,7 +46,15 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 _LIB_NAME = "libautodeploy_kernels.so"
 
 _lock = threading.Lock()
-_state: dict = {}  # "lib": CDLL or None, "reason": why None
+@dataclass
+class _State:
+    loaded: bool = False  # load() ran (once per process)
+    lib: Optional[ctypes.CDLL] = None
+    reason: str = ""  # why lib is None
+    off: bool = False  # inside native.disabled()
+
+
+_state = _State()
 
 
 def _sources() -> List[str]:
@@ -144,30 +153,30 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str]:
 
 def load() -> Optional[ctypes.CDLL]:
     """The kernel library, or None (with the reason logged once) when it cannot be used."""
-    if _state.get("off"):
+    if _state.off:
         return None
-    if "lib" not in _state:
+    if not _state.loaded:
         with _lock:
-            if "lib" not in _state:
+            if not _state.loaded:
                 lib, reason = _load()
                 if lib is None:
                     logger.warning("autodeploy's CPU kernels are off: %s; using torch's ops instead", reason)
                 else:
                     logger.debug("autodeploy's CPU kernels: %s", lib._name)
-                _state.update(lib=lib, reason=reason)
-    return _state["lib"]
+                _state.lib, _state.reason, _state.loaded = lib, reason, True
+    return _state.lib
 
 
 @contextmanager
 def disabled() -> Iterator[None]:
     """Within this block every wrapper returns None (callers take their torch path): for tests
     of those paths and for A/B measurements in one process."""
-    before = _state.get("off", False)
-    _state["off"] = True
+    before = _state.off
+    _state.off = True
     try:
         yield
     finally:
-        _state["off"] = before
+        _state.off = before
 
 
 def available() -> bool:
@@ -176,10 +185,10 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     """Why ``load()`` returns None ("" when it does not)."""
-    if _state.get("off"):
+    if _state.off:
         return "switched off by native.disabled()"
     load()
-    return _state["reason"]
+    return _state.reason
 
 
 def _f32_cpu(*tensors: Tensor) -> bool:

@@ -7,14 +7,13 @@ or, when ``gather_logits_before_lm_head`` ran (``cache.gathered_logits``), one r
 sequence (its last token); the runner hides that difference.
 """
 
-from typing import Callable, List
+from typing import Callable
 
 import torch
 
 from ..cache.interface import CachedSequenceInterface
 from ..cache.sequence_info import build_sequence_info
 from .scheduler import ScheduledStep
-from .sequence import Sequence
 
 
 class ModelRunner:
@@ -34,15 +33,10 @@ class ModelRunner:
             device=self.cache.device,
         )
         logits = self.model(*self.cache.graph_args(info))[0]
-        due = step.due
-        if len(due) == len(batch):
+        rows = step.due_rows
+        if len(rows) == len(batch):
             # every sequence is due: one row each, either already (gathered) or at its last token
             return logits if self.cache.gathered_logits else logits.index_select(
                 0, info.last_token_indices().to(logits.device))
-        rows: List[int] = [i for i, (seq, n) in enumerate(batch) if _completes(seq, n)]
         index = torch.tensor(rows, dtype=torch.long) if self.cache.gathered_logits else info.last_token_indices()[rows]
         return logits.index_select(0, index.to(logits.device))
-
-
-def _completes(seq: Sequence, n: int) -> bool:
-    return seq.remaining == n

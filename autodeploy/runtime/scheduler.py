@@ -32,10 +32,16 @@ class ScheduledStep:
         return sum(n for _, n in self.prefill) + len(self.decode)
 
     @property
+    def due_rows(self) -> List[int]:
+        """Positions in ``sequences`` of the sequences this step completes (all their tokens in
+        the cache afterwards): each gets its next token. Read before ``Scheduler.mark_computed``."""
+        return [i for i, (s, n) in enumerate(self.sequences) if s.remaining == n]
+
+    @property
     def due(self) -> List[Sequence]:
-        """The sequences this step completes (all their tokens in the cache afterwards): each
-        gets its next token. Read before ``Scheduler.mark_computed``."""
-        return [s for s, n in self.sequences if s.remaining == n]
+        """The sequences of ``due_rows``, in that order."""
+        batch = self.sequences
+        return [batch[i][0] for i in self.due_rows]
 
 
 class Scheduler:

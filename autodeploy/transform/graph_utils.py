@@ -9,6 +9,8 @@ from torch._guards import detect_fake_mode
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from ..utils.fx import get_attr_value  # noqa: F401  (transforms import it from here)
+
 OpLike = Union[OpOverload, OpOverloadPacket, Callable]
 
 
@@ -54,14 +56,6 @@ def graph_modules(mod: torch.nn.Module) -> Iterator[fx.GraphModule]:
     for sub in mod.modules():
         if isinstance(sub, fx.GraphModule):
             yield sub
-
-
-def get_attr_value(gm: fx.GraphModule, node: fx.Node) -> Any:
-    """The tensor (or module) a ``get_attr`` node refers to."""
-    obj: Any = gm
-    for part in str(node.target).split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def is_impure(node: fx.Node) -> bool:

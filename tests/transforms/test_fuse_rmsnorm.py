@@ -106,13 +106,11 @@ def test_native_kernel_matches_the_reference_and_declines_what_it_cannot_take():
                                ad.torch_rmsnorm(x.bfloat16(), w.bfloat16(), 1e-6))
 
 
+@needs_native
 def test_default_backend_is_native_on_cpu_when_the_kernels_load_else_torch():
     gm, record = apply_transform("fuse_rmsnorm", _graph())
-    if native.available():
-        assert record.status == "ok" and count_op(gm, NATIVE_OPS) == 3
-    else:
-        assert record.status == "skipped" and count_op(gm, REFERENCE_OPS) == 3
-    with native.disabled():
+    assert record.status == "ok" and count_op(gm, NATIVE_OPS) == 3 and count_op(gm, REFERENCE_OPS) == 0
+    with native.disabled():  # as without a compiler: auto keeps the reference
         gm, record = apply_transform("fuse_rmsnorm", _graph())
     assert record.status == "skipped"
     assert count_op(gm, NATIVE_OPS + COMPILED_OPS) == 0 and count_op(gm, REFERENCE_OPS) == 3
