@@ -16,6 +16,13 @@ import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# A test's own Python subprocess (it imports this conftest) keeps the no-op mutation of the
+# pytest process that started it (see noop_mutation.py; only that plugin sets the variable).
+if os.environ.get("_AUTODEPLOY_NOOP_ACTIVE"):
+    import noop_mutation  # noqa: E402
+
+    noop_mutation.install(noop_mutation.parse_keys(os.environ["_AUTODEPLOY_NOOP_ACTIVE"]))
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -158,6 +158,34 @@ def rel_rmse(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt().clamp_min(1e-12)).item()
 
 
+_HF_MODELS: Dict[str, torch.nn.Module] = {}
+
+
+def hf_model(checkpoint: str) -> torch.nn.Module:
+    """transformers' own model for a checkpoint directory (float32, eval), loaded once per process."""
+    if checkpoint not in _HF_MODELS:
+        from transformers import AutoModelForCausalLM
+
+        _HF_MODELS[checkpoint] = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return _HF_MODELS[checkpoint]
+
+
+def assert_matches_hf(graph: Callable, checkpoint: str, shapes: Sequence[Tuple[int, int]] = ((1, 5), (3, 2)),
+                      tol: float = 1e-5) -> None:
+    """A pipeline graph ``(input_ids, position_ids) -> logits`` equals HF's model of the same
+    checkpoint (the unmodified model) at each ``(batch, seq)`` of ``shapes``."""
+    hf = hf_model(checkpoint)
+    vocab = hf.config.vocab_size
+    for b, s in shapes:
+        ids = torch.randint(0, vocab, (b, s))
+        pos = torch.arange(s).expand(b, s)
+        with torch.no_grad():
+            ref = hf(input_ids=ids, position_ids=pos).logits
+            out = graph(ids, pos)
+        assert out.shape == ref.shape, (out.shape, ref.shape)
+        assert rel_rmse(out, ref) < tol, f"rel rmse {rel_rmse(out, ref)} against HF at (batch, seq) = {(b, s)}"
+
+
 def export_gm(
     module: torch.nn.Module, *args: torch.Tensor, dynamic: Sequence[Dict[int, Any]] | None = None, clean: bool = True
 ) -> fx.GraphModule:
@@ -200,4 +228,4 @@ def assert_same_outputs(ref: Callable, new: Callable, inputs: Iterable[Tuple[tor
 
 __all__ = ["FAMILIES", "NORMS_PER_LAYER", "MOE_FAMILIES", "MOE_LAYERS", "moe_family_checkpoint", "moe_config",
            "moe_block", "export_moe_block", "family_checkpoint", "build", "rel_rmse", "export_gm", "apply_transform",
-           "ops_of", "assert_same_outputs", "count_op"]
+           "ops_of", "assert_same_outputs", "count_op", "hf_model", "assert_matches_hf"]

@@ -49,6 +49,7 @@ class CheckResult:
     """What one model type's check found (one row of the coverage table)."""
 
     model_type: str
+    recipe: str = "a"  # the size recipe of the tiny config (coverage/recipes.py)
     category: str = DECODER_ONLY
     reason: str = ""  # why a type is excluded
     status: str = RUNNING
@@ -150,13 +151,14 @@ def rel_rmse(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # ---- the check ----------------------------------------------------------------------------------
-def run_check(model_type: str, cache_dir: Optional[str] = None, *, include_excluded: bool = False,
+def run_check(model_type: str, cache_dir: Optional[str] = None, *, recipe: str = "a", include_excluded: bool = False,
               on_progress: Optional[Callable[[CheckResult], None]] = None) -> CheckResult:
-    """Check one model type; never raises for a model's failure (it is in the result)."""
+    """Check one model type at one size recipe; never raises for a model's failure (it is in
+    the result)."""
     from .checkpoints import default_cache_dir
 
     cache_dir = cache_dir or default_cache_dir()
-    result = CheckResult(model_type)
+    result = CheckResult(model_type, recipe=recipe)
     notify = on_progress or (lambda r: None)
     try:
         result.category, result.reason = classify(model_type)
@@ -195,11 +197,11 @@ def _run_stages(result: CheckResult, cache_dir: str, notify: Callable[[CheckResu
         return time.perf_counter()
 
     t = enter("config")
-    config = tiny_config(result.model_type)
+    config = tiny_config(result.model_type, result.recipe)
     t = _lap(result, "config", t)
 
     enter("checkpoint")
-    checkpoint = ensure_checkpoint(config, cache_dir)
+    checkpoint = ensure_checkpoint(config, os.path.join(cache_dir, result.recipe))
     t = _lap(result, "checkpoint", t)
 
     enter("hf_reference")
@@ -316,6 +318,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m autodeploy.coverage MODEL_TYPE --result FILE``: one check, result as JSON."""
     parser = argparse.ArgumentParser(prog="python -m autodeploy.coverage")
     parser.add_argument("model_type")
+    parser.add_argument("--recipe", default="a", help="size recipe of the tiny config (coverage/recipes.py)")
+    parser.add_argument("--mutate", default=None,
+                        help="break the pipeline on purpose (coverage/mutations.py): the check must then fail")
     parser.add_argument("--result", required=True, help="JSON file the result is (re)written to")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--threads", type=int, default=None)
@@ -328,7 +333,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=os.environ.get("AUTODEPLOY_LOG_LEVEL", "WARNING"), stream=sys.stderr,
                         format="[%(name)s %(levelname)s] %(message)s")
     logger.setLevel(logging.INFO)  # a failure's traceback goes to the child's log
-    result = run_check(args.model_type, args.cache_dir, include_excluded=args.include_excluded,
+    if args.mutate:
+        from .mutations import apply_mutation
+
+        apply_mutation(args.mutate)
+    result = run_check(args.model_type, args.cache_dir, recipe=args.recipe, include_excluded=args.include_excluded,
                        on_progress=lambda r: _write_json(args.result, r.to_dict()))
     _write_json(args.result, result.to_dict())
     if result.status == ERROR:  # the traceback goes to the child's log

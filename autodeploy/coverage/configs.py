@@ -5,13 +5,13 @@ plain text decoders (encoders used as decoders, the decoder half of encoder-deco
 multimodal or audio models) are reported but excluded from the percentage: their causal-LM
 class needs inputs the product does not take (images, audio codes, encoder states).
 
-A tiny config is the config class's own defaults with the *sizes* shrunk (hidden 64, 4 heads,
-2 KV heads, head dim 16, vocab 512, 4 experts top-2, sliding windows of 8 tokens) and the layer
-count cut to the shortest prefix of the default layer pattern that still holds every kind of
+A tiny config is the config class's own defaults with the *sizes* shrunk to one of the
+``recipes`` (two per model type: regular sizes, and odd ones where models are sensitive) and the
+layer count cut to the shortest prefix of the default layer pattern that still holds every kind of
 layer (attention / sliding / linear-attention / SSM, dense / MoE MLP, ...). Everything is found
 by inspecting the config class (its dataclass fields and the per-layer lists its
 ``__post_init__`` derives), so a new model type usually needs no entry here; the few families
-that need one are in ``QUIRKS`` with the reason.
+that need one are in ``recipes.quirks`` with the reason.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..utils.logging import get_logger
+from .recipes import KEEP, REGULAR, Recipe, get_recipe, is_int, quirks, size_rules
 
 logger = get_logger(__name__)
 
@@ -30,18 +31,6 @@ ENCODER_DECODER = "encoder-decoder"
 MULTIMODAL = "multimodal"
 DRAFTER = "drafter"
 
-# Sizes of every tiny config (the issue's numbers).
-HIDDEN = 64
-INTERMEDIATE = 128
-MOE_INTERMEDIATE = 32
-HEADS = 4
-KV_HEADS = 2
-HEAD_DIM = 16
-VOCAB = 512
-MAX_POSITIONS = 256
-WINDOW = 8
-EXPERTS = 4
-TOP_K = 2
 MIN_LAYERS = 2
 # A default layer pattern whose every kind shows up within this many layers is kept as a prefix
 # (derived patterns such as "attention every 8th layer" stay right); longer patterns are cut to
@@ -119,94 +108,6 @@ class _Param:
     default: Any
 
 
-# ---- size rules ---------------------------------------------------------------------------------
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive(new: Any) -> Callable[[Any], Any]:
-    """Replace a positive int default (None / 0 / bool / strings like 'auto' stay)."""
-    return lambda v: new if _is_int(v) and v > 0 else _KEEP
-
-
-def _always(new: Any) -> Callable[[Any], Any]:
-    """Set even when the default is None (the config derives it otherwise, from full sizes)."""
-    return lambda v: new if v is None or _is_int(v) else _KEEP
-
-
-def _at_most(new: int) -> Callable[[Any], Any]:
-    return lambda v: min(v, new) if _is_int(v) else _KEEP
-
-
-_KEEP = object()
-_RULES: Dict[str, Callable[[Any], Any]] = {}
-
-
-def _rule(names: Sequence[str], fn: Callable[[Any], Any]) -> None:
-    for name in names:
-        _RULES[name] = fn
-
-
-_HIDDEN_FIELDS = ("hidden_size", "n_embd", "d_model", "dim", "n_embed", "embed_dim", "emb_dim", "embedding_dim",
-                  "hidden_dim", "model_dim", "embedding_size", "word_embed_proj_dim", "lru_width",
-                  "attention_hidden_size", "backbone_hidden_size", "hidden_size_global")
-_rule(_HIDDEN_FIELDS, _positive(HIDDEN))
-_rule(["intermediate_size", "intermediate_size_mlp", "dense_intermediate_size", "prefix_dense_intermediate_size",
-       "ffn_hidden_size", "n_inner", "ffn_dim", "d_ff", "dff", "dim_ff", "feed_forward_size", "decoder_ffn_dim"],
-      _positive(INTERMEDIATE))
-_rule(["moe_intermediate_size", "expert_ffn_hidden_size", "moe_ffn_hidden_size", "expert_intermediate_size",
-       "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "shared_intermediate_size",
-       "shared_experts_intermediate_size"], _positive(MOE_INTERMEDIATE))
-_rule(["num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads", "attention_heads",
-       "swa_num_attention_heads"], _positive(HEADS))
-_rule(["num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_n_heads", "multi_query_group_num",
-       "swa_num_key_value_heads"],
-      _always(KV_HEADS))
-_rule(["swa_head_dim", "attention_head_dim", "kv_channels", "dim_head", "d_head", "attention_head_size"],
-      _positive(HEAD_DIM))
-# head_dim also where the default is unset: some models read it without deriving it (HunYuan)
-_rule(["head_dim"], _always(HEAD_DIM))
-_rule(["vocab_size", "vocab_size_per_layer_input", "padded_vocab_size", "unpadded_vocab_size"], _positive(VOCAB))
-# hashed n-gram / byte-group embedding tables (tens of millions of rows by default)
-_rule(["ngram_vocab_size_base", "encoder_hash_byte_group_vocab"], _positive(1024))
-_rule(["max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "context_length",
-       "model_max_length", "max_sequence_length"], _positive(MAX_POSITIONS))
-_rule(["sliding_window", "sliding_window_size", "attention_window_size", "window_size", "local_attention_window_len",
-       "attention_chunk_size", "local_attention", "keep_window_size"], _positive(WINDOW))
-_rule(["num_experts", "num_local_experts", "moe_num_experts"], _positive(EXPERTS))
-# DeepSeek-style configs build MoE layers even when the default leaves the count unset (dots1)
-_rule(["n_routed_experts"], _always(EXPERTS))
-# top-k also where the default is unset: the routers read it even then (e.g. DeepSeek-V2)
-_rule(["num_experts_per_tok", "moe_topk", "moe_k", "top_k_experts", "num_experts_per_token", "moe_top_k"],
-      _always(TOP_K))
-_rule(["n_group", "topk_group", "num_expert_group"], _positive(1))
-_rule(["first_k_dense_replace", "num_dense_layers", "zero_expert_num"], _at_most(1))
-# multi-head latent attention (DeepSeek-style) and sparse-attention indexers
-_rule(["kv_lora_rank", "q_lora_rank", "o_lora_rank"], _positive(32))
-_rule(["qk_rope_head_dim"], _positive(8))
-_rule(["qk_nope_head_dim", "v_head_dim", "index_head_dim", "indexer_head_dim"], _positive(HEAD_DIM))
-_rule(["qk_head_dim"], _positive(24))
-_rule(["index_n_heads", "indexer_n_heads"], _positive(2))
-_rule(["indexer_kv_heads"], _at_most(1))
-# linear attention / gated delta rule
-_rule(["linear_key_head_dim", "linear_value_head_dim", "linear_head_dim"], _positive(HEAD_DIM))
-_rule(["linear_num_key_heads"], _positive(2))
-_rule(["linear_num_value_heads", "linear_num_heads"], _positive(HEADS))
-# state-space layers (d_inner = expand * hidden = 128 = 8 heads of 16)
-_rule(["mamba_d_state", "ssm_state_size", "state_size"], _positive(16))
-_rule(["mamba_n_heads", "mamba_num_heads", "n_mamba_heads"], _positive(8))
-_rule(["mamba_head_dim", "mamba_d_head"], _positive(16))
-_rule(["mamba_d_ssm"], _positive(2 * HIDDEN))
-_rule(["mamba_n_groups", "mamba_ngroups", "n_groups"], _positive(1))
-_rule(["time_step_rank", "mamba_dt_rank"], _positive(8))
-# partial rotary given as a dimension, per-layer inputs, low-rank adapters
-_rule(["rotary_dim"], _positive(8))
-_rule(["hidden_size_per_layer_input"], _positive(16))
-_rule(["laurel_rank", "adapter_rank"], _positive(8))
-_rule(["hc_lowrank"], _positive(16))
-# fused kernels that exist only on CUDA: use the reference path
-_rule(["use_mamba_kernels", "use_mem_eff_path"], lambda v: False if isinstance(v, bool) else _KEEP)
-
 # fields counting layers from the end or the start of the stack; handled with the layer cut
 _LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_blocks", "decoder_layers")
 # ints that make a layer kind repeat with a period: the prefix must reach one full period
@@ -219,55 +120,15 @@ _INDEX_LIST_HINTS = ("idxs", "indices", "_layers", "layer_ids")
 _NOT_PER_LAYER = {"time_step_limit", "architectures"}
 _TOKEN_ID_SUFFIXES = ("_token_id", "_token_index")
 
-# Families the generic rules cannot get right, with the reason.
-QUIRKS: Dict[str, Dict[str, Any]] = {
-    # Mamba-2 needs num_heads * head_dim == expand * hidden_size (8 * 16 == 2 * 64); the
-    # generic rule would give it the attention head count
-    "mamba2": {"num_heads": 8},
-    # the default DbrxAttentionConfig has no rope_theta and clip_qkv=None, which the model cannot
-    # run with; real checkpoints carry both in attn_config
-    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
-    # top-1 routing is all the model supports
-    "zaya": {"num_experts_per_tok": 1},
-    # attention_types is run-length encoded ([[pattern, repeats]]) and must expand to the depth
-    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
-    # full-attention layers get their head size from the global_head_dim argument (not a field);
-    # 32 against the sliding layers' 16 keeps the two head sizes distinct
-    "gemma4_text": {"global_head_dim": 32},
-    "gemma4_unified_text": {"global_head_dim": 32},
-    # sliding layers are sized by swa_* arguments (not fields) with full-size defaults
-    "dots3_note_text": {"swa_num_attention_heads": HEADS, "swa_num_key_value_heads": HEADS, "swa_q_lora_rank": 32,
-                        "swa_kv_lora_rank": 32, "swa_head_dim": 24, "swa_qk_nope_head_dim": HEAD_DIM,
-                        "swa_v_head_dim": HEAD_DIM},
-    # the default rope_parameters is empty, but the model reads one entry per layer type (with
-    # multimodal RoPE sections, here summing to head_dim / 2)
-    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
-                                                                   "mrope_section": [4, 2, 2]}}},
-    # layer_types has no default (the model indexes it): short-conv and attention layers, with
-    # the first layer's MLP dense and the others MoE
-    "lfm2_moe": {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"]},
-    # the default puts attention in every layer of a 2-layer stack: short-conv layers need asking for
-    "lfm2": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]},
-    # the hybrid layers share one transformer block, tied from the first hybrid layer to the
-    # others: the stack needs two of them
-    "zamba": {"num_hidden_layers": 8, "layers_block_type": ["linear_attention"] * 2 + ["hybrid"]
-              + ["linear_attention"] * 4 + ["hybrid"]},
-    # MoE layers always build a shared expert, whose count has no default
-    "dots1": {"n_shared_experts": 1},
-    # the default indexer of the indexed-attention layers is unset (None sizes); a real
-    # checkpoint sets it. 16-token budget in blocks of 4: sparse for the longer prompt
-    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM,
-                       "indexer_budget": 16, "indexer_compress_ratio": 4},
-}
-
-
-def tiny_config(model_type: str) -> Dict[str, Any]:
-    """``{"model_type": ..., **fields}`` of a tiny random config (see the module docstring)."""
+def tiny_config(model_type: str, recipe: str | Recipe = REGULAR) -> Dict[str, Any]:
+    """``{"model_type": ..., **fields}`` of a tiny random config at ``recipe`` (see the module
+    docstring and ``recipes``)."""
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"'{model_type}' is not a model type of the installed transformers")
-    cfg = _merge(_tiny_kwargs(CONFIG_MAPPING[model_type]), QUIRKS.get(model_type, {}))
+    r = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    cfg = _merge(_tiny_kwargs(CONFIG_MAPPING[model_type], r), quirks(r).get(model_type, {}))
     return {"model_type": model_type, **cfg}
 
 
@@ -278,25 +139,26 @@ def _merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _tiny_kwargs(cls: type) -> Dict[str, Any]:
+def _tiny_kwargs(cls: type, r: Recipe) -> Dict[str, Any]:
     default = _global_view(cls())
     names = [f.name for f in _fields(cls)]
+    rules = size_rules(r)
     kwargs: Dict[str, Any] = {}
     for name in names:
-        if name in _RULES:
-            new = _RULES[name](getattr(default, name, None))
-            if new is not _KEEP:
+        if name in rules:
+            new = rules[name](getattr(default, name, None))
+            if new is not KEEP:
                 kwargs[name] = new
         elif name.endswith(_TOKEN_ID_SUFFIXES) and name not in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(default, name, None)
-            if _is_int(value) and value >= VOCAB:  # keep special ids inside the tiny vocabulary
+            if is_int(value) and value >= r.vocab:  # keep special ids inside the tiny vocabulary
                 kwargs[name] = 3
-    _keep_equalities(default, kwargs)
+    _keep_equalities(default, kwargs, r)
     for key, sub_cls in (getattr(cls, "sub_configs", None) or {}).items():
         sub_default = getattr(default, key, None)
         if sub_default is None or not hasattr(sub_default, "to_dict"):
             continue
-        sub = _tiny_kwargs(type(sub_default))
+        sub = _tiny_kwargs(type(sub_default), r)
         if getattr(type(sub_default), "model_type", None) and getattr(sub_cls, "__name__", "") == "AutoConfig":
             sub = {"model_type": type(sub_default).model_type, **sub}
         kwargs[key] = sub
@@ -312,7 +174,7 @@ def _global_view(config: Any) -> Any:
     return config
 
 
-def _keep_equalities(default: Any, kwargs: Dict[str, Any]) -> None:
+def _keep_equalities(default: Any, kwargs: Dict[str, Any], r: Recipe) -> None:
     """Sizes the model code assumes equal must stay equal after shrinking.
 
     Multi-head latent attention expands K/V to every query head (KV heads = heads) and often
@@ -322,7 +184,7 @@ def _keep_equalities(default: Any, kwargs: Dict[str, Any]) -> None:
     if "kv_lora_rank" in kwargs:
         heads = getattr(default, "num_attention_heads", None)
         if "num_key_value_heads" in kwargs and getattr(default, "num_key_value_heads", None) in (None, heads):
-            kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", HEADS)
+            kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", r.heads)
         rope = getattr(default, "qk_rope_head_dim", None)
         if "head_dim" in kwargs and rope is not None and getattr(default, "head_dim", None) == rope:
             kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
@@ -330,14 +192,15 @@ def _keep_equalities(default: Any, kwargs: Dict[str, Any]) -> None:
             del kwargs["head_dim"]  # derived from the latent sizes by the config itself
     # widths defined as a multiple of the hidden size (e.g. an attention input that concatenates
     # the residual stream with the embeddings) keep the multiple
-    # (other widths, e.g. BLT's hidden_size_global, name another module's hidden size: 64 too)
+    # (other widths, e.g. BLT's hidden_size_global, name another module's hidden size: the
+    # recipe's hidden size too)
     hidden = getattr(default, "hidden_size", None)
     for name in ("attention_hidden_size",):
         value = getattr(default, name, None)
-        if name in kwargs and _is_int(hidden) and _is_int(value) and value > hidden and value % hidden == 0:
-            kwargs[name] = value // hidden * HIDDEN
+        if name in kwargs and is_int(hidden) and is_int(value) and value > hidden and value % hidden == 0:
+            kwargs[name] = value // hidden * r.hidden
     scalar = getattr(default, "query_pre_attn_scalar", None)
-    if _is_int(scalar) and scalar == getattr(default, "head_dim", None) and "head_dim" in kwargs:
+    if is_int(scalar) and scalar == getattr(default, "head_dim", None) and "head_dim" in kwargs:
         kwargs["query_pre_attn_scalar"] = kwargs["head_dim"]
 
 
@@ -354,7 +217,7 @@ def _cut_layers(cls: type, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     except Exception:  # noqa: BLE001 - the sizes alone made an invalid config; the check reports it
         probe = _global_view(cls())
     depth = getattr(probe, count_field, None)
-    if not _is_int(depth) or depth < 1:
+    if not is_int(depth) or depth < 1:
         return {}
     per_layer, index_lists = _layer_fields(probe, names, depth)
     kinds = [_kind(i, depth, probe, per_layer, index_lists) for i in range(depth)]
@@ -362,11 +225,11 @@ def _cut_layers(cls: type, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     prefix = next(i + 1 for i in range(depth) if set(kinds[: i + 1]) == all_kinds)
     for name in _PERIOD_FIELDS:
         value = getattr(probe, name, None)
-        if _is_int(value) and value > 1:
+        if is_int(value) and value > 1:
             prefix = max(prefix, value)
     for name in _OFFSET_FIELDS:
         value = getattr(probe, name, None)
-        if _is_int(value) and value > 0:
+        if is_int(value) and value > 0:
             prefix = max(prefix, value + 1)
     prefix = max(prefix, MIN_LAYERS)
     if prefix <= MAX_PREFIX_LAYERS or not per_layer:
@@ -380,7 +243,7 @@ def _cut_layers(cls: type, kwargs: Dict[str, Any]) -> Dict[str, Any]:
             selected.append(next(i for i in range(depth) if i not in selected))
     out: Dict[str, Any] = {}
     shared = getattr(probe, "num_kv_shared_layers", None)
-    if _is_int(shared) and shared > 0:
+    if is_int(shared) and shared > 0:
         # KV sharing: the last layers reuse an earlier layer's cache. Repeat the pattern once and
         # let the repeat share, so every shared layer has an owner of its own kind.
         n = len(selected)
@@ -404,7 +267,7 @@ def _layer_fields(probe: Any, names: set, depth: int) -> Tuple[Dict[str, Any], D
     index_lists: Dict[str, List[int]] = {}
     for name in sorted(names - _NOT_PER_LAYER):
         value = getattr(probe, name, None)
-        if (isinstance(value, (list, tuple)) and value and all(_is_int(v) for v in value)
+        if (isinstance(value, (list, tuple)) and value and all(is_int(v) for v in value)
                 and any(h in name for h in _INDEX_LIST_HINTS) and len(value) <= depth
                 and all(0 <= v < depth for v in value) and list(value) == sorted(set(value))):
             index_lists[name] = list(value)
@@ -419,7 +282,7 @@ def _kind(i: int, depth: int, probe: Any, per_layer: Dict[str, Any], index_lists
     parts += [i in idx for idx in index_lists.values()]
     for name in ("first_k_dense_replace", "num_dense_layers"):
         value = getattr(probe, name, None)
-        if _is_int(value):
+        if is_int(value):
             parts.append(i < value)
     # derived per-layer properties (e.g. a pattern computed from a period and an offset)
     for name in ("layers_block_type", "layer_types", "block_types"):
@@ -436,5 +299,5 @@ def _safe_getattr(obj: Any, name: str) -> Optional[Any]:
         return None
 
 
-__all__ = ["DECODER_ONLY", "DRAFTER", "ENCODER", "ENCODER_DECODER", "MULTIMODAL", "QUIRKS", "causal_lm_model_types", "classify",
+__all__ = ["DECODER_ONLY", "DRAFTER", "ENCODER", "ENCODER_DECODER", "MULTIMODAL", "causal_lm_model_types", "classify",
            "tiny_config"]

@@ -12,26 +12,84 @@ import json
 import os
 import platform
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from .check import EXCLUDED, LOGITS_RTOL, MISMATCH, NEW_TOKENS, PASS, PROMPT_LENGTHS, STAGES, CheckResult
+from .causes import CAUSES, cause_of
 from .configs import DECODER_ONLY
+from .recipes import RECIPES
+
+
+@dataclass
+class TypeRow:
+    """One model type over the recipes it was checked at (one row of the table)."""
+
+    model_type: str
+    results: Dict[str, CheckResult]  # recipe -> result, in recipe order
+
+    @property
+    def first(self) -> CheckResult:
+        return next(iter(self.results.values()))
+
+    @property
+    def category(self) -> str:
+        return self.first.category
+
+    @property
+    def passed(self) -> bool:
+        return all(r.status == PASS for r in self.results.values())
+
+    @property
+    def failed(self) -> List[CheckResult]:
+        return [r for r in self.results.values() if r.status != PASS]
+
+    @property
+    def outcome(self) -> str:
+        """pass only when every recipe passed; else the first failing recipe's outcome."""
+        return "pass" if self.passed else self.failed[0].outcome
+
+    @property
+    def recompute(self) -> bool:
+        return any(r.cache_mode == "recompute" for r in self.results.values())
+
+
+def group_by_type(results: Sequence[CheckResult]) -> List[TypeRow]:
+    rows: Dict[str, Dict[str, CheckResult]] = {}
+    for r in sorted(results, key=lambda r: (r.model_type, r.recipe)):
+        rows.setdefault(r.model_type, {})[r.recipe] = r
+    return [TypeRow(t, by_recipe) for t, by_recipe in rows.items()]
+
+
+def recipes_of(results: Sequence[CheckResult]) -> List[str]:
+    return sorted({r.recipe for r in results if r.status != EXCLUDED} or {r.recipe for r in results})
 
 
 def summarize(results: Sequence[CheckResult]) -> Dict[str, Any]:
-    """Counts over the decoder-only types (the percentage) and the excluded ones."""
-    decoder = [r for r in results if r.category == DECODER_ONLY]
-    passed = sum(r.status == PASS for r in decoder)
-    recompute = sum(r.status == PASS and r.cache_mode == "recompute" for r in decoder)
-    by_outcome = Counter(r.outcome for r in decoder)
-    errors_by_stage = Counter(r.stage for r in decoder if r.status not in (PASS, MISMATCH))
-    excluded = Counter(r.category for r in results if r.category != DECODER_ONLY)
+    """Counts over the decoder-only types (a type passes when it passes at every recipe) and
+    the excluded ones, plus the counts of each recipe on its own."""
+    rows = group_by_type(results)
+    decoder = [row for row in rows if row.category == DECODER_ONLY]
+    passed = sum(row.passed for row in decoder)
+    recompute = sum(row.passed and row.recompute for row in decoder)
+    by_outcome = Counter(row.outcome for row in decoder)
+    failing = [r for row in decoder for r in row.failed]
+    errors_by_stage = Counter(r.stage for r in failing if r.status != MISMATCH)
+    per_recipe: Dict[str, Dict[str, Any]] = {}
+    for recipe in recipes_of(results):
+        mine = [row.results[recipe] for row in decoder if recipe in row.results]
+        per_recipe[recipe] = {"checked": len(mine), "passed": sum(r.status == PASS for r in mine),
+                              "by_outcome": dict(sorted(Counter(r.outcome for r in mine).items()))}
+    only = Counter(row.failed[0].recipe for row in decoder if len(row.failed) == 1 and len(row.results) > 1)
+    excluded = Counter(row.category for row in rows if row.category != DECODER_ONLY)
     return {
         "decoder_only": len(decoder),
         "passed": passed,
         "passed_recompute": recompute,
         "pass_rate": round(100.0 * passed / len(decoder), 1) if decoder else 0.0,
         "by_outcome": dict(sorted(by_outcome.items())),
+        "per_recipe": per_recipe,
+        "failed_only_at": dict(sorted(only.items())),
         "errors_by_stage": {s: errors_by_stage[s] for s in STAGES if errors_by_stage[s]},
         "excluded": dict(sorted(excluded.items())),
     }
@@ -70,27 +128,75 @@ def _rmse_cell(r: CheckResult) -> str:
     return f"{r.logits_rel_rmse:.1e}" if r.logits_rel_rmse is not None else ""
 
 
+def _recipe_cell(r: Optional[CheckResult]) -> str:
+    if r is None:
+        return "not run"
+    if r.status in (PASS, MISMATCH):
+        return r.outcome
+    return f"{r.outcome} at {_stage_cell(r)}"
+
+
+def _type_mode_cell(row: TypeRow) -> str:
+    modes = [_mode_cell(r) for r in row.results.values()]
+    return modes[0] if len(set(modes)) == 1 else " / ".join(m or "-" for m in modes)
+
+
+def _type_note(row: TypeRow) -> str:
+    if row.failed:
+        several = len(row.results) > 1
+        return "; ".join(f"{r.recipe}: {r.error}" if several else r.error for r in row.failed if r.error)
+    reasons = list(dict.fromkeys(_cell(r.cache_mode_reason, 160) for r in row.results.values()
+                                 if r.cache_mode == "recompute"))
+    return " / ".join(reasons)
+
+
+def _recipe_lines(recipes: Sequence[str]) -> List[str]:
+    return [f"* recipe `{name}`: {RECIPES[name].summary}." for name in recipes if name in RECIPES]
+
+
+def _cause_lines(rows: Sequence[TypeRow]) -> List[str]:
+    """The failing types with the cause found for each (``causes.py``), and stale entries."""
+    failing = [row for row in rows if row.category == DECODER_ONLY and not row.passed]
+    if not failing:
+        return []
+    lines = ["", "## Why they fail", ""]
+    for row in failing:
+        recipes = ", ".join(r.recipe for r in row.failed)
+        lines.append(f"* **{row.model_type}** ({recipes}): {cause_of(row.model_type) or 'not investigated yet.'}")
+    passing = {row.model_type for row in rows if row.passed}
+    stale = sorted(t for t in CAUSES if t in passing)
+    if stale:
+        lines += ["", "Causes listed for types that now pass (remove them from coverage/causes.py): "
+                  + ", ".join(stale) + "."]
+    return lines
+
+
 def markdown(results: Sequence[CheckResult], meta: Optional[Dict[str, Any]] = None) -> str:
     meta = dict(meta or {})
     s = summarize(results)
+    recipes = recipes_of(results)
+    rows = group_by_type(results)
     lines: List[str] = ["# Architecture coverage", ""]
     env = ", ".join(f"{k} {v}" for k, v in meta.get("environment", {}).items())
     lines += [
         f"Generated by `autodeploy coverage` ({meta.get('date', '')}; {env}). Every model type in "
-        "transformers' causal-LM auto-mapping gets a tiny random checkpoint (hidden 64, 4 heads, 2 KV heads, "
-        "vocab 512, 4 experts top-2 for MoE, 8-token sliding windows, the fewest layers that hold every kind of "
-        "layer), built with the full default pipeline (export, canonicalisation, fusions, cached attention, runtime) "
-        f"in fp32 on CPU and compared with HF eager on the same weights: next-token logits after the prompt and after "
-        f"the first new token (relative RMSE < {LOGITS_RTOL:.0e}) and {NEW_TOKENS} greedy tokens for a batch of "
-        f"{len(PROMPT_LENGTHS)} prompts of {' and '.join(map(str, PROMPT_LENGTHS))} tokens (token-identical).",
+        f"transformers' causal-LM auto-mapping gets a tiny random checkpoint at each of {len(recipes)} size "
+        "recipe(s) (the fewest layers that hold every kind of layer), built with the full default pipeline "
+        "(export, canonicalisation, fusions, cached attention, runtime) in fp32 on CPU and compared with HF eager "
+        "on the same weights: next-token logits after the prompt and after the first new token (relative RMSE < "
+        f"{LOGITS_RTOL:.0e}) and {NEW_TOKENS} greedy tokens for a batch of {len(PROMPT_LENGTHS)} prompts of "
+        f"{' and '.join(map(str, PROMPT_LENGTHS))} tokens (token-identical). A model type passes only if it passes "
+        "at every recipe:",
         "",
-        f"**Decoder-only: {s['passed']} of {s['decoder_only']} pass end to end ({s['pass_rate']:.1f}%); "
-        f"{s['passed'] - s['passed_recompute']} of them with the paged KV cache, {s['passed_recompute']} in "
-        "recompute mode.**",
+        *_recipe_lines(recipes),
+        "",
+        f"**Decoder-only: {s['passed']} of {s['decoder_only']} pass end to end at every recipe "
+        f"({s['pass_rate']:.1f}%); {s['passed'] - s['passed_recompute']} of them with the paged KV cache, "
+        f"{s['passed_recompute']} in recompute mode.**",
         "",
         "Cache mode: `paged KV` is the normal path (cached attention). `recompute` means `recompute_fallback` "
         "found that a KV cache cannot serve the model and ran it exactly, but re-running each sequence's whole "
-        "history every step; the reason column says why (state outside attention such as convolution or SSM "
+        "history every step; the last column says why (state outside attention such as convolution or SSM "
         "layers, attention the matchers did not canonicalise, or a model that only exports with a static "
         "sequence length).",
         "",
@@ -98,39 +204,51 @@ def markdown(results: Sequence[CheckResult], meta: Optional[Dict[str, Any]] = No
         "`FAIL: error` (an exception at the stage shown, with the failing transform); `FAIL: timeout`. "
         "Stages in order: " + ", ".join(f"`{st}`" for st in STAGES) + ".",
         "",
-        "| result | model types |",
+        "| result (all recipes) | model types |",
         "|---|---|",
     ]
     for outcome, n in s["by_outcome"].items():
         lines.append(f"| {outcome} | {n} |")
+    if len(recipes) > 1:
+        lines += ["", "| recipe | passed | failures |", "|---|---|---|"]
+        for recipe, counts in s["per_recipe"].items():
+            fails = ", ".join(f"{k} {v}" for k, v in counts["by_outcome"].items() if k != "pass") or "none"
+            lines.append(f"| {recipe} | {counts['passed']} of {counts['checked']} | {fails} |")
+        if s["failed_only_at"]:
+            lines += ["", "Types that fail at one recipe only: " + ", ".join(
+                f"{n} at `{recipe}`" for recipe, n in s["failed_only_at"].items()) + "."]
     if s["errors_by_stage"]:
-        lines += ["", "| errors and timeouts at stage | model types |", "|---|---|"]
+        lines += ["", "| errors and timeouts at stage (all recipes) | checks |", "|---|---|"]
         for stage, n in s["errors_by_stage"].items():
             lines.append(f"| {stage} | {n} |")
+    head = " | ".join(f"recipe {r}" for r in recipes)
     lines += ["", "## Decoder-only model types", "",
-              "| model type | stage reached | result | cache mode | logits rel. RMSE | first error line, or why "
-              "recompute |",
-              "|---|---|---|---|---|---|"]
-    for r in results:
-        if r.category != DECODER_ONLY:
+              f"| model type | result | {head} | cache mode | logits rel. RMSE ({' / '.join(recipes)}) | "
+              "first error line, or why recompute |",
+              "|---|---|" + "---|" * len(recipes) + "---|---|---|"]
+    for row in rows:
+        if row.category != DECODER_ONLY:
             continue
-        note = r.error or (_cell(r.cache_mode_reason, 160) if r.cache_mode == "recompute" else "")
-        lines.append(f"| {r.model_type} | {_stage_cell(r)} | {r.outcome} | {_mode_cell(r)} | {_rmse_cell(r)} | "
-                     f"{_cell(note)} |")
+        cells = " | ".join(_recipe_cell(row.results.get(r)) for r in recipes)
+        rmse = " / ".join(_rmse_cell(row.results[r]) or "-" if r in row.results else "-" for r in recipes)
+        lines.append(f"| {row.model_type} | {'pass' if row.passed else 'FAIL'} | {cells} | {_type_mode_cell(row)} | "
+                     f"{rmse} | {_cell(_type_note(row), 300)} |")
+    lines += _cause_lines(rows)
     excluded = [r for r in results if r.category != DECODER_ONLY]
     if excluded:
         ran = any(r.status != EXCLUDED for r in excluded)
         lines += ["", "## Not decoder-only (excluded from the percentage)", ""]
         if ran:  # --include-excluded: they were run too, for information
-            lines += ["| model type | category | why | stage reached | result | first error line |",
-                      "|---|---|---|---|---|---|"]
+            lines += ["| model type | recipe | category | why | stage reached | result | first error line |",
+                      "|---|---|---|---|---|---|---|"]
             for r in excluded:
-                lines.append(f"| {r.model_type} | {r.category} | {_cell(r.reason)} | {_stage_cell(r)} | "
+                lines.append(f"| {r.model_type} | {r.recipe} | {r.category} | {_cell(r.reason)} | {_stage_cell(r)} | "
                              f"{r.outcome} | {_cell(r.error)} |")
         else:
             lines += ["| model type | category | why |", "|---|---|---|"]
-            for r in excluded:
-                lines.append(f"| {r.model_type} | {r.category} | {_cell(r.reason)} |")
+            for row in rows:
+                if row.category != DECODER_ONLY:
+                    lines.append(f"| {row.model_type} | {row.category} | {_cell(row.first.reason)} |")
     if meta.get("command"):
         lines += ["", f"Command: `{meta['command']}`"
                   + (f", {meta['wall_s'] / 60:.1f} min wall time" if meta.get("wall_s") else "") + "."]
@@ -156,16 +274,15 @@ def load_results(json_path: str) -> List[CheckResult]:
 
 
 def merge_results(old: Sequence[CheckResult], new: Sequence[CheckResult]) -> List[CheckResult]:
-    """``old`` with every model type that ``new`` re-checked replaced, sorted by model type."""
-    fresh = {r.model_type: r for r in new}
-    merged = {r.model_type: r for r in old}
-    merged.update(fresh)
-    return sorted(merged.values(), key=lambda r: r.model_type)
+    """``old`` with every (model type, recipe) that ``new`` re-checked replaced, sorted."""
+    merged = {(r.model_type, r.recipe): r for r in old}
+    merged.update({(r.model_type, r.recipe): r for r in new})
+    return sorted(merged.values(), key=lambda r: (r.model_type, r.recipe))
 
 
 def write_report(results: Sequence[CheckResult], markdown_path: str, meta: Optional[Dict[str, Any]] = None) -> List[str]:
     """Write the markdown table and, beside it, the JSON (same name, ``.json``)."""
-    results = sorted(results, key=lambda r: r.model_type)
+    results = sorted(results, key=lambda r: (r.model_type, r.recipe))
     json_path = os.path.splitext(markdown_path)[0] + ".json"
     directory = os.path.dirname(os.path.abspath(markdown_path))
     os.makedirs(directory, exist_ok=True)

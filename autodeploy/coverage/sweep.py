@@ -1,10 +1,10 @@
-"""Run the coverage check over many model types: one child process per model, ``jobs`` at a
-time, each with a wall-clock limit.
+"""Run the coverage check over many model types: one child process per model type and size
+recipe, ``jobs`` at a time, each with a wall-clock limit.
 
 A child that runs past its limit is killed (its whole process group) and reported as a
 timeout at the stage its result file last named; a child that dies without a result (a
 segfault, the OOM killer) is reported as an error with its exit code and its last stderr line.
-Each child's stderr is kept in ``<cache_dir>/logs/<model_type>.log``.
+Each child's stderr is kept in ``<cache_dir>/logs/<model_type>.<recipe>.log``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 from ..utils.logging import get_logger
 from .check import ERROR, EXCLUDED, TIMEOUT, CheckResult
 from .configs import DECODER_ONLY, causal_lm_model_types, classify
+from .recipes import DEFAULT_RECIPES, get_recipe
 
 logger = get_logger(__name__)
 
@@ -61,18 +62,22 @@ def _child_env(threads: int) -> dict:
 
 
 def run_one_in_subprocess(model_type: str, cache_dir: str, timeout_s: float, threads: int = 1,
-                          include_excluded: bool = False) -> CheckResult:
-    """Check one model type in a child process with a time limit."""
+                          include_excluded: bool = False, recipe: str = "a",
+                          mutate: Optional[str] = None) -> CheckResult:
+    """Check one model type at one size recipe in a child process with a time limit
+    (``mutate``: a deliberate breakage the check must catch, see ``mutations``)."""
     log_dir = os.path.join(cache_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
-    fd, result_path = tempfile.mkstemp(prefix=f"{model_type}-", suffix=".json", dir=log_dir)
+    fd, result_path = tempfile.mkstemp(prefix=f"{model_type}.{recipe}-", suffix=".json", dir=log_dir)
     os.close(fd)
     os.unlink(result_path)  # the child creates it at its first stage
-    cmd = [sys.executable, "-m", "autodeploy.coverage", model_type, "--result", result_path,
+    cmd = [sys.executable, "-m", "autodeploy.coverage", model_type, "--recipe", recipe, "--result", result_path,
            "--cache-dir", cache_dir, "--threads", str(threads)]
     if include_excluded:
         cmd.append("--include-excluded")
-    log_path = os.path.join(log_dir, f"{model_type}.log")
+    if mutate:
+        cmd += ["--mutate", mutate]
+    log_path = os.path.join(log_dir, f"{model_type}.{recipe}.log")
     start = time.perf_counter()
     timed_out = False
     with open(log_path, "w") as log:
@@ -84,7 +89,7 @@ def run_one_in_subprocess(model_type: str, cache_dir: str, timeout_s: float, thr
             timed_out = True
             _kill_group(proc)
     elapsed = round(time.perf_counter() - start, 2)
-    result = _read_result(result_path, model_type)
+    result = _read_result(result_path, model_type, recipe)
     if os.path.exists(result_path):
         os.unlink(result_path)
     if timed_out:
@@ -106,21 +111,21 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _read_result(path: str, model_type: str) -> CheckResult:
+def _read_result(path: str, model_type: str, recipe: str) -> CheckResult:
     try:
         with open(path) as f:
             return CheckResult.from_dict(json.load(f))
     except (OSError, ValueError):
-        category, reason = classify(model_type) if _known(model_type) else (DECODER_ONLY, "")
-        return CheckResult(model_type, category=category, reason=reason)
+        category, reason = category_of(model_type)
+        return CheckResult(model_type, recipe=recipe, category=category, reason=reason)
 
 
-def _known(model_type: str) -> bool:
+def category_of(model_type: str) -> tuple:
+    """``classify``, with an unknown type counted as decoder-only (its check reports it)."""
     try:
-        classify(model_type)
-        return True
+        return classify(model_type)
     except Exception:  # noqa: BLE001
-        return False
+        return DECODER_ONLY, ""
 
 
 def _last_line(path: str) -> str:
@@ -139,13 +144,18 @@ def run_sweep(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     cache_dir: Optional[str] = None,
     include_excluded: bool = False,
+    recipes: Sequence[str] = DEFAULT_RECIPES,
+    mutate: Optional[str] = None,
     on_result: Optional[Callable[[CheckResult], None]] = None,
 ) -> List[CheckResult]:
-    """Check every model type (children in parallel), results sorted by model type.
+    """Check every model type at every size recipe (children in parallel), results sorted by
+    model type and recipe.
 
-    Excluded (not decoder-only) types are classified here without a child, unless
-    ``include_excluded`` asks to run them too. ``on_result`` is called as each one finishes.
+    Excluded (not decoder-only) types are classified here without a child (one result, at the
+    first recipe), unless ``include_excluded`` asks to run them too. ``on_result`` is called as
+    each one finishes. ``mutate`` breaks the pipeline on purpose in every child (``mutations``).
     """
+    recipes = [get_recipe(r).name for r in recipes]  # unknown names fail here, not in every child
     from .checkpoints import default_cache_dir
 
     cache_dir = os.path.abspath(cache_dir or default_cache_dir())
@@ -153,7 +163,7 @@ def run_sweep(
     threads = max(1, (os.cpu_count() or 1) // jobs)
     results: List[CheckResult] = []
     lock = threading.Lock()
-    todo: List[str] = []
+    todo: List[tuple] = []
 
     def done(result: CheckResult) -> None:
         with lock:
@@ -162,17 +172,18 @@ def run_sweep(
                 on_result(result)
 
     for model_type in model_types:
-        category, reason = classify(model_type) if _known(model_type) else (DECODER_ONLY, "")
+        category, reason = category_of(model_type)
         if category != DECODER_ONLY and not include_excluded:
-            done(CheckResult(model_type, category=category, reason=reason, status=EXCLUDED))
+            done(CheckResult(model_type, recipe=recipes[0], category=category, reason=reason, status=EXCLUDED))
         else:
-            todo.append(model_type)
+            todo.extend((model_type, recipe) for recipe in recipes)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(run_one_in_subprocess, t, cache_dir, timeout_s, threads, include_excluded): t
-                   for t in todo}
+        futures = {pool.submit(run_one_in_subprocess, t, cache_dir, timeout_s, threads, include_excluded, r, mutate):
+                   (t, r) for t, r in todo}
         for future in as_completed(futures):
             try:
                 done(future.result())
             except Exception as exc:  # noqa: BLE001 - a bug of the sweep itself: still one row
-                done(CheckResult(futures[future], status=ERROR, error=f"sweep: {type(exc).__name__}: {exc}"))
-    return sorted(results, key=lambda r: r.model_type)
+                t, r = futures[future]
+                done(CheckResult(t, recipe=r, status=ERROR, error=f"sweep: {type(exc).__name__}: {exc}"))
+    return sorted(results, key=lambda r: (r.model_type, r.recipe))

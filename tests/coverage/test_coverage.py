@@ -123,8 +123,10 @@ def test_cli_runs_children_and_writes_report(tmp_path, capsys):
     assert "llama" in printed and "decoder-only: 1/1 pass (100.0%)" in printed
     data = json.loads((tmp_path / "coverage.json").read_text())
     assert data["summary"]["passed"] == 1 and data["summary"]["excluded"] == {"encoder": 1}
-    assert [r["model_type"] for r in data["results"]] == ["bert", "llama"]
-    assert "| llama | compare | pass |" in out.read_text()
+    # llama at both recipes, bert classified once
+    assert [(r["model_type"], r["recipe"]) for r in data["results"]] == [("bert", "a"), ("llama", "a"), ("llama", "b")]
+    assert data["summary"]["per_recipe"]["b"] == {"checked": 1, "passed": 1, "by_outcome": {"pass": 1}}
+    assert "| llama | pass | pass | pass | paged KV |" in out.read_text()
 
 
 def test_report_distinguishes_wrong_output_from_errors(tmp_path):
@@ -142,12 +144,13 @@ def test_report_distinguishes_wrong_output_from_errors(tmp_path):
     assert s["decoder_only"] == 4 and s["passed"] == 1 and s["pass_rate"] == 25.0
     assert s["errors_by_stage"] == {"export": 1, "pattern_matcher": 1}
     md = markdown(results, {"date": "today"})
-    assert "| a_pass | compare | pass | recompute | 2.0e-07 | state outside attention |" in md
-    assert "| b_tokens | compare | FAIL: wrong tokens |  | 3.0e-07 |" in md
-    assert "| c_export | export (export_to_gm) | FAIL: error |  |  | ExportError: data-dependent \\| control flow |" in md
-    assert "| d_slow | pattern_matcher | FAIL: timeout |" in md
-    assert "| e_bert | encoder |" in md and "**Decoder-only: 1 of 4 pass end to end (25.0%); 0 of them with the paged KV cache, 1 in " \
-        "recompute mode.**" in md
+    assert "| a_pass | pass | pass | recompute | 2.0e-07 | state outside attention |" in md
+    assert "| b_tokens | FAIL | FAIL: wrong tokens |  | 3.0e-07 | prompt 1 diverges" in md
+    assert ("| c_export | FAIL | FAIL: error at export (export_to_gm) |  | - | ExportError: data-dependent \\| "
+            "control flow |") in md
+    assert "| d_slow | FAIL | FAIL: timeout at pattern_matcher |" in md
+    assert "| e_bert | encoder |" in md and "**Decoder-only: 1 of 4 pass end to end at every recipe (25.0%); 0 of them with the paged KV " \
+        "cache, 1 in recompute mode.**" in md
     paths = write_report(results, str(tmp_path / "cov.md"), {"date": "today"})
     data = json.loads(open(paths[1]).read())
     assert data["summary"]["by_outcome"]["FAIL: wrong tokens"] == 1

@@ -37,7 +37,8 @@ def test_torch_simple_returns_the_same_module_and_output():
         other = out(torch.randn(5, 8))  # still dynamic
     torch.testing.assert_close(after, before, atol=0, rtol=0)
     assert other.shape == (5, 8)
-    assert ctx.history[-1].key == "compile_model" and ctx.history[-1].status in ("ok", "skipped")
+    # nothing of autodeploy's to run directly: torch-simple hands the graph back, and says so
+    assert ctx.history[-1].key == "compile_model" and ctx.history[-1].status == "skipped"
 
 
 def test_default_backend_is_torch_simple():

@@ -15,7 +15,8 @@ from torch import nn
 
 from autodeploy.transform.interface import Stage
 from autodeploy.utils.memory import measure_peak
-from helpers import apply_transform, assert_same_outputs, build, count_op, export_gm, family_checkpoint, rel_rmse
+from helpers import (apply_transform, assert_matches_hf, assert_same_outputs, build, count_op, export_gm,
+                     family_checkpoint)
 
 aten = torch.ops.aten
 
@@ -94,7 +95,8 @@ class Stacked(nn.Module):
 
 
 class SharedTwice(nn.Module):
-    """The same q/k projections applied to two different inputs (shared weights)."""
+    """The same q/k projections applied to two different inputs (shared weights). q and k are
+    combined asymmetrically, so outputs handed to the wrong consumer change the result."""
 
     def __init__(self):
         super().__init__()
@@ -102,9 +104,9 @@ class SharedTwice(nn.Module):
 
     def forward(self, x):
         h1 = torch.tanh(x)
-        a = self.q(h1) + self.k(h1)
+        a = self.q(h1) - 0.5 * self.k(h1)
         h2 = torch.sigmoid(a)
-        return self.q(h2) * self.k(h2)
+        return self.q(h2) * torch.sigmoid(self.k(h2))
 
 
 def _numel(gm):
@@ -156,7 +158,7 @@ def test_fused_weight_is_registered_and_originals_deleted(bias):
         fused_b = gm.get_parameter(str(b_node.target))
         torch.testing.assert_close(fused_b, torch.cat([ref_params[f"{p}.bias"] for p in "qkv"]), rtol=0, atol=0)
     else:
-        assert len(linear.args) == 2 or linear.args[2] is None
+        assert len(linear.args) == 2  # fuse_group emits a bias-less linear without the bias argument
     assert len(names) == (2 if bias else 1)
     assert _numel(gm) == _numel(reference)  # no double copies
 
@@ -164,6 +166,9 @@ def test_fused_weight_is_registered_and_originals_deleted(bias):
 def test_view_merging_feature_dim_still_works():
     reference, gm, record = _run(QKVFlattened())
     assert record.num_matches == 1
+    assert count_op(gm, aten.linear) == 1 and count_op(gm, aten.split_with_sizes) == 1
+    # the views that merge the split feature dim into a leading one became reshapes (a copy)
+    assert count_op(gm, aten.view) == 0 and count_op(gm, aten.reshape) == 2
     assert_same_outputs(reference, gm, SHAPES)
 
 
@@ -203,9 +208,19 @@ def test_stacked_groups():
 
 
 def test_shared_weights_in_two_groups():
+    """Both applications of the shared q/k fuse, and both read one concatenated weight: fusing
+    must not copy a shared weight once per use (a layer applied N times would hold N copies)."""
     reference, gm, record = _run(SharedTwice())
+    assert record.num_matches == 2
+    assert count_op(gm, aten.linear) == 2 and count_op(gm, aten.split_with_sizes) == 2
+    linears = gm.graph.find_nodes(op="call_function", target=aten.linear.default)
+    assert {str(n.args[1].target) for n in linears} == {"fused_q_k"}
+    assert {n for n, _ in gm.named_parameters()} == {"fused_q_k"}
+    torch.testing.assert_close(gm.get_parameter("fused_q_k"),
+                               torch.cat([reference.get_parameter("q.weight"), reference.get_parameter("k.weight")]),
+                               rtol=0, atol=0)
+    assert _numel(gm) == _numel(reference)
     assert_same_outputs(reference, gm, SHAPES)
-    assert _numel(gm) <= 2 * _numel(reference)
 
 
 # ---- memory: one group at a time, never two copies of the model --------------------------------
@@ -246,15 +261,19 @@ def _measure_fusion_peak():
             "mem_delta_mb": record.mem_delta_mb}
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="the CPU peak is read from Linux's /proc/self/status (VmHWM), reset via clear_refs")
 def test_peak_memory_is_one_group_not_the_model():
     """Measured in a fresh process: the RSS peak of a process that ran other tests depends on
     what the allocator kept from them (glibc raises its mmap threshold after big frees, so later
-    blocks of a few MiB stay resident once freed)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pytest.skip("/proc/self/clear_refs is not writable: cannot reset the peak RSS")
+    blocks of a few MiB stay resident once freed).
+
+    Only the operating system is outside the suite's control: on Linux a process may always write
+    its own clear_refs (kernel >= 4.0), so a failure to reset the peak there is a broken
+    measurement, not a reason to skip.
+    """
+    with open("/proc/self/clear_refs", "w") as f:  # the precondition measure_peak relies on
+        f.write("5")
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import json, sys; sys.path[:0] = [sys.argv[1]]; import conftest; "
             "from transforms.test_fuse_gemms import _measure_fusion_peak; print(json.dumps(_measure_fusion_peak()))")
@@ -287,6 +306,8 @@ def _record(result, key):
 
 
 def test_llama_pipeline_counts_and_numerics():
+    """Counts with and without swiglu matching; both builds' logits against HF's model from the
+    same checkpoint (the unmodified model), at two shapes."""
     ckpt = family_checkpoint("llama")
     default = build(ckpt, up_to=Stage.POST_LOAD_FUSION)
     rec = _record(default, "fuse_gemms")
@@ -304,9 +325,5 @@ def test_llama_pipeline_counts_and_numerics():
     assert "model.layers.0.mlp.fused_gate_proj_up_proj" in names
     assert not [n for n in names if "gate_proj.weight" in n or "up_proj.weight" in n]
 
-    for b, s in ((1, 5), (2, 3)):
-        ids = torch.randint(0, 512, (b, s))
-        pos = torch.arange(s).expand(b, s)
-        with torch.no_grad():
-            a, c = default.graph(ids, pos), no_swiglu.graph(ids, pos)
-        assert rel_rmse(c, a) < 1e-4
+    for result in (default, no_swiglu):
+        assert_matches_hf(result.graph, ckpt)

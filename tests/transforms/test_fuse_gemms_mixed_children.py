@@ -111,6 +111,9 @@ def test_near_misses_left_alone(cls):
 def test_view_merging_feature_dim_still_works():
     reference, gm, record = _run(FlattenedWithRelu())
     assert record.num_matches == 1
+    assert count_op(gm, aten.linear) == 1 and count_op(gm, aten.narrow) == 2
+    # the view merging the narrowed feature dim into a leading one became a reshape (a copy)
+    assert count_op(gm, aten.view) == 0 and count_op(gm, aten.reshape) == 1
     assert_same_outputs(reference, gm, SHAPES)
 
 

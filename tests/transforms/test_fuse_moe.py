@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from autodeploy.export.exporter import export_causal_lm
 from autodeploy.transform.cleanups import cleanup_for_matching
 from autodeploy.transform.interface import Stage
-from helpers import (MOE_LAYERS, apply_transform, assert_same_outputs, build, count_op, export_gm,
+from helpers import (MOE_LAYERS, apply_transform, assert_matches_hf, assert_same_outputs, build, count_op, export_gm,
                      export_moe_block, moe_block, moe_config, moe_family_checkpoint, rel_rmse)
 
 ad = torch.ops.autodeploy
@@ -93,6 +93,7 @@ def test_stacked_parameters_are_taken_as_they_are():
     reference = copy.deepcopy(gm)
     gm, record = apply_transform("fuse_moe", gm, bmm_max_pairs=3)
     assert record.num_matches == 1
+    assert count_op(gm, ad.grouped_moe_fused) == 1 and count_op(gm, [ad.torch_moe, ad.torch_moe_fused]) == 0
     node = gm.graph.find_nodes(op="call_function", target=ad.grouped_moe_fused.default)[0]
     assert [str(n.target) for n in node.args[3:5]] == ["experts.gate_up_proj", "experts.down_proj"]
     assert node.args[-1] == 3
@@ -153,6 +154,7 @@ def test_pipeline_fuses_every_moe_layer(family):
     params = dict(gm.named_parameters())
     assert not [n for n in params if ".experts.0." in n or n.endswith("experts.gate_up_proj")]
     assert all(not p.is_meta for p in params.values())
+    assert_matches_hf(gm, moe_family_checkpoint(family))
 
 
 def test_stacked_checkpoint_is_loaded_as_stacked(tmp_path):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autodeploy.transform.interface import Stage
-from helpers import apply_transform, assert_same_outputs, build, count_op, export_gm, family_checkpoint
+from helpers import apply_transform, assert_matches_hf, assert_same_outputs, build, count_op, export_gm, family_checkpoint
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -87,7 +87,8 @@ def test_llama_without_swiglu_matching_fuses_after_fuse_gemms():
     record = _record(result, "fuse_silu_mul")
     assert record.status == "ok" and record.num_matches == 2
     assert count_op(result.graph, ad.torch_silu_and_mul) == 2
-    assert count_op(result.graph, aten.silu) == 0
+    assert count_op(result.graph, [aten.silu, aten.mul]) == 0
+    assert_matches_hf(result.graph, family_checkpoint("llama"))
 
 
 def test_phi3_fused_gate_up():
@@ -96,3 +97,4 @@ def test_phi3_fused_gate_up():
     assert record.status == "ok" and record.num_matches == 2
     assert count_op(result.graph, ad.torch_silu_and_mul) == 2
     assert count_op(result.graph, aten.silu) == 0
+    assert_matches_hf(result.graph, family_checkpoint("phi3"))

@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from autodeploy.transform.interface import Stage
-from helpers import apply_transform, assert_same_outputs, build, count_op, export_gm, family_checkpoint
+from helpers import apply_transform, assert_matches_hf, assert_same_outputs, build, count_op, export_gm, family_checkpoint
 
 ad = torch.ops.autodeploy
 H, I = 32, 64
@@ -100,11 +100,21 @@ def test_near_misses_left_alone(cls):
 
 
 def test_shared_mlp_applied_twice():
+    """Both applications fuse and read one concatenated gate/up weight (no copy per use)."""
     gm, matched = _swiglu_gm(SharedMLP())
     assert matched.num_matches == 2
     reference = copy.deepcopy(gm)
+    ref_params = dict(reference.named_parameters())
     gm, record = apply_transform("fuse_swiglu", gm)
-    assert count_op(gm, ad.torch_swiglu_mlp) + count_op(gm, ad.torch_fused_swiglu_mlp) == 2
+    assert record.num_matches == 2
+    assert count_op(gm, ad.torch_fused_swiglu_mlp) == 2 and count_op(gm, ad.torch_swiglu_mlp) == 0
+    nodes = gm.graph.find_nodes(op="call_function", target=ad.torch_fused_swiglu_mlp.default)
+    assert {str(n.args[1].target) for n in nodes} == {"mlp.fused_gate_proj_up_proj"}
+    assert {n for n, _ in gm.named_parameters()} == {"mlp.fused_gate_proj_up_proj", "mlp.down_proj.weight"}
+    torch.testing.assert_close(gm.get_parameter("mlp.fused_gate_proj_up_proj"),
+                               torch.cat([ref_params["mlp.gate_proj.weight"], ref_params["mlp.up_proj.weight"]]),
+                               rtol=0, atol=0)
+    assert sum(p.numel() for p in gm.parameters()) == sum(p.numel() for p in reference.parameters())
     assert_same_outputs(reference, gm, SHAPES)
 
 
@@ -118,3 +128,4 @@ def test_llama_pipeline_fuses_both_layers():
     for layer in range(2):
         assert params[f"model.layers.{layer}.mlp.fused_gate_proj_up_proj"].shape == (2 * 128, 64)
     assert not [n for n in params if "gate_proj.weight" in n or "up_proj.weight" in n]
+    assert_matches_hf(result.graph, family_checkpoint("llama"))

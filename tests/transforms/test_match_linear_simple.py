@@ -66,8 +66,11 @@ def test_parameter_linears_become_linear_simple():
 
 
 def test_node_metadata_carries_the_output_shape():
-    reference, gm, _ = _run(Mlp().eval(), torch.randn(2, 3, 8))
-    for node in _simple_nodes(gm):
+    reference, gm, record = _run(Mlp().eval(), torch.randn(2, 3, 8))
+    assert record.num_matches == 2
+    nodes = _simple_nodes(gm)
+    assert len(nodes) == 2  # the loop below must have something to check
+    for node in nodes:
         assert node.meta["val"].shape[-1] == node.args[1].meta["val"].shape[0]
         assert node.meta["val"].dim() == 3
 

@@ -179,4 +179,6 @@ def test_hand_written_experts_match():
     gm, record = apply_transform("match_moe_pattern", gm)
     assert record.num_matches == 1
     assert count_op(gm, ad.torch_moe_fused) == 1
+    assert count_op(gm, [aten.bmm, aten.repeat_interleave]) == 0
     assert_same_outputs(reference, gm, SHAPES)
+    assert_same_outputs(module, gm, SHAPES)

@@ -69,6 +69,7 @@ def test_gemma_offset_norm():
     reference, gm, record = _run(GemmaNorm(16).eval(), x)
     assert record.num_matches == 1
     assert count_op(gm, ad.torch_rmsnorm) == 1
+    assert count_op(gm, [aten.rsqrt, aten.pow, aten.mean]) == 0
     assert_same_outputs(reference, gm, [(torch.randn(2, 5, 16),), (torch.randn(1, 9, 16),)])
 
 
@@ -77,7 +78,10 @@ def test_bf16_norm_with_casts():
     x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
     reference, gm, record = _run(module, x)
     assert record.num_matches == 1
-    assert_same_outputs(reference, gm, [(torch.randn(2, 3, 16, dtype=torch.bfloat16),)], tol=1e-2)
+    assert count_op(gm, ad.torch_rmsnorm) == 1
+    assert count_op(gm, [aten.rsqrt, aten.pow, aten.mean]) == 0
+    assert_same_outputs(reference, gm, [(torch.randn(2, 3, 16, dtype=torch.bfloat16),),
+                                        (torch.randn(1, 7, 16, dtype=torch.bfloat16),)], tol=1e-2)
 
 
 def test_any_weight_expression_is_a_norm_weight():
@@ -85,6 +89,10 @@ def test_any_weight_expression_is_a_norm_weight():
     x = torch.randn(2, 5, 16)
     reference, gm, record = _run(GemmaNorm(16, offset=2.0).eval(), x)
     assert record.num_matches == 1
+    assert count_op(gm, ad.torch_rmsnorm) == 1
+    assert count_op(gm, [aten.rsqrt, aten.pow, aten.mean]) == 0
+    node = gm.graph.find_nodes(op="call_function", target=ad.torch_rmsnorm.default)[0]
+    assert node.args[1].target == aten.add.Tensor  # the weight is the expression 2 + w
     assert_same_outputs(reference, gm, [(torch.randn(2, 5, 16),), (torch.randn(1, 2, 16),)])
 
 
@@ -94,4 +102,6 @@ def test_near_misses_are_left_alone():
         reference, gm, record = _run(module.eval(), x)
         assert record.num_matches == 0, type(module).__name__
         assert count_op(gm, ad.torch_rmsnorm) == 0
-        assert_same_outputs(reference, gm, [(torch.randn(2, 16, 16),)])
+        assert count_op(gm, aten.rsqrt) == 1
+        assert gm.code == reference.code
+        assert_same_outputs(reference, gm, [(torch.randn(2, 16, 16),), (torch.randn(3, 16, 16),)])

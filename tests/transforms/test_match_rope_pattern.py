@@ -208,11 +208,25 @@ def test_deepseek_interleaved():
 
 
 def test_deepseek_interleaved_is_exact_for_any_table():
+    """Random tables (not ``cat(freqs, freqs)``): HF reads only the first half of each, and so
+    does the op; the rewrite must be exact without relying on the tables' structure."""
+
     def inputs(b, s):
         q, k, _, _ = bnsd(b, s)
         return q, k, torch.randn(b, s, 16), torch.randn(b, s, 16)
 
     reference, gm, record = _run(DeepSeekRope(), *inputs(2, 5))
+    assert record.num_matches == 1
+    (node,) = _rope_nodes(gm)
+    assert node.target == ad.torch_rope_with_qk_interleaving.default
+    ph = _placeholders(gm)
+    assert node.args[:2] == (ph["q"], ph["k"])
+    # the pair slices of q and k (x[..., 0::2], x[..., 1::2]) and the rotation arithmetic are gone;
+    # the only slices left are the half-width tables the op reads
+    assert count_op(gm, [aten.cat, aten.sub, aten.mul, aten.add, aten.unsqueeze]) == 0
+    slices = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.slice.Tensor]
+    assert sorted(n.args[0].name for n in slices) == ["cos", "sin"]
+    assert list(node.args[2:4]) == sorted(slices, key=lambda n: n.args[0].name)
     assert_same_outputs(reference, gm, [inputs(2, 5), inputs(3, 9)], tol=1e-6)
 
 

@@ -66,6 +66,8 @@ def test_llama_mlp_becomes_swiglu(bias):
 def test_up_times_silu_gate_order_also_matches():
     reference, gm, record = _run(UpFirst())
     assert record.num_matches == 1
+    assert count_op(gm, ad.torch_swiglu_mlp) == 1
+    assert count_op(gm, [aten.linear, aten.silu, aten.mul]) == 0
     node = gm.graph.find_nodes(op="call_function", target=ad.torch_swiglu_mlp.default)[0]
     assert [str(a.target) for a in node.args[1:4]] == ["gate.weight", "up.weight", "down.weight"]
     assert_same_outputs(reference, gm, SHAPES)

@@ -51,8 +51,9 @@ def test_grows_to_useful_pages(weights_graph):
 
 
 def test_resized_pool_is_what_the_graph_uses(weights_graph):
-    gm, ctx, _ = _pipeline(weights_graph)
+    gm, ctx, sizing = _pipeline(weights_graph)
     cache = ctx.cache
+    assert cache.num_pages == cache.useful_pages > sizing  # the last page exists only in the grown pool
     last = cache.num_pages - 1
     info = build_sequence_info([[3, 4, 5]], [0], [[last]])
     with torch.no_grad():
@@ -62,8 +63,12 @@ def test_resized_pool_is_what_the_graph_uses(weights_graph):
 
 
 def test_tiny_free_mem_ratio_gives_min_pages(weights_graph):
-    _, ctx, _ = _pipeline(weights_graph, resize={"free_mem_ratio": 1e-9})
-    assert ctx.cache.num_pages == ctx.cache.min_pages == 8
+    """A token budget above max_seq_len makes the sizing pool bigger than min_pages, so reaching
+    min_pages is the resize's doing (the pool shrinks to one sequence)."""
+    _, ctx, sizing = _pipeline(weights_graph, resize={"free_mem_ratio": 1e-9}, max_seq_len=16, max_num_tokens=40)
+    assert ctx.cache.min_pages == 4 and sizing > 4
+    assert ctx.history[-1].key == "resize_kv_cache" and ctx.history[-1].num_matches == 1
+    assert ctx.cache.num_pages == ctx.cache.min_pages
     _zeroed_and_shaped(ctx.cache)
 
 
@@ -71,6 +76,7 @@ def test_tiny_free_mem_ratio_gives_min_pages(weights_graph):
 def test_pool_stays_between_min_and_useful(weights_graph, ratio):
     _, ctx, _ = _pipeline(weights_graph, resize={"free_mem_ratio": ratio}, max_batch_size=1, page_size=7)
     cache = ctx.cache
+    assert ctx.history[-1].key == "resize_kv_cache" and ctx.history[-1].num_matches == 1  # it chose the size
     assert cache.min_pages == cache.useful_pages == 5 == cache.num_pages
 
 
@@ -89,6 +95,8 @@ def test_explicit_min_pool_with_large_token_budget_is_kept(weights_graph):
     # max_num_tokens=24 over max_seq_len=8 sequences uses 3 sequences' worth of pages.
     _, ctx, _ = _pipeline(weights_graph, init={"num_pages": 2}, max_seq_len=8, max_num_tokens=24)
     assert ctx.cache.num_pages == 2
+    record = ctx.history[-1]
+    assert record.key == "resize_kv_cache" and record.status == "ok" and record.num_matches == 0
 
 
 def test_free_mem_ratio_is_validated():

@@ -69,15 +69,30 @@ def _fused_name(gm: fx.GraphModule, targets: List[str]) -> str:
     return f"{common}.{name}" if common else name
 
 
-def _concat_params(gm: fx.GraphModule, nodes: List[fx.Node]) -> str:
+FusedNames = Dict[Tuple[str, ...], str]
+
+
+def _concat_params(gm: fx.GraphModule, nodes: List[fx.Node], made: Optional[FusedNames] = None) -> str:
     """Concatenate the parameters behind ``nodes`` into a new one (the originals stay until
-    ``release_unused`` sees nothing reads them any more)."""
+    ``release_unused`` sees nothing reads them any more).
+
+    ``made`` (one dict per transform application) remembers the concatenations made so far: the
+    same parameters in the same order again (weights shared by two groups, e.g. one layer applied
+    twice) reuse that parameter instead of a second copy of the same values.
+    """
     targets = [str(n.target) for n in nodes]
+    key = tuple(targets)
+    if made is not None and key in made:
+        owner, leaf = _owner(gm, made[key])
+        if leaf in owner._parameters:
+            return made[key]
     tensors = [get_attr_value(gm, n) for n in nodes]
     fused = nn.Parameter(torch.cat([t.detach() for t in tensors], dim=0), requires_grad=False)
     name = _fused_name(gm, targets)
     owner, leaf = _owner(gm, name)
     owner.register_parameter(leaf, fused)
+    if made is not None:
+        made[key] = name
     return name
 
 
@@ -98,13 +113,14 @@ def release_unused(gm: fx.GraphModule, nodes: List[Optional[fx.Node]]) -> None:
             del owner._buffers[leaf]
 
 
-def fuse_group(gm: fx.GraphModule, parent: fx.Node, linears: List[fx.Node], narrow: bool) -> None:
+def fuse_group(gm: fx.GraphModule, parent: fx.Node, linears: List[fx.Node], narrow: bool,
+               made: Optional[FusedNames] = None) -> None:
     """Replace ``linears`` (all reading ``parent``) by one linear and a split of its output."""
     graph = gm.graph
     parts = [_linear_parts(n) for n in linears]
     sizes = [int(get_attr_value(gm, w).shape[0]) for w, _ in parts]
-    weight_name = _concat_params(gm, [w for w, _ in parts])
-    bias_name = _concat_params(gm, [b for _, b in parts]) if parts[0][1] is not None else None
+    weight_name = _concat_params(gm, [w for w, _ in parts], made)
+    bias_name = _concat_params(gm, [b for _, b in parts], made) if parts[0][1] is not None else None
     first = min(linears, key=lambda n: list(graph.nodes).index(n))
     with graph.inserting_before(first):
         w = graph.get_attr(weight_name)
@@ -134,10 +150,11 @@ def fuse_all_groups(gm: fx.GraphModule, mixed: bool) -> int:
     """Fuse groups one at a time, looking again after each: fusing one group can change
     another's input (a fused linear that feeds a second group)."""
     count = 0
+    made: FusedNames = {}
     while True:
         groups = linear_groups(gm, mixed)
         if not groups:
             return count
         parent, linears = groups[0]
-        fuse_group(gm, parent, linears, narrow=mixed)
+        fuse_group(gm, parent, linears, narrow=mixed, made=made)
         count += 1

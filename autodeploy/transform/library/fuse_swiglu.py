@@ -17,7 +17,7 @@ from torch import fx
 
 from ..graph_utils import arg, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._gemm_fusion import _concat_params, release_unused
+from ._gemm_fusion import FusedNames, _concat_params, release_unused
 
 
 class FuseSwigluConfig(TransformConfig):
@@ -37,6 +37,7 @@ class FuseSwiglu(BaseTransform):
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         graph = gm.graph
         count = 0
+        made: FusedNames = {}  # an MLP applied twice shares one concatenated weight
         for node in list(graph.nodes):
             if not is_op(node, torch.ops.autodeploy.torch_swiglu_mlp):
                 continue
@@ -44,8 +45,8 @@ class FuseSwiglu(BaseTransform):
             gate_b, up_b, down_b = (arg(node, i, n) for i, n in ((4, "gate_bias"), (5, "up_bias"), (6, "down_bias")))
             if not all(_is_param(n) for n in (gate_w, up_w, gate_b, up_b)) or (gate_b is None) != (up_b is None):
                 continue
-            w_name = _concat_params(gm, [gate_w, up_w])
-            b_name = _concat_params(gm, [gate_b, up_b]) if gate_b is not None else None
+            w_name = _concat_params(gm, [gate_w, up_w], made)
+            b_name = _concat_params(gm, [gate_b, up_b], made) if gate_b is not None else None
             with graph.inserting_before(node):
                 w = graph.get_attr(w_name)
                 b = graph.get_attr(b_name) if b_name else None

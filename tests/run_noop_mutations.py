@@ -1,0 +1,268 @@
+"""No-op mutation run: which tests of a transform still pass when the transform does nothing?
+
+For each transform key below, its own test files run in a fresh pytest process with the
+``noop_mutation`` plugin and ``AUTODEPLOY_NOOP_TRANSFORM=<key>``: the transform then returns the
+model untouched with zero matches (see ``tests/noop_mutation.py``). A test that still passes
+cannot tell the transform from the identity. That is right only for a test meant to see nothing
+happen (a near miss asserting zero matches and the graph left alone, a config validation, a test
+of an op or helper the transform uses); those are listed in ``INTENDED`` with the reason. Any
+other survivor is a defect of the test and is marked so in the table (and in the exit status).
+
+Not collected by pytest (the name does not start with ``test_``) and not part of CI: it runs
+each file set once per key, several minutes in all on a small machine.
+
+Usage, from the repository root::
+
+    .venv/bin/python tests/run_noop_mutations.py                     # every key below
+    .venv/bin/python tests/run_noop_mutations.py fuse_gemms match_rope_pattern
+    .venv/bin/python tests/run_noop_mutations.py --control fuse_gemms  # also run unmutated first
+    .venv/bin/python tests/run_noop_mutations.py --list
+
+Prints a markdown table (transform key, tests run, failed under no-op, survivors and whether
+each is intended). Exit status 1 if any survivor is not intended, a test errored in
+collection, or (with ``--control``) a test fails even without the mutation.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+
+# key -> its own test files (relative to tests/)
+KEYS: Dict[str, List[str]] = {
+    # post_export cleanups
+    "cleanup_assert_metadata": ["transforms/test_cleanup_assert_metadata.py"],
+    "cleanup_noop_cast": ["transforms/test_cleanup_noop_cast.py"],
+    "cleanup_noop_slice": ["transforms/test_cleanup_noop_slice.py"],
+    "cleanup_noop_add": ["transforms/test_cleanup_noop_add.py"],
+    "cleanup_noop_mul": ["transforms/test_cleanup_noop_mul.py"],
+    "cleanup_noop_view": ["transforms/test_cleanup_noop_view.py"],
+    # pattern_matcher
+    "match_eager_attention": ["transforms/test_match_eager_attention.py"],
+    "match_sdpa_attention": ["transforms/test_match_sdpa_attention.py"],
+    "match_repeat_kv": ["transforms/test_match_repeat_kv.py"],
+    "match_rope_pattern": ["transforms/test_match_rope_pattern.py"],
+    "match_rmsnorm_pattern": ["transforms/test_match_rmsnorm_pattern.py"],
+    "match_swiglu_pattern": ["transforms/test_match_swiglu_pattern.py"],
+    "match_moe_pattern": ["transforms/test_match_moe_pattern.py"],
+    "match_linear_simple": ["transforms/test_match_linear_simple.py"],
+    # post_load_fusion
+    "fuse_gemms": ["transforms/test_fuse_gemms.py"],
+    "fuse_gemms_mixed_children": ["transforms/test_fuse_gemms_mixed_children.py"],
+    "fuse_swiglu": ["transforms/test_fuse_swiglu.py"],
+    "fuse_silu_mul": ["transforms/test_fuse_silu_mul.py"],
+    "fuse_add_rms_norm": ["transforms/test_fuse_add_rms_norm.py"],
+    "fuse_rmsnorm": ["transforms/test_fuse_rmsnorm.py"],
+    "fuse_moe": ["transforms/test_fuse_moe.py"],
+    "optimize_rope": ["transforms/test_optimize_rope.py"],
+    "select_linear_backend": ["transforms/test_select_linear_backend.py",
+                              "transforms/test_select_linear_backend_gemv.py"],
+    # cache_init / compile
+    "insert_cached_attention": ["transforms/test_insert_cached_attention.py"],
+    "resize_kv_cache": ["transforms/test_resize_kv_cache.py"],
+    "gather_logits_before_lm_head": ["transforms/test_gather_logits_before_lm_head.py"],
+    "cleanup_identity_dtype_cast": ["transforms/test_cleanup_identity_dtype_cast.py"],
+}
+
+# Survivors that are meant to survive a no-op of their transform: node-id prefix -> why.
+INTENDED: Dict[str, str] = {
+    # near misses: the test asserts zero matches and the graph left alone
+    "transforms/test_cleanup_assert_metadata.py::test_graph_without_asserts_is_left_alone": "near miss",
+    "transforms/test_cleanup_noop_cast.py::test_dtype_changing_and_copying_casts_stay": "near miss",
+    "transforms/test_cleanup_noop_slice.py::test_partial_and_strided_slices_stay": "near miss",
+    "transforms/test_cleanup_noop_slice.py::test_slice_bounded_by_another_dynamic_length_stays": "near miss",
+    "transforms/test_cleanup_noop_add.py::test_dtype_or_shape_changing_adds_stay": "near miss",
+    "transforms/test_cleanup_noop_add.py::test_add_zero_whose_source_is_mutated_later_stays": "near miss",
+    "transforms/test_cleanup_noop_add.py::test_add_zero_whose_source_is_mutated_through_a_view_stays": "near miss",
+    "transforms/test_cleanup_noop_add.py::test_add_zero_that_makes_a_tensor_contiguous_is_left_alone": "near miss",
+    "transforms/test_cleanup_noop_mul.py::test_scaling_dtype_changing_and_floor_division_stay": "near miss",
+    "transforms/test_cleanup_noop_mul.py::test_mul_one_whose_source_is_mutated_later_stays": "near miss",
+    "transforms/test_cleanup_noop_mul.py::test_mul_one_whose_source_is_mutated_through_a_view_stays": "near miss",
+    "transforms/test_cleanup_noop_mul.py::test_mul_one_that_makes_a_tensor_contiguous_is_left_alone": "near miss",
+    "transforms/test_cleanup_noop_view.py::test_shape_or_dtype_changing_views_stay": "near miss",
+    "transforms/test_cleanup_noop_view.py::test_contiguous_of_non_contiguous_tensor_stays_and_graph_runs": "near miss",
+    "transforms/test_cleanup_noop_view.py::test_view_written_in_place_is_kept_and_numerics_hold": "near miss",
+    "transforms/test_cleanup_identity_dtype_cast.py::test_nothing_to_remove_is_a_zero_match": "near miss",
+    "transforms/test_cleanup_identity_dtype_cast.py::test_stage_is_compile":
+        "config: the transform's stage (runs no transform)",
+    "transforms/test_match_eager_attention.py::test_softmax_over_queries_is_left_alone": "near miss",
+    "transforms/test_match_eager_attention.py::test_returned_probabilities_keep_the_eager_math": "near miss",
+    "transforms/test_match_eager_attention.py::test_inplace_scaled_scores_read_again_keep_the_eager_math": "near miss",
+    "transforms/test_match_eager_attention.py::test_rank3_attention_is_left_alone": "near miss",
+    "transforms/test_match_sdpa_attention.py::test_dropout_is_left_alone": "near miss",
+    "transforms/test_match_sdpa_attention.py::test_is_causal_with_different_query_and_key_lengths_is_left_alone":
+        "near miss (SDPA's top-left causal mask is not torch_attention's bottom-right one)",
+    "transforms/test_match_sdpa_attention.py::test_rank3_sdpa_is_left_alone": "near miss",
+    "transforms/test_match_repeat_kv.py::test_near_misses_are_left_alone": "near miss",
+    "transforms/test_match_repeat_kv.py::test_tiling_is_really_a_different_head_assignment":
+        "guard of the near miss above (runs no transform)",
+    "transforms/test_match_rope_pattern.py::test_off_centre_rotate_half_is_left_alone": "near miss",
+    "transforms/test_match_rope_pattern.py::test_q_and_k_with_different_tables_are_left_alone": "near miss",
+    "transforms/test_match_rope_pattern.py::test_rope_ops_equal_hf_functions":
+        "op test: the replacement ops equal HF's functions (runs no transform)",
+    "transforms/test_match_rmsnorm_pattern.py::test_near_misses_are_left_alone": "near miss",
+    "transforms/test_match_swiglu_pattern.py::test_near_misses_left_alone": "near miss",
+    "transforms/test_match_moe_pattern.py::test_export_route_emits_the_same_canonical_op":
+        "near miss: the export route already emits the canonical op, the matcher must find nothing",
+    "transforms/test_match_moe_pattern.py::test_gelu_gated_experts_left_alone": "near miss",
+    "transforms/test_match_moe_pattern.py::test_cross_wired_experts_left_alone": "near miss",
+    "transforms/test_match_linear_simple.py::test_computed_weight_is_left_alone": "near miss",
+    "transforms/test_fuse_gemms.py::test_near_misses_left_alone": "near miss",
+    "transforms/test_fuse_gemms.py::test_different_weight_dtypes_left_alone": "near miss",
+    "transforms/test_fuse_gemms_mixed_children.py::test_near_misses_left_alone": "near miss",
+    "transforms/test_fuse_gemms_mixed_children.py::test_llama_pipeline_leaves_all_linear_parents_to_fuse_gemms":
+        "near miss: on llama every linear parent is fuse_gemms' (asserts 0 matches here)",
+    "transforms/test_fuse_swiglu.py::test_near_misses_left_alone": "near miss",
+    "transforms/test_fuse_silu_mul.py::test_near_misses_left_alone": "near miss",
+    "transforms/test_fuse_add_rms_norm.py::test_near_misses_are_left_alone": "near miss",
+    "transforms/test_fuse_rmsnorm.py::test_graph_without_norms_is_a_zero_match": "near miss",
+    "transforms/test_fuse_rmsnorm.py::test_native_kernel_matches_the_reference_and_declines_what_it_cannot_take":
+        "op test: the native kernel against the reference op (runs no transform)",
+    "transforms/test_fuse_rmsnorm.py::test_invalid_backend_is_a_config_error": "config validation",
+    "transforms/test_fuse_moe.py::test_input_dependent_weights_left_alone": "near miss",
+    "transforms/test_select_linear_backend.py::test_onednn_leaves_bf16_and_computed_weights_alone": "near miss",
+    "transforms/test_select_linear_backend.py::test_bf16_weights_left_alone": "near miss",
+    "transforms/test_select_linear_backend.py::test_computed_weight_left_alone": "near miss",
+    "transforms/test_select_linear_backend_gemv.py::test_near_misses_are_left_alone": "near miss",
+    "transforms/test_select_linear_backend_gemv.py::test_float16_overflow_is_computed_in_float32":
+        "op test: dual_linear itself (runs no transform)",
+    "transforms/test_select_linear_backend_gemv.py::test_config_errors_and_memory_expectation": "config validation",
+    "transforms/test_resize_kv_cache.py::test_explicit_num_pages_is_kept": "near miss: a user's num_pages is kept",
+    "transforms/test_resize_kv_cache.py::test_explicit_min_pool_with_large_token_budget_is_kept":
+        "near miss: a user's num_pages is kept",
+    "transforms/test_resize_kv_cache.py::test_free_mem_ratio_is_validated": "config validation",
+}
+
+
+@dataclass
+class KeyResult:
+    key: str
+    files: List[str]
+    passed: List[str] = field(default_factory=list)
+    failed: List[str] = field(default_factory=list)
+    skipped: List[str] = field(default_factory=list)
+    errors: List[str] = field(default_factory=list)  # collection errors, crashes
+    control_failed: List[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _node_id(case: ET.Element) -> str:
+    """``transforms/test_x.py::test_y[param]`` from a junit testcase (classname is the dotted path)."""
+    classname, name = case.get("classname", ""), case.get("name", "")
+    parts = classname.split(".")
+    # classname: tests.transforms.test_x (module) or tests.transforms.test_x.TestClass
+    mod_end = next((i for i, p in enumerate(parts) if p.startswith("test_")), len(parts) - 1)
+    path = "/".join(p for p in parts[: mod_end + 1] if p != "tests") + ".py"
+    return "::".join([path, *parts[mod_end + 1:], name])
+
+
+def _run_pytest(files: List[str], key: Optional[str], marker: str, timeout: int) -> Tuple[Dict[str, str], str, float]:
+    """Run ``files`` (with ``key`` made a no-op, or unmutated for None); node id -> outcome."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([TESTS, *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("AUTODEPLOY_NOOP_TRANSFORM", None)
+    env.pop("_AUTODEPLOY_NOOP_ACTIVE", None)
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker]
+    if key is not None:
+        env["AUTODEPLOY_NOOP_TRANSFORM"] = key
+        args += ["-p", "noop_mutation"]
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = os.path.join(tmp, "junit.xml")
+        start = time.perf_counter()
+        try:
+            done = subprocess.run([*args, f"--junitxml={xml}", *[os.path.join(TESTS, f) for f in files]],
+                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+            tail = (done.stdout + done.stderr)[-3000:]
+        except subprocess.TimeoutExpired as err:
+            tail = f"timed out after {timeout}s: {str(err.stdout)[-2000:]}"
+        seconds = time.perf_counter() - start
+        outcomes: Dict[str, str] = {}
+        if os.path.exists(xml):
+            for case in ET.parse(xml).getroot().iter("testcase"):
+                kinds = {child.tag for child in case}
+                outcome = ("error" if "error" in kinds else "failed" if "failure" in kinds
+                           else "skipped" if "skipped" in kinds else "passed")
+                outcomes[_node_id(case)] = outcome
+    return outcomes, tail, seconds
+
+
+def _intended(node_id: str) -> Optional[str]:
+    base = node_id.split("[", 1)[0]
+    for prefix, reason in INTENDED.items():
+        if base == prefix or node_id == prefix:
+            return reason
+    return None
+
+
+def run_key(key: str, marker: str, timeout: int, control: bool) -> KeyResult:
+    result = KeyResult(key, KEYS[key])
+    if control:
+        outcomes, tail, _ = _run_pytest(KEYS[key], None, marker, timeout)
+        result.control_failed = sorted(n for n, o in outcomes.items() if o in ("failed", "error"))
+        if not outcomes:
+            result.errors.append(f"control run collected nothing: {tail[-500:]}")
+    outcomes, tail, result.seconds = _run_pytest(KEYS[key], key, marker, timeout)
+    if not outcomes:
+        result.errors.append(f"no test ran: {tail[-500:]}")
+    for node, outcome in sorted(outcomes.items()):
+        {"passed": result.passed, "failed": result.failed, "skipped": result.skipped,
+         "error": result.failed}[outcome].append(node)
+    return result
+
+
+def markdown(results: List[KeyResult]) -> str:
+    lines = ["| transform | tests run | failed under no-op | survivors (intended?) |",
+             "|---|---|---|---|"]
+    for r in results:
+        survivors = []
+        for node in r.passed:
+            reason = _intended(node)
+            short = node.split("::", 1)[1]
+            survivors.append(f"`{short}`: {reason}" if reason else f"`{short}`: **DEFECT (not intended)**")
+        if r.skipped:
+            survivors.append(f"skipped: {', '.join('`' + n.split('::', 1)[1] + '`' for n in r.skipped)}")
+        if r.errors:
+            survivors.append("**ERROR**: " + "; ".join(e.replace("\n", " ")[:300] for e in r.errors))
+        if r.control_failed:
+            survivors.append("**fails without the mutation**: " + ", ".join(r.control_failed))
+        ran = len(r.passed) + len(r.failed)
+        lines.append(f"| `{r.key}` | {ran} | {len(r.failed)} | {'<br>'.join(survivors) or '-'} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("keys", nargs="*", help="transform keys (default: every key of KEYS)")
+    parser.add_argument("--list", action="store_true", help="print the key -> test files mapping and exit")
+    parser.add_argument("--control", action="store_true", help="also run each file set unmutated first")
+    parser.add_argument("-m", dest="marker", default="not slow and not gpu", help="pytest -m expression")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per pytest process")
+    opts = parser.parse_args(argv)
+    if opts.list:
+        for key, files in KEYS.items():
+            print(f"{key}: {' '.join(files)}")
+        return 0
+    unknown = [k for k in opts.keys if k not in KEYS]
+    if unknown:
+        parser.error(f"unknown keys {unknown}; known: {sorted(KEYS)}")
+    results = []
+    for key in opts.keys or list(KEYS):
+        r = run_key(key, opts.marker, opts.timeout, opts.control)
+        print(f"{key}: {len(r.failed)} failed, {len(r.passed)} survived, {len(r.skipped)} skipped "
+              f"({r.seconds:.0f}s)", file=sys.stderr, flush=True)
+        results.append(r)
+    print(markdown(results))
+    bad = any(r.errors or r.control_failed or any(_intended(n) is None for n in r.passed) for r in results)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
