@@ -144,10 +144,26 @@ def _op_histogram(gm: Any) -> Dict[str, int]:
     return dict(counts.most_common())
 
 
+def _writable_dir(path: str, flag: str) -> None:
+    """Create ``path`` if needed and make sure files can be written there, before minutes of work
+    are spent on what would then be lost; a user error (exit 2) naming the flag otherwise."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".autodeploy-write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise AutoDeployError(f"{flag} {path}: cannot write there ({exc.strerror}); pick a directory you can "
+                              "write to") from None
+
+
 def cmd_export(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .pipeline import build_graph
 
     config = _config_from_args(args, overrides)
+    if args.out:
+        _writable_dir(args.out, "--out")
     result = build_graph(config, log_summary=False)
     gm = result.graph_module
     print(result.summary)
@@ -230,17 +246,32 @@ def cmd_run(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 # ---- serve -------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .llm import LLM
-    from .serve.server import serve
+    from .serve.server import bind_socket, serve
 
+    if args.shutdown_timeout < 0:
+        raise AutoDeployError(f"--shutdown-timeout {args.shutdown_timeout:g} is negative; give the seconds "
+                              "requests in flight get to finish on shutdown (0: cut them at once)")
+    if args.max_request_bytes < 1:
+        raise AutoDeployError(f"--max-request-bytes {args.max_request_bytes} must be at least 1 (default 1 MiB)")
+    if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
+        raise AutoDeployError(f"--max-tokens-limit {args.max_tokens_limit} must be at least 1; omit it for no limit")
+    if args.max_choices_per_request < 1:
+        raise AutoDeployError(f"--max-choices-per-request {args.max_choices_per_request} must be at least 1 "
+                              "(default 128)")
     config = _config_from_args(args, overrides)
-    llm = LLM(**config.model_dump(exclude_none=True), show_progress=sys.stderr.isatty())
-    print(llm.summary, flush=True)
-    name = args.served_model_name or config.model
-    auth = " (API key required)" if args.api_key else ""
-    print(f"\nserving '{name}' at http://{args.host}:{args.port}/v1{auth}", flush=True)
-    serve(llm, host=args.host, port=args.port, model_name=name, api_key=args.api_key,
-          max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
-          shutdown_timeout=args.shutdown_timeout)
+    # The port first: a port in use is reported now, not after the model is built.
+    sock = bind_socket(args.host, args.port)
+    try:
+        llm = LLM(**config.model_dump(exclude_none=True), show_progress=sys.stderr.isatty())
+        print(llm.summary, flush=True)
+        name = args.served_model_name or config.model
+        auth = " (API key required)" if args.api_key else ""
+        print(f"\nserving '{name}' at http://{args.host}:{sock.getsockname()[1]}/v1{auth}", flush=True)
+        serve(llm, host=args.host, port=args.port, sock=sock, model_name=name, api_key=args.api_key,
+              max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
+              max_choices_per_request=args.max_choices_per_request, shutdown_timeout=args.shutdown_timeout)
+    finally:
+        sock.close()
     return 0
 
 
@@ -257,6 +288,7 @@ def cmd_bench(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         engines=args.engines, yaml_variants=args.yaml or [], threads=args.threads, out_dir=args.out,
         accuracy_prompts=args.accuracy_prompts, accuracy_tokens=args.accuracy_tokens,
     )
+    _writable_dir(cfg.out_dir, "--out")
     data = run(cfg)
     paths = write(data, cfg.out_dir)
     print(markdown(data))
@@ -277,7 +309,26 @@ def cmd_coverage(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         raise AutoDeployError(str(exc)) from None
     if args.jobs < 1 or args.timeout <= 0:
         raise AutoDeployError("--jobs must be at least 1 and --timeout positive")
-    total = len(model_types)
+    _writable_dir(os.path.dirname(os.path.abspath(args.out)), "--out")
+    from .coverage.recipes import RECIPES
+
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown or not recipes:
+        raise AutoDeployError(f"--recipes: unknown recipe(s) {unknown}; choose from {', '.join(RECIPES)}")
+    if args.mutate:
+        from .coverage.mutations import validate_mutation
+
+        try:  # fail here, not in every child
+            validate_mutation(args.mutate)
+        except ValueError as exc:
+            raise AutoDeployError(f"--mutate: {exc}") from None
+    from .coverage.configs import DECODER_ONLY
+    from .coverage.sweep import category_of
+
+    # excluded types are classified once, without a check per recipe
+    total = sum(len(recipes) if args.include_excluded or category_of(t)[0] == DECODER_ONLY else 1
+                for t in model_types)
     seen = [0]
 
     def progress(r: Any) -> None:
@@ -286,16 +337,21 @@ def cmd_coverage(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         where = r.stage + (f" ({r.failed_transform})" if r.failed_transform else "")
         detail = r.reason if r.status == "excluded" else r.error
         timing = f"{secs:6.1f}s" if secs is not None else "       "
-        print(f"[{seen[0]:{len(str(total))}d}/{total}] {r.model_type:<26} {r.outcome:<26} {where:<36} {timing}  {detail}",
-              flush=True)
+        print(f"[{seen[0]:{len(str(total))}d}/{total}] {r.model_type:<26} {r.recipe} {r.outcome:<26} {where:<36} "
+              f"{timing}  {detail}", flush=True)
 
-    print(f"checking {total} model types with {args.jobs} job(s), {args.timeout:.0f} s per model", flush=True)
+    print(f"checking {len(model_types)} model types at recipe(s) {', '.join(recipes)} with {args.jobs} job(s), "
+          f"{args.timeout:.0f} s per check" + (f", mutation {args.mutate}" if args.mutate else ""), flush=True)
     start = time.perf_counter()
     results = run_sweep(model_types, jobs=args.jobs, timeout_s=args.timeout, cache_dir=args.cache_dir,
-                        include_excluded=args.include_excluded, on_result=progress)
+                        include_excluded=args.include_excluded, recipes=recipes, mutate=args.mutate,
+                        on_result=progress)
     wall = time.perf_counter() - start
     command = "autodeploy coverage" + "".join(
-        f" {flag} {value}" for flag, value in (("--jobs", args.jobs), ("--timeout", f"{args.timeout:g}")))
+        f" {flag} {value}" for flag, value in (("--jobs", args.jobs), ("--timeout", f"{args.timeout:g}"),
+                                               ("--recipes", ",".join(recipes))))
+    if args.mutate:
+        command += f" --mutate {args.mutate}"
     if args.only:
         command += " --only " + " ".join(args.only)
     meta = default_meta(command, wall)
@@ -361,8 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-choices-per-request", type=int, default=128,
+                   help="most sequences one request may ask for, prompts x n (default 128); more is a 400")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on shutdown")
+                   help="seconds in-flight requests get to finish on shutdown (then they are cut with a 503 "
+                        "or a final error event)")
     p.set_defaults(func=cmd_serve, accepts_overrides=True)
 
     p = sub.add_parser("bench", help="measure autodeploy against HF eager and HF + torch.compile")
@@ -397,6 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the types that are not decoder-only (reported, never counted)")
     p.add_argument("--update", action="store_true",
                    help="merge into the existing report at --out: re-checked types replace their rows")
+    p.add_argument("--recipes", default="a,b",
+                   help="size recipes of the tiny configs, comma-separated (default a,b: regular sizes, and odd ones "
+                        "where models are sensitive; a type passes only if it passes at every recipe)")
+    p.add_argument("--mutate", default=None, metavar="NAME",
+                   help="test the sweep itself: break the pipeline on purpose in every check (rope_sign, or "
+                        "noop:<transform key>); the report must then show failures. Never use for a real report")
     p.set_defaults(func=cmd_coverage, accepts_overrides=False)
 
     p = sub.add_parser("models", help="list the built-in model presets")

@@ -118,14 +118,9 @@ def check_static_export_against_eager(runner: nn.Module, factory: object, dtype:
     graph would then take the branch of the static length for every prompt. Padding checks
     cannot see that, so the eager model (loaded from the same checkpoint, once, at build time)
     is the reference here."""
-    from transformers import AutoModelForCausalLM
-
     width = runner.static_seq_len or max(lengths)
     vocab = int(factory.vocab_size)  # type: ignore[attr-defined]
-    eager = AutoModelForCausalLM.from_pretrained(
-        factory.directory, dtype=dtype, use_safetensors=True,  # type: ignore[attr-defined]
-        trust_remote_code=factory.trust_remote_code,  # type: ignore[attr-defined]
-    ).to(device).eval()
+    eager = factory.load_eager(dtype, device)  # type: ignore[attr-defined]
     gen = torch.Generator().manual_seed(seed)
     worst, details = 0.0, []
     try:

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..utils.errors import ConfigError
 from .resources import ResourceHandler
 from .sequence_info import METADATA_NAMES, SequenceInfo
 
@@ -88,7 +89,13 @@ class CachedSequenceInterface:
     def reserve_scratch_page(self) -> int:
         """Keep the last page out of the allocator (padded rows write there); returns its index."""
         if self.num_pages - self.reserved_pages - 1 < self.min_pages:
-            raise ValueError("the KV-cache pool is too small to reserve a scratch page")
+            # only a pool fixed by the user can be this small (a sized one holds a batch)
+            raise ConfigError(
+                f"CUDA graphs need a scratch page besides one sequence of max_seq_len={self.max_seq_len} "
+                f"({self.min_pages} pages), but the pool has {self.num_pages - self.reserved_pages}; raise "
+                f"transforms.initialize_cache.num_pages to at least {self.min_pages + self.reserved_pages + 1} "
+                "or leave it unset"
+            )
         self.reserved_pages = max(self.reserved_pages, 1)
         return self.num_pages - 1
 

@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..cache.interface import CachedSequenceInterface
+from ..utils.errors import ConfigError
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -67,7 +68,10 @@ class DecodeGraphs(nn.Module):
         self.cache = cache
         self.batch_sizes = sorted(set(b for b in batch_sizes if 1 <= b <= cache.max_batch_size))
         if not self.batch_sizes:
-            raise ValueError(f"no usable CUDA-graph batch size in {list(batch_sizes)} (max_batch_size {cache.max_batch_size})")
+            raise ConfigError(
+                f"transforms.compile_model.cuda_graph_batch_sizes {list(batch_sizes)} has no size in "
+                f"1..max_batch_size ({cache.max_batch_size}); give sizes up to max_batch_size, or leave it unset"
+            )
         self.scratch_page = cache.reserve_scratch_page()
         self.width = cache.pages_per_sequence
         self._static: Dict[int, List[torch.Tensor]] = {}

@@ -7,10 +7,11 @@ they are refused unless the user opts in; even then they are read with ``weights
 import glob
 import json
 import os
+import pickle
 import struct
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -65,19 +66,54 @@ def safetensors_header_dtypes(path: str) -> Dict[str, str]:
     return {k: v["dtype"] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict) and "dtype" in v}
 
 
-def _safetensors_keys(path: str) -> List[str]:
-    from safetensors import safe_open
+def _unreadable_safetensors(path: str, exc: BaseException) -> ModelSourceError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ModelSourceError(
+        f"cannot read the safetensors file {path} ({first}); it is corrupted or incomplete (an interrupted "
+        "download or copy?): fetch or copy it again"
+    )
 
-    with safe_open(path, framework="pt", device="cpu") as f:
+
+def _safe_open(path: str) -> Any:
+    """``safetensors.safe_open``, with a file that is not valid safetensors (truncated, corrupted)
+    reported as the user's to fix, not as an internal error."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise _unreadable_safetensors(path, exc) from None
+
+
+def _safetensors_keys(path: str) -> List[str]:
+    with _safe_open(path) as f:
         return list(f.keys())
+
+
+def _read_index(index_path: str) -> Dict[str, str]:
+    """The ``weight_map`` (tensor name -> file name) of a sharded checkpoint's index file."""
+    try:
+        with open(index_path) as f:
+            index = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ModelSourceError(
+            f"cannot read the checkpoint index {index_path} ({exc}); it should be the JSON file written with the "
+            "shards (restore it, or remove it if the directory holds a single weights file)"
+        ) from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelSourceError(
+            f"the checkpoint index {index_path} has no 'weight_map' mapping tensor names to shard files; restore "
+            "the index written with the shards (or remove it if the directory holds a single weights file)"
+        )
+    return weight_map
 
 
 def find_checkpoint(directory: str, allow_pickle: bool = False) -> CheckpointIndex:
     """Index the weights in ``directory``; prefers safetensors, refuses pickles by default."""
     index_path = os.path.join(directory, SAFE_INDEX)
     if os.path.exists(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = _read_index(index_path)
         resolved = {k: os.path.join(directory, v) for k, v in weight_map.items()}
         missing = sorted({p for p in resolved.values() if not os.path.exists(p)})
         if missing:
@@ -101,8 +137,7 @@ def find_checkpoint(directory: str, allow_pickle: bool = False) -> CheckpointInd
             )
         index_path = os.path.join(directory, PICKLE_INDEX)
         if os.path.exists(index_path):
-            with open(index_path) as f:
-                weight_map = {k: os.path.join(directory, v) for k, v in json.load(f)["weight_map"].items()}
+            weight_map = {k: os.path.join(directory, v) for k, v in _read_index(index_path).items()}
         else:
             weight_map = {}
             for path in pickle_files:
@@ -116,7 +151,50 @@ def find_checkpoint(directory: str, allow_pickle: bool = False) -> CheckpointInd
 
 
 def _load_pickle(path: str) -> Dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    """The tensors of a pickled state dict, read with torch's restricted unpickler
+    (``weights_only=True``): only tensors and plain containers, never code. Anything it refuses,
+    and files that are not torch checkpoints at all, are the user's to fix (``ModelSourceError``)."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap can only be used" not in str(exc):
+                raise
+            # Not a zip archive: the format of torch < 1.6 (or not a torch file); it cannot be
+            # memory-mapped, so it is read whole.
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ModelSourceError(
+            f"refused to load {path}: torch's safe unpickler (weights_only) rejected it ({_refusal_detail(exc)}). "
+            "The file holds something other than tensors: code that would run when it is unpickled, or it is not "
+            "a torch checkpoint at all. It is never loaded unsafely; use a safetensors checkpoint, or convert the "
+            "weights to safetensors in an environment where running the file is safe"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelSourceError(
+            f"cannot read the pickled weights {path} ({first}); the file is corrupted or incomplete: fetch or copy "
+            "it again, or use a safetensors checkpoint"
+        ) from None
+    bad = None if isinstance(state, dict) else type(state).__name__
+    if bad is None:
+        bad = next((f"'{k}' holds a {type(v).__name__}" for k, v in state.items()
+                    if not isinstance(k, str) or not isinstance(v, torch.Tensor)), None)
+    if bad is not None:
+        raise ModelSourceError(
+            f"{path} is not a state dict of tensors ({bad}); save the model's state_dict() alone (a training "
+            "checkpoint bundles it with other state), preferably as safetensors"
+        )
+    return state
+
+
+def _refusal_detail(exc: BaseException) -> str:
+    """The line of a weights_only refusal that says what was refused ("unsupported GLOBAL
+    posix.system", "Unsupported operand 149"), without torch's advice to load unsafely."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    boiler = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    detail = [line for line in lines if not line.startswith(boiler)]
+    return (detail[0] if detail else "it holds objects other than tensors").rstrip(".")
 
 
 class CheckpointReader:
@@ -145,14 +223,17 @@ class CheckpointReader:
         handle = self._handles.get(path)
         if handle is None:
             if self.index.format == "safetensors":
-                from safetensors import safe_open
-
-                handle = self._stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+                handle = self._stack.enter_context(_safe_open(path))
             else:
                 handle = _load_pickle(path)
             self._handles[path] = handle
         if self.index.format == "safetensors":
-            return handle.get_tensor(name)  # type: ignore[attr-defined]
+            from safetensors import SafetensorError
+
+            try:
+                return handle.get_tensor(name)  # type: ignore[attr-defined]
+            except SafetensorError as exc:
+                raise _unreadable_safetensors(path, exc) from None
         return handle[name]  # type: ignore[index]
 
     def nbytes(self, name: str) -> Optional[int]:

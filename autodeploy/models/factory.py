@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from ..utils.errors import ModelSourceError
+from ..utils.errors import AutoDeployError, ConfigError, ModelSourceError
 from ..utils.logging import get_logger
 from .checkpoint import CheckpointIndex, find_checkpoint
 from .custom import custom_model_for
@@ -32,8 +32,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 
 
-def resolve_source(source: str, revision: Optional[str] = None) -> str:
-    """Local checkpoint directory for a preset, a directory or a hub id."""
+def resolve_source(source: str, revision: Optional[str] = None, include_code: bool = False) -> str:
+    """Local checkpoint directory for a preset, a directory or a hub id (``include_code``: with
+    the repository's Python files, which ``trust_remote_code`` needs)."""
     if source in PRESETS:
         return preset_dir(source)
     expanded = os.path.expanduser(source)
@@ -48,15 +49,18 @@ def resolve_source(source: str, revision: Optional[str] = None) -> str:
             f"model '{source}' is not a preset, an existing directory or a hub id (org/name); "
             f"presets: {', '.join(sorted(PRESETS))}"
         )
-    return download_from_hub(source, revision)
+    return download_from_hub(source, revision, include_code=include_code)
 
 
-def download_from_hub(repo_id: str, revision: Optional[str] = None) -> str:
-    """Fetch config, safetensors and tokenizer files of ``repo_id`` (never pickles or code)."""
+def download_from_hub(repo_id: str, revision: Optional[str] = None, include_code: bool = False) -> str:
+    """Fetch config, safetensors and tokenizer files of ``repo_id``; never pickles, and its
+    Python files (the model code ``auto_map`` names) only when ``include_code`` (the user
+    trusts the repository's code)."""
+    patterns = HUB_ALLOW_PATTERNS + (["*.py"] if include_code else [])
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+        return snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except Exception as exc:  # noqa: BLE001 - any hub failure becomes one actionable message
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelSourceError(
@@ -106,6 +110,7 @@ class ModelFactory:
         self.load_hooks: List[LoadHook] = list(load_hooks or [])
         self._directory: Optional[str] = None
         self._config: Any = None
+        self._remote_class: Optional[type] = None  # see remote_model_class
         # The quantization the checkpoint declares (only ever a supported one; see quantization.py).
         self.quantization: Optional[QuantizationInfo] = None
         # Initial values of buffers, by name: restored at weight load for those not in the checkpoint.
@@ -120,7 +125,7 @@ class ModelFactory:
     @property
     def directory(self) -> str:
         if self._directory is None:
-            self._directory = resolve_source(self.source, self.revision)
+            self._directory = resolve_source(self.source, self.revision, include_code=self.trust_remote_code)
         return self._directory
 
     def checkpoint_index(self) -> CheckpointIndex:
@@ -131,8 +136,7 @@ class ModelFactory:
         path = os.path.join(self.directory, "config.json")
         if not os.path.exists(path):
             raise ModelSourceError(f"{self.directory} has no config.json; is it an HF checkpoint directory?")
-        with open(path) as f:
-            return json.load(f)
+        return _read_json_object(path, "the model's config (as written by save_pretrained)")
 
     def _check_remote_code(self, raw: Optional[Dict[str, Any]] = None) -> None:
         raw = self._raw_config() if raw is None else raw
@@ -160,7 +164,13 @@ class ModelFactory:
             for key, value in self.model_kwargs.items():
                 if not hasattr(config, key):
                     raise ModelSourceError(f"model_kwargs.{key}: {type(config).__name__} has no field '{key}'")
-                setattr(config, key, value)
+                try:
+                    setattr(config, key, value)
+                except Exception as exc:  # noqa: BLE001 - the config's own validation of a user's value
+                    raise ConfigError(
+                        f"model_kwargs.{key}: {type(config).__name__} refuses {value!r} ({_last_line(exc)}); "
+                        f"give a value of the field's type (it is {getattr(config, key)!r} in config.json)"
+                    ) from None
             config.use_cache = False  # export without HF's cache objects; caches are ours
             self._config = config
         return self._config
@@ -183,19 +193,100 @@ class ModelFactory:
             else:
                 from transformers import AutoModelForCausalLM
 
+                remote_cls = self.remote_model_class()
                 try:
-                    model = AutoModelForCausalLM.from_config(
-                        config, dtype=dtype, trust_remote_code=self.trust_remote_code
-                    )
+                    if remote_cls is not None:
+                        logger.info("building %s from the checkpoint's own code (%s; trust_remote_code)",
+                                    remote_cls.__name__, self._auto_map_ref())
+                        model = remote_cls._from_config(config, dtype=dtype)
+                    else:
+                        model = AutoModelForCausalLM.from_config(
+                            config, dtype=dtype, trust_remote_code=self.trust_remote_code
+                        )
                 except ValueError as exc:
+                    if self.model_kwargs or "Unrecognized configuration class" not in str(exc):
+                        raise self._unbuildable(config, exc) from None
                     raise ModelSourceError(
                         f"transformers has no causal-LM class for {type(config).__name__}: {str(exc).splitlines()[0]}"
                     ) from None
+                except KeyError as exc:  # e.g. an unknown hidden_act: ACT2FN[name]
+                    raise self._unbuildable(config, exc) from None
         model.eval()
         self.initial_buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}
         self.tied_parameters = _tied_parameters(model)
         self.base_model_prefix = getattr(model, "base_model_prefix", "") or "model"
         return model.to("meta")
+
+    def _auto_map_ref(self) -> Optional[str]:
+        """config.json's ``auto_map["AutoModelForCausalLM"]`` ("modeling_x.XForCausalLM"), if any."""
+        auto_map = self._raw_config().get("auto_map")
+        ref = auto_map.get("AutoModelForCausalLM") if isinstance(auto_map, dict) else None
+        return ref if isinstance(ref, str) else None
+
+    def remote_model_class(self) -> Optional[type]:
+        """The causal-LM class of the checkpoint's own code (config.json ``auto_map``), when the
+        user trusts it (``trust_remote_code``); None when there is none or it is not trusted.
+
+        Imported from the modeling file itself (transformers names its module after the file's
+        content), not through ``AutoModelForCausalLM.from_config``: that consults transformers'
+        auto-class registry first, which maps a config class to the model class first built for
+        it. Two checkpoints with the same configuration code share a config class (so does one
+        whose modeling code was edited since), so from_config would build another checkpoint's
+        class, never importing this one's modeling file, and report success."""
+        if self._remote_class is not None or not self.trust_remote_code:
+            return self._remote_class
+        ref = self._auto_map_ref()
+        if ref is None:
+            if "auto_map" in self._raw_config():
+                logger.info("config.json's auto_map names no AutoModelForCausalLM class; building transformers' own "
+                            "class for %s", type(self.config).__name__)
+            return None
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        repo, class_ref = self.directory, ref
+        if "--" in ref:  # code kept in another hub repository ("org/repo--modeling_x.Class")
+            repo, class_ref = ref.split("--", 1)
+        module_file = class_ref.rsplit(".", 1)[0] + ".py"
+        if repo == self.directory and not os.path.isfile(os.path.join(self.directory, module_file)):
+            raise ModelSourceError(
+                f"config.json's auto_map names {ref} for AutoModelForCausalLM, but {self.directory} has no "
+                f"{module_file}; add the checkpoint's modeling code, or remove that auto_map entry to use "
+                "transformers' own class"
+            )
+        try:
+            self._remote_class = get_class_from_dynamic_module(class_ref, repo)
+        except Exception as exc:  # noqa: BLE001 - importing the checkpoint's code: any failure is that code's
+            raise ModelSourceError(
+                f"cannot import {ref}, the model class config.json's auto_map names for AutoModelForCausalLM "
+                f"({type(exc).__name__}: {_last_line(exc)}); fix the checkpoint's modeling code or install what "
+                "it imports"
+            ) from None
+        return self._remote_class
+
+    def load_eager(self, dtype: torch.dtype, device: Any = "cpu") -> nn.Module:
+        """The model with its weights, as transformers runs it (the reference of build-time
+        checks): the class ``build_model`` builds, the checkpoint's own one included."""
+        from transformers import AutoModelForCausalLM
+
+        remote_cls = self.remote_model_class()
+        if remote_cls is not None:
+            model = remote_cls.from_pretrained(self.directory, dtype=dtype, use_safetensors=True)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.directory, dtype=dtype, use_safetensors=True,
+                                                         trust_remote_code=self.trust_remote_code)
+        return model.to(device).eval()
+
+    def _unbuildable(self, config: Any, exc: BaseException) -> AutoDeployError:
+        """The model class refused the config's values: the checkpoint's config.json or the
+        user's model_kwargs, whichever set them, is what to fix."""
+        detail = f"{type(exc).__name__}: {_last_line(exc)}"
+        if self.model_kwargs:
+            keys = ", ".join(f"model_kwargs.{k}={v!r}" for k, v in self.model_kwargs.items())
+            return ConfigError(f"cannot build {type(config).__name__} with {keys} ({detail}); check those values")
+        return ModelSourceError(
+            f"cannot build the model of {self.source} from its config.json ({detail}); the config holds a value "
+            "its model class does not accept"
+        )
 
     def _check_checkpoint_dtypes(self, dtype: torch.dtype) -> None:
         """Refuse FP8/FP4 checkpoint tensors from the safetensors headers, before export (the loader
@@ -234,8 +325,27 @@ class ModelFactory:
         path = os.path.join(self.directory, "generation_config.json")
         if not os.path.exists(path):
             return {}
+        return _read_json_object(path, "generation defaults; remove the file to use none")
+
+
+def _read_json_object(path: str, what: str) -> Dict[str, Any]:
+    """A JSON object from a checkpoint file; a file that is not one is the user's to fix."""
+    try:
         with open(path) as f:
-            return json.load(f)
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelSourceError(f"cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ModelSourceError(f"{path} is not valid JSON ({exc}); it should hold {what}") from None
+    if not isinstance(value, dict):
+        raise ModelSourceError(f"{path} holds a JSON {type(value).__name__}, not an object; it should hold {what}")
+    return value
+
+
+def _last_line(exc: BaseException) -> str:
+    """The most specific line of an exception's message (validation errors put it last)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _tied_parameters(model: nn.Module) -> Dict[str, str]:

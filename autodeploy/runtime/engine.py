@@ -155,6 +155,11 @@ class Engine:
         return len(self.scheduler.waiting)
 
     @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted (pages freed, recomputed later) since the engine was built."""
+        return self.scheduler.num_preemptions
+
+    @property
     def num_free_pages(self) -> int:
         return self.pool.num_free
 

@@ -13,8 +13,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, List, Optional, Set, Tuple
 
+from ..utils.logging import get_logger
 from .page_pool import PagePool
 from .sequence import Sequence
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -76,6 +79,10 @@ class Scheduler:
         seq.pages = []
 
     def _preempt(self, seq: Sequence) -> None:
+        # info, not warning: preemption is the designed answer to a full pool, but a deployment
+        # that sees it often wants a larger pool (the count is also a server metric)
+        logger.info("KV pool full: preempted request %s (choice %d, %d tokens computed, %d pages freed); "
+                    "it will be recomputed", seq.request_id, seq.index, seq.num_computed, len(seq.pages))
         self.running.remove(seq)
         self.pool.free(seq.pages)
         seq.pages = []

@@ -8,13 +8,14 @@ OpenAI's shape with a 4xx status for bad input; nothing a client sends can stop 
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import __version__
 from ..utils.logging import get_logger
-from . import chat, completions
+from . import chat, completions, openapi
 from .middleware import BodyLimit, Guard, error_response
-from .protocol import APIError
+from .protocol import CLIENT_CLOSED, APIError
 from .state import ServerState
 
 __all__ = ["ServerState", "create_app"]
@@ -23,14 +24,16 @@ logger = get_logger(__name__)
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="autodeploy", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="autodeploy", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", description=openapi.DESCRIPTION)
     app.state.ad = state
     app.add_middleware(BodyLimit, limit=state.max_request_bytes)
     app.add_middleware(Guard, state=state)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        state.engine.metrics.on_rejected()
+        if exc.status != CLIENT_CLOSED:  # a disconnect was counted once already, as aborted
+            state.engine.metrics.on_rejected()
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -48,26 +51,34 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(APIError(exc.status_code, str(exc.detail), err_type="invalid_request_error"))
+        # headers kept: a 405 must say which methods are allowed (Allow)
+        return error_response(APIError(exc.status_code, str(exc.detail), err_type="invalid_request_error"),
+                              headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         logger.exception("internal error on %s", request.url.path)
         return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
 
-    @app.get("/health")
+    @app.get("/health", responses=openapi.HEALTH_RESPONSES)
     async def health():
+        """200 while serving; 503 once shutdown began (a load balancer then stops sending)."""
+        if state.shutting_down:
+            return JSONResponse({"status": "shutting_down", "in_flight": state.engine.num_in_flight}, status_code=503)
         return {"status": "ok", "in_flight": state.engine.num_in_flight}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
     async def metrics():
+        """Prometheus text format."""
         return PlainTextResponse(state.engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.get_responses(openapi.ModelList, guarded=True))
     async def models():
+        """The one model this server serves."""
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "autodeploy", "max_model_len": state.max_seq_len}]}
 
     app.include_router(completions.router(state))
     app.include_router(chat.router(state))
+    openapi.install(app, state.model_name)
     return app

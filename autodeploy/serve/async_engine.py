@@ -6,6 +6,11 @@ wait for it, and the engine must never be touched by two threads at once. So han
 commands (add, abort) to a thread-safe inbox; the engine thread applies them between steps and
 hands each request's outputs back to its event loop. A request whose client went away is
 aborted at the next step boundary, which frees its pages.
+
+On shutdown the server cuts what is still running when its timeout runs out (``cut_in_flight``):
+each cut request's ``generate`` raises ``ServerShuttingDown``, a 503 ``APIError``, so that every
+endpoint reports it the way it reports any API error (a stream: an error event, then ``[DONE]``)
+without knowing about shutdown.
 """
 
 import asyncio
@@ -20,8 +25,11 @@ from ..runtime.outputs import RequestOutput
 from ..runtime.request_processor import PreparedRequest, RequestProcessor
 from ..utils.logging import get_logger
 from .metrics import Metrics
+from .protocol import APIError
 
 logger = get_logger(__name__)
+
+CUT_MESSAGE = "the server shut down before this request finished; retry it"
 
 
 @dataclass
@@ -37,6 +45,15 @@ class _Stream:
 
 class EngineError(RuntimeError):
     """The engine failed while serving this request (the server keeps running)."""
+
+
+class ServerShuttingDown(APIError):
+    """The server shut down before this request finished (its shutdown timeout ran out), or it
+    arrived after the requests in flight were cut. An ``APIError`` (503), not an ``EngineError``:
+    nothing failed, and the client should retry elsewhere."""
+
+    def __init__(self, message: str = "the server is shutting down"):
+        super().__init__(503, message)
 
 
 class AsyncEngine:
@@ -55,6 +72,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="autodeploy-engine", daemon=True)
         self._ids = 0
         self._ids_lock = threading.Lock()
+        # Set by cut_in_flight: the message every later request is refused with.
+        self._closed: Optional[str] = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -62,16 +81,29 @@ class AsyncEngine:
 
     def stop(self, drain_timeout: float = 0.0) -> None:
         """Stop the engine thread, first letting in-flight requests finish for up to
-        ``drain_timeout`` seconds; whatever is left is aborted."""
+        ``drain_timeout`` seconds; whatever is left is cut (``cut_in_flight``), so that no caller
+        waits forever on a thread that is gone."""
         deadline = time.monotonic() + drain_timeout
         while self._streams and time.monotonic() < deadline:
             time.sleep(0.05)
-        for request_id in list(self._streams):
-            self.abort(request_id)
+        self.cut_in_flight(self._closed or CUT_MESSAGE)
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+    def cut_in_flight(self, message: str = CUT_MESSAGE) -> int:
+        """End every request in flight now: its ``generate`` raises ``ServerShuttingDown(message)``
+        (after the outputs already delivered) and its sequence is aborted, freeing its pages.
+        Requests that arrive later are refused the same way. Returns how many were cut.
+
+        Thread-safe: it only posts to the streams' event loops and to the engine's inbox."""
+        self._closed = message
+        streams = list(self._streams.items())
+        for request_id, stream in streams:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ServerShuttingDown(message))
+            self.abort(request_id)
+        return len(streams)
 
     @property
     def num_in_flight(self) -> int:
@@ -89,7 +121,10 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one prepared request as they grow; aborts the request if the caller stops
-        early."""
+        early. Raises ``ServerShuttingDown`` if the request is cut by a shutdown (or comes after
+        one began cutting)."""
+        if self._closed is not None:
+            raise ServerShuttingDown(self._closed)
         num_prompt = len(request.prompt_token_ids)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), num_prompt)
         self._streams[request_id] = stream
@@ -99,6 +134,8 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.queue.get()
+                if isinstance(item, ServerShuttingDown):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineError(str(item)) from item
                 out: RequestOutput = item
@@ -184,3 +221,4 @@ class AsyncEngine:
             running=self._engine.num_running, waiting=self._engine.num_waiting,
             pages_used=pool.num_used, pages_free=pool.num_free,
         )
+        self.metrics.set_preemptions(self._engine.num_preemptions)

@@ -12,8 +12,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..runtime.request_processor import PreparedRequest
 from ..runtime.sampling_params import InvalidRequestError
+from .openapi import ChatCompletionChunk, ChatCompletionResponse, api_responses
 from .protocol import APIError, ChatCompletionRequest
-from .requests import (check_model, check_prompt, final_output, prepare_request, resolve_max_tokens,
+from .requests import (check_choices, check_model, check_prompt, final_output, prepare_request, resolve_max_tokens,
                        to_sampling_params, unless_disconnected, usage)
 from .state import ServerState
 from .streaming import ChoiceDelta, StreamedRequest, stream_sse
@@ -35,10 +36,12 @@ def chat_logprobs(tokenizer: Any, steps: List[Dict[int, float]], top: int) -> Di
 def router(state: ServerState) -> APIRouter:
     api = APIRouter()
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", responses=api_responses(ChatCompletionResponse, ChatCompletionChunk))
     async def chat(req: ChatCompletionRequest, request: Request):
+        """Answer a conversation, rendered with the tokenizer's chat template."""
         check_model(state, req.model)
         req.check_supported()
+        check_choices(state, 1, req.n)
         processor = state.engine.processor
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
         try:
@@ -83,4 +86,5 @@ def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, prepared: 
             lps = chat_logprobs(state.tokenizer, d.logprobs, req.top_logprobs or 0)
         return {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
 
-    return stream_sse(state, rid, "chat.completion.chunk", [StreamedRequest(rid, prepared, 0, "")], choice)
+    return stream_sse(state, rid, "chat.completion.chunk", [StreamedRequest(rid, prepared, 0, "")], choice,
+                      req.include_usage)

@@ -14,9 +14,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..runtime.request_processor import PreparedRequest
+from .openapi import CompletionChunk, CompletionResponse, api_responses
 from .protocol import APIError, CompletionRequest
-from .requests import (check_model, check_prompt, final_output, prepare_request, resolve_max_tokens,
-                       to_sampling_params, unless_disconnected, usage)
+from .requests import (check_choices, check_model, check_prompt, final_output, gather_or_cancel, prepare_request,
+                       resolve_max_tokens, to_sampling_params, unless_disconnected, usage)
 from .state import ServerState
 from .streaming import ChoiceDelta, StreamedRequest, stream_sse
 
@@ -40,13 +41,16 @@ def completion_logprobs(tokenizer: Any, steps: List[Dict[int, float]], offset: i
 def router(state: ServerState) -> APIRouter:
     api = APIRouter()
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", responses=api_responses(CompletionResponse, CompletionChunk))
     async def completions(req: CompletionRequest, request: Request):
+        """Complete one prompt or a list of them (strings or token ids), ``n`` choices each."""
         check_model(state, req.model)
         req.check_supported()
         processor = state.engine.processor
+        prompts = req.prompts()
+        check_choices(state, len(prompts), req.n)
         plans: List[Plan] = []
-        for p in req.prompts():
+        for p in prompts:
             if not isinstance(p, (str, list)):
                 raise APIError(400, "'prompt' must be a string, a list of strings, or token ids", "prompt")
             checked = check_prompt(processor, p, "prompt")
@@ -65,7 +69,7 @@ def router(state: ServerState) -> APIRouter:
 async def _complete(state: ServerState, request: Request, req: CompletionRequest, rid: str,
                     plans: List[Plan]) -> JSONResponse:
     choices, prompt_tokens, completion_tokens = [], 0, 0
-    finals = await unless_disconnected(request, asyncio.gather(
+    finals = await unless_disconnected(request, gather_or_cancel(
         *[final_output(state, f"{rid}-{i}", prepared) for i, (_, _, prepared) in enumerate(plans)]))
     for i, ((text, ids, _), final) in enumerate(zip(plans, finals)):
         prompt_tokens += len(ids)
@@ -91,4 +95,4 @@ def _stream(state: ServerState, req: CompletionRequest, rid: str, plans: List[Pl
             else None
         return {"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
 
-    return stream_sse(state, rid, "text_completion", requests, choice)
+    return stream_sse(state, rid, "text_completion", requests, choice, req.include_usage)

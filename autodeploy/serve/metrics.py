@@ -38,6 +38,7 @@ class Metrics:
         self.requests: Dict[str, int] = {"completed": 0, "aborted": 0, "rejected": 0}
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.preemptions = 0
         self.gauges = {"running": 0, "waiting": 0, "pages_used": 0, "pages_free": 0}
         self.ttft = _Histogram(_LATENCY_BUCKETS)
         self.itl = _Histogram(_LATENCY_BUCKETS)
@@ -56,6 +57,11 @@ class Metrics:
     def on_tokens(self, n: int) -> None:
         with self._lock:
             self.generation_tokens += n
+
+    def set_preemptions(self, total: int) -> None:
+        """The engine's own count (its one source), copied after each step."""
+        with self._lock:
+            self.preemptions = total
 
     def observe_ttft(self, seconds: float) -> None:
         with self._lock:
@@ -94,6 +100,9 @@ class Metrics:
                 "# HELP autodeploy_generation_tokens_total Generated tokens.",
                 "# TYPE autodeploy_generation_tokens_total counter",
                 f"autodeploy_generation_tokens_total {self.generation_tokens}",
+                "# HELP autodeploy_preemptions_total Sequences preempted for KV pages (freed, recomputed later).",
+                "# TYPE autodeploy_preemptions_total counter",
+                f"autodeploy_preemptions_total {self.preemptions}",
                 "# HELP autodeploy_time_to_first_token_seconds Arrival to first generated token.",
                 "# TYPE autodeploy_time_to_first_token_seconds histogram",
                 *self.ttft.render("autodeploy_time_to_first_token_seconds"),

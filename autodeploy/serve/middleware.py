@@ -5,7 +5,7 @@ Both middlewares are pure ASGI (not Starlette's ``BaseHTTPMiddleware``) so that 
 see a client's disconnect.
 """
 
-from typing import Any, Dict
+from typing import Any, Dict, Mapping, Optional
 
 from fastapi.responses import JSONResponse
 
@@ -13,8 +13,8 @@ from .protocol import APIError
 from .state import ServerState
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+def error_response(exc: APIError, headers: Optional[Mapping[str, str]] = None) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 class BodyLimit:

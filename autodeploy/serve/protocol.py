@@ -3,11 +3,19 @@
 Parameters the engine does not implement (penalties, logit bias, suffix, tools, best_of > n)
 are rejected with a 400 naming the parameter rather than silently ignored: a client that asks
 for them would otherwise get answers it did not ask for.
+
+Types are strict, as OpenAI's are: ``"stream": "yes"``, ``"echo": 0`` or ``"prompt": [true]``
+are 400s, not coerced (a float field still takes an integer). Text that cannot be encoded (a
+lone UTF-16 surrogate, which JSON's ``\ud800`` escapes can carry) is a 400 naming the field
+before anything tries to tokenize it or echo it back.
 """
 
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (never sent to anyone)
 
 
 class APIError(Exception):
@@ -29,15 +37,53 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+def unencodable_text(value: Any, path: str = "") -> Optional[str]:
+    """The path (``messages.0.content``) of the first string in ``value`` that UTF-8 cannot
+    encode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        bad = unencodable_text(key, path) if isinstance(key, str) else None
+        bad = bad or unencodable_text(item, f"{path}.{key}" if path else str(key))
+        if bad:
+            return bad
+    return None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        bad = unencodable_text(data)
+        if bad is not None:
+            # raised as such (not a ValueError) so that the 400 names the field, nested or not
+            raise APIError(400, f"'{bad}' holds text that is not valid Unicode (a lone UTF-16 surrogate); "
+                                "send well-formed UTF-8 text", bad.split(".")[0])
+        return data
+
+
+_UNSUPPORTED_NUMBER = {"enum": [0, None], "description": "Not supported: only 0 or null."}
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(_Strict):
     """Fields both endpoints share. Unknown fields are accepted and ignored (clients send
     vendor extras); known-but-unsupported ones are rejected in ``check_supported``."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
@@ -48,9 +94,12 @@ class _Common(BaseModel):
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, List[str]]] = None
     seed: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[Dict[str, float]] = None
+    # Not implemented: accepted only at their neutral values (the schema says so; check_supported
+    # gives the 400 that names them)
+    presence_penalty: Optional[float] = Field(default=None, json_schema_extra=_UNSUPPORTED_NUMBER)
+    frequency_penalty: Optional[float] = Field(default=None, json_schema_extra=_UNSUPPORTED_NUMBER)
+    logit_bias: Optional[Dict[str, float]] = Field(default=None, json_schema_extra={
+        "maxProperties": 0, "description": "Not supported: only {} or null."})
     user: Optional[str] = None
 
     @field_validator("stop")
@@ -62,6 +111,11 @@ class _Common(BaseModel):
         if any(not s for s in items):
             raise ValueError("stop sequences must be non-empty strings")
         return value
+
+    @property
+    def include_usage(self) -> bool:
+        """A streamed response ends with a usage chunk only when asked for."""
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def check_supported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -76,8 +130,9 @@ class CompletionRequest(_Common):
     max_tokens: Optional[int] = Field(default=16, ge=1)
     logprobs: Optional[int] = Field(default=None, ge=0, le=5)
     echo: bool = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    best_of: Optional[int] = Field(default=None, description="Not supported beyond n: only null or equal to n.")
+    suffix: Optional[str] = Field(default=None, json_schema_extra={"maxLength": 0,
+                                                                   "description": "Not supported: only '' or null."})
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -98,14 +153,12 @@ class CompletionRequest(_Common):
         return list(p)  # type: ignore[return-value]
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ContentPart(_Strict):
     type: str
     text: Optional[str] = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, List[ContentPart], None] = None
 
@@ -127,15 +180,17 @@ class ChatCompletionRequest(_Common):
     max_tokens: Optional[int] = Field(default=None, ge=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    tools: Optional[List[Any]] = None
-    response_format: Optional[Dict[str, Any]] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20, description="Needs 'logprobs': true when above 0.")
+    tools: Optional[List[Any]] = Field(default=None, json_schema_extra={
+        "maxItems": 0, "description": "Function calling is not supported: only [] or null."})
+    response_format: Optional[Dict[str, Any]] = Field(default=None, json_schema_extra={
+        "properties": {"type": {"const": "text"}}, "required": ["type"], "description": "Only {'type': 'text'} (or null)."})
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
             raise APIError(400, "'tools' (function calling) is not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
+        if self.response_format is not None and self.response_format.get("type") != "text":
             raise APIError(400, "only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")

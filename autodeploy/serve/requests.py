@@ -6,7 +6,7 @@ The checks themselves live in the engine's ``RequestProcessor``; this module onl
 """
 
 import asyncio
-from typing import Any, AsyncIterator, Dict, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Dict, List, Optional, Union
 
 from fastapi import Request
 
@@ -14,7 +14,7 @@ from ..runtime.outputs import RequestOutput
 from ..runtime.request_processor import CheckedPrompt, PreparedRequest, RequestProcessor
 from ..runtime.sampling_params import InvalidRequestError, SamplingParams
 from .async_engine import EngineError
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .protocol import CLIENT_CLOSED, APIError, ChatCompletionRequest, CompletionRequest
 from .state import ServerState
 
 
@@ -22,6 +22,16 @@ def check_model(state: ServerState, name: str) -> None:
     if name != state.model_name:
         raise APIError(404, f"the model '{name}' does not exist; this server serves '{state.model_name}'",
                        "model", "model_not_found")
+
+
+def check_choices(state: ServerState, num_prompts: int, n: int) -> None:
+    """At most ``--max-choices-per-request`` sequences (prompts x n) per request."""
+    limit = state.max_choices_per_request
+    if num_prompts * n > limit:
+        what = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+        raise APIError(400, f"this request asks for {num_prompts * n} choices ({what}); this server allows at most "
+                            f"{limit} per request: send fewer prompts, a smaller n, or several requests",
+                       "prompt" if num_prompts > 1 else "n")
 
 
 def resolve_max_tokens(state: ServerState, requested: Optional[int], prompt_len: int, default: Optional[int]) -> int:
@@ -98,7 +108,20 @@ async def final_output(state: ServerState, request_id: str, request: PreparedReq
     return final
 
 
-async def unless_disconnected(request: Request, work: "asyncio.Future[Any]") -> Any:
+async def gather_or_cancel(*works: Awaitable[Any]) -> List[Any]:
+    """``asyncio.gather``, except that the first failure cancels the others (their requests
+    are aborted and their pages freed) instead of leaving them generating for nobody."""
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # wait for the aborts; nothing unretrieved
+        raise
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     """Await ``work``; if the client goes away first, cancel it (which aborts its requests and
     frees their pages) instead of generating for nobody."""
     task = asyncio.ensure_future(work)
@@ -108,4 +131,5 @@ async def unless_disconnected(request: Request, work: "asyncio.Future[Any]") -> 
             return task.result()
         if await request.is_disconnected():
             task.cancel()
-            raise APIError(499, "the client closed the connection")
+            await asyncio.gather(task, return_exceptions=True)  # retrieve its end: no "never retrieved" log
+            raise APIError(CLIENT_CLOSED, "the client closed the connection")

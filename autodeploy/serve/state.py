@@ -19,8 +19,15 @@ class ServerState:
     api_key: Optional[str] = None
     max_request_bytes: int = 1 << 20
     max_tokens_limit: Optional[int] = None
+    # prompts x n of one request: each choice is a sequence in the engine, so one request
+    # could otherwise queue unbounded work ahead of everyone else
+    max_choices_per_request: int = 128
     created: int = field(default_factory=lambda: int(time.time()))
+    # Set on SIGTERM/SIGINT: new API requests get a 503 while the ones in flight drain.
     shutting_down: bool = False
+    # HTTP requests admitted before shutdown began and not answered yet (counted by the server's
+    # outermost ASGI layer, ``server._CountRequests``): what a graceful shutdown waits for.
+    requests_in_flight: int = 0
 
     @property
     def max_seq_len(self) -> int:

@@ -3,22 +3,28 @@
 ``ChoiceStreamer`` turns the growing outputs of one request into per-choice ``ChoiceDelta``s
 that never need taking back (``IncrementalText`` holds back what could still become a stop
 string or is an incomplete character), each choice's logprob steps not sent yet, and exactly
-one final delta per choice. ``stream_sse`` runs the requests one after another and frames the
+one final delta per choice. ``stream_sse`` runs the requests at once and frames the
 deltas as chunks; an endpoint only says how one choice of its chunk looks
-(``format_choice``). The stream ends with a usage chunk and ``[DONE]``; an error after the
+(``format_choice``). The stream ends with a usage chunk (only when the client asked with
+``stream_options.include_usage``, as OpenAI does) and ``[DONE]``; an error after the
 headers went out travels in the stream as an error event, then ``[DONE]``.
 """
 
+import asyncio
 import json
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence
 
 from ..runtime.outputs import RequestOutput
 from ..runtime.request_processor import PreparedRequest
+from ..utils.logging import get_logger
 from .protocol import APIError
 from .requests import run_prompt, usage
 from .state import ServerState
+
+logger = get_logger(__name__)
 
 
 class IncrementalText:
@@ -109,30 +115,70 @@ def sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+async def _merged(state: ServerState, requests: Sequence[StreamedRequest],
+                  streamers: Sequence[ChoiceStreamer]) -> AsyncIterator[ChoiceDelta]:
+    """The deltas of every request as they come, all requests running at once (so a prompt list
+    is batched by the engine, not generated one prompt after another). The first failure ends
+    the stream; the requests still running are then cancelled, which aborts them."""
+    queue: "asyncio.Queue[Any]" = asyncio.Queue()
+    done = object()
+
+    async def pump(request: StreamedRequest, streamer: ChoiceStreamer) -> None:
+        try:
+            async for out in run_prompt(state, request.request_id, request.prepared):
+                for delta in streamer.update(out):
+                    queue.put_nowait(delta)
+            queue.put_nowait(done)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.ensure_future(pump(r, s)) for r, s in zip(requests, streamers)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def stream_sse(state: ServerState, rid: str, obj: str, requests: Sequence[StreamedRequest],
-                     format_choice: Callable[[ChoiceDelta], Dict[str, Any]]) -> AsyncIterator[str]:
-    """The event stream of a response made of ``requests`` (run one after another): a chunk
+                     format_choice: Callable[[ChoiceDelta], Dict[str, Any]],
+                     include_usage: bool = False) -> AsyncIterator[str]:
+    """The event stream of a response made of ``requests`` (all running at once): a chunk
     ``{"id", "object": obj, "created", "model", "choices": [format_choice(delta)]}`` per delta,
-    then the usage chunk and ``[DONE]``."""
+    then the usage chunk if ``include_usage``, and ``[DONE]``. Whatever fails after the headers
+    went out (an ``APIError``, or a bug: logged, reported as an internal error) ends the stream
+    with an error event and ``[DONE]``, never with a broken connection."""
     created = int(time.time())
 
     def chunk(choices: List[Dict[str, Any]], **extra: Any) -> str:
         return sse({"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choices,
                     **extra})
 
-    prompt_tokens = completion_tokens = 0
+    streamers = [ChoiceStreamer(r) for r in requests]
     try:
-        for request in requests:
-            streamer = ChoiceStreamer(request)
-            prompt_tokens += len(request.prepared.prompt_token_ids)
+        for streamer in streamers:
             for delta in streamer.opening():
                 yield chunk([format_choice(delta)])
-            async for out in run_prompt(state, request.request_id, request.prepared):
-                for delta in streamer.update(out):
-                    yield chunk([format_choice(delta)])
-            completion_tokens += streamer.completion_tokens
-        yield chunk([], usage=usage(prompt_tokens, completion_tokens))
+        async with aclosing(_merged(state, requests, streamers)) as deltas:  # closed (aborting) on a disconnect
+            async for delta in deltas:
+                yield chunk([format_choice(delta)])
+        if include_usage:
+            prompt_tokens = sum(len(r.prepared.prompt_token_ids) for r in requests)
+            yield chunk([], usage=usage(prompt_tokens, sum(s.completion_tokens for s in streamers)))
         yield "data: [DONE]\n\n"
     except APIError as exc:  # after the headers went out, errors travel in the stream
         yield sse(exc.body())
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # noqa: BLE001 - a bug must not break the connection without a word
+        logger.exception("internal error while streaming %s", rid)
+        yield sse(APIError(500, f"internal error: {type(exc).__name__}").body())
         yield "data: [DONE]\n\n"

@@ -70,6 +70,13 @@ def aux_server():
     return _get_server("aux").wait_ready()
 
 
+@pytest.fixture(scope="module")
+def tight_server():
+    """A server with a KV pool of 12 pages (192 tokens), where concurrent requests preempt each
+    other, and --max-choices-per-request 4."""
+    return _get_server("tight").wait_ready()
+
+
 @pytest.fixture(scope="session")
 def llm():
     """The reference: the same preset built in this process through the Python API."""

@@ -25,6 +25,8 @@ MAX_REQUEST_BYTES = 4096  # the main server's --max-request-bytes
 API_KEY = "secret"  # the aux server's --api-key
 MAX_TOKENS_LIMIT = 32  # the aux server's --max-tokens-limit
 SHUTDOWN_TIMEOUT = 20.0  # the aux server's --shutdown-timeout
+MAX_CHOICES = 4  # the tight server's --max-choices-per-request (the others keep the default, 128)
+TIGHT_PAGES = 12  # the tight server's KV pool: 192 tokens, one 128-token sequence and a bit
 START_TIMEOUT = 240.0
 
 # A prompt whose greedy continuation does not hit EOS within 100 tokens (checked in test_api).
@@ -34,8 +36,9 @@ SERVER_ARGS: Dict[str, List[str]] = {
     "main": ["--served-model-name", SERVED_NAME, "--max-request-bytes", str(MAX_REQUEST_BYTES)],
     "aux": ["--api-key", API_KEY, "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
             "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)],
+    "tight": ["--transforms.initialize_cache.num_pages", str(TIGHT_PAGES), "--max-choices-per-request", str(MAX_CHOICES)],
 }
-FIXTURE_OF = {"server": "main", "aux_server": "aux"}
+FIXTURE_OF = {"server": "main", "aux_server": "aux", "tight_server": "tight"}
 
 
 def free_port() -> int:
@@ -110,6 +113,14 @@ class ServerProcess:
                     os.unlink(self.log_path)
                 except OSError:
                     pass
+
+    def log_text(self) -> str:
+        """The whole log so far."""
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
 
     def log_tail(self, n: int = 4000) -> str:
         try:

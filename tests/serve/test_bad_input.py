@@ -221,7 +221,8 @@ def test_bad_request_does_not_fail_other_requests(healthy):
     server = healthy
     # 4 choices of 120 tokens: still running when the bad request arrives, and leaving batch
     # slots (max_batch_size 8) free so that the bad request joins the same engine steps
-    body = {"model": SERVED_NAME, "prompt": LONG_PROMPT, "max_tokens": 120, "n": 4, "temperature": 0, "stream": True}
+    body = {"model": SERVED_NAME, "prompt": LONG_PROMPT, "max_tokens": 120, "n": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{server.url}{CMPL}", json=body) as r:
             lines = r.iter_lines()

@@ -13,6 +13,7 @@ from serve_utils import LONG_PROMPT, SERVED_NAME, sse_events
 N_REQUESTS = 64
 ABORTED = 'autodeploy_requests_total{status="aborted"}'
 COMPLETED = 'autodeploy_requests_total{status="completed"}'
+REJECTED = 'autodeploy_requests_total{status="rejected"}'
 
 
 # ---- load --------------------------------------------------------------------------------------
@@ -80,6 +81,7 @@ def _check_aborted(server, before, max_tokens):
     m = _wait_aborted(server, before)
     assert m["autodeploy_kv_pages_used"] == 0
     assert m[ABORTED] == before[ABORTED] + 1
+    assert m.get(REJECTED, 0) == before.get(REJECTED, 0)  # one disconnect is counted once
     assert m[COMPLETED] == before[COMPLETED]
     # the server stopped generating for nobody
     assert m["autodeploy_generation_tokens_total"] - before["autodeploy_generation_tokens_total"] < max_tokens
@@ -119,3 +121,5 @@ def test_non_stream_disconnect_frees_pages(healthy):
         with pytest.raises(httpx.ReadTimeout):
             http.post(f"{server.url}/v1/completions", json=body)
     _check_aborted(server, before, 16 * 120)
+    time.sleep(0.5)  # asyncio logs an unretrieved exception when the future is collected
+    assert "never retrieved" not in server.log_text(), server.log_tail()

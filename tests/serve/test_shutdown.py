@@ -19,7 +19,7 @@ N, MAX_TOKENS = 16, 30  # 16 choices of 30 tokens: two batches of 8, well over 0
 def shutdown_run(aux_server):
     srv = aux_server
     body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": MAX_TOKENS, "n": N, "temperature": 0,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}}
     result = {"events": [], "in_flight_at_signal": None, "error": None}
     with httpx.Client(timeout=60, headers=srv.headers()) as http:
         with http.stream("POST", f"{srv.url}/v1/completions", json=body) as r:

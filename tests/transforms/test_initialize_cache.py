@@ -93,7 +93,8 @@ def test_page_size_sets_geometry(weights_graph, page_size, expected_min):
 
 
 def test_pool_smaller_than_one_sequence_is_rejected(weights_graph):
-    with pytest.raises(ValueError, match="max_seq_len=32"):
+    # the user's setting, so a ConfigError that says what to set (tests/cli/test_cli_errors.py)
+    with pytest.raises(ConfigError, match=r"num_pages is 7, but one sequence of max_seq_len=32 .* at least 8"):
         _cache_init(weights_graph, num_pages=7)  # 32 tokens need 8 pages of 4
 
 

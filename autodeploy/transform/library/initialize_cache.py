@@ -12,6 +12,7 @@ from pydantic import Field
 from torch import fx
 
 from ...cache.limits import auto_batch_size
+from ...utils.errors import ConfigError
 from ...utils.logging import get_logger
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
@@ -33,6 +34,18 @@ def sizing_pages(cache) -> int:
     return max(cache.min_pages, -(-tokens // cache.page_size) + sequences)
 
 
+def too_few_pages_error(num_pages: int, cache) -> ConfigError:
+    """A fixed pool that cannot hold one sequence of max_seq_len is the user's setting, not a bug:
+    say which settings to change and to what."""
+    fits = num_pages * cache.page_size
+    return ConfigError(
+        f"transforms.initialize_cache.num_pages is {num_pages}, but one sequence of max_seq_len={cache.max_seq_len} "
+        f"tokens needs {cache.min_pages} pages of {cache.page_size} tokens; set num_pages to at least "
+        f"{cache.min_pages}, lower max_seq_len to at most {fits}, or leave num_pages unset to size the pool "
+        "from free memory"
+    )
+
+
 @TransformRegistry.register("initialize_cache")
 class InitializeCache(BaseTransform):
     config_class = InitializeCacheConfig
@@ -43,6 +56,8 @@ class InitializeCache(BaseTransform):
         cache = ctx.cache
         if cache is None or not cache.handlers:
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+        if cfg.num_pages is not None and cfg.num_pages < cache.min_pages:
+            raise too_few_pages_error(cfg.num_pages, cache)
         pages = cfg.num_pages if cfg.num_pages is not None else sizing_pages(cache)
         cache.allocate(pages)
         cache.fixed_size = cfg.num_pages is not None
