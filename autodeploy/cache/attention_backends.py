@@ -12,7 +12,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .resources import PagedKVHandler, ResourceHandler
-from .sequence_info import METADATA_NAMES
+# The step metadata a paged attention op takes, by name (the graph has more: state slots).
+PAGED_ATTENTION_METADATA = ("batch_info", "seq_len", "input_pos", "cu_seqlen", "page_table")
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class AttentionDescriptor:
     name: str
     cached_op: Callable
     prepare_metadata_op: Optional[Callable]
-    metadata: Tuple[str, ...] = METADATA_NAMES
+    metadata: Tuple[str, ...] = PAGED_ATTENTION_METADATA
     devices: Tuple[str, ...] = ("cpu", "cuda")
     description: str = ""
 

@@ -1,17 +1,18 @@
 """What the cached graph needs besides its weights: the cache tensors and their page geometry.
 
-``insert_cached_*`` transforms register one resource handler per cache input they add to the
-graph; ``initialize_cache`` / ``resize_kv_cache`` allocate them; the runtime reads the page
-geometry to schedule and calls the graph with ``graph_args(seq_info)``.
+``insert_cached_*`` transforms register one handler per cache input they add to the graph:
+paged (``ResourceHandler``) or per-sequence state (``StateHandler``, one slot per running
+sequence plus a spare); ``initialize_cache`` / ``resize_kv_cache`` allocate them; the runtime
+reads the page geometry to schedule and calls the graph with ``graph_args(seq_info)``.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 
 from ..utils.errors import ConfigError
-from .resources import ResourceHandler
+from .resources import ResourceHandler, StateHandler
 from .sequence_info import METADATA_NAMES, SequenceInfo
 
 
@@ -29,11 +30,12 @@ class CachedSequenceInterface:
         if page_size < 1:
             raise ValueError("page_size must be positive")
         self.page_size = page_size
-        self.max_batch_size = max_batch_size
+        self._max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.max_num_tokens = max_num_tokens
         self.device = torch.device(device)
-        self.handlers: Dict[str, ResourceHandler] = {}
+        # in registration order, which is the order of the graph's cache placeholders
+        self.handlers: Dict[str, Union[ResourceHandler, StateHandler]] = {}
         self.caches: Dict[str, torch.Tensor] = {}
         self.num_pages = 0
         self.fixed_size = False  # the pool size was given explicitly (resize keeps it)
@@ -42,11 +44,39 @@ class CachedSequenceInterface:
         # Pages at the end of the pool kept out of the page allocator (CUDA-graph padding rows).
         self.reserved_pages = 0
 
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, value: int) -> None:
+        """Also resizes allocated state caches: they hold one slot per sequence that can run at
+        once (the batch size is chosen after the pool is allocated, ``choose_batch_size``)."""
+        self._max_batch_size = value
+        for name in self.state_names:
+            if name in self.caches and self.caches[name].shape[0] != self.num_slots:
+                handler = self.handlers[name]
+                del self.caches[name]
+                self.caches[name] = handler.allocate(self.num_slots, self.device)  # type: ignore[call-arg]
+
     # ---- registration (by insert_cached_* transforms) ----------------------------------------
-    def add_cache(self, name: str, handler: ResourceHandler) -> None:
+    def add_cache(self, name: str, handler: Union[ResourceHandler, StateHandler]) -> None:
         if name in self.handlers:
             raise ValueError(f"cache input '{name}' registered twice")
         self.handlers[name] = handler
+
+    @property
+    def paged_names(self) -> List[str]:
+        return [n for n, h in self.handlers.items() if isinstance(h, ResourceHandler)]
+
+    @property
+    def state_names(self) -> List[str]:
+        return [n for n, h in self.handlers.items() if isinstance(h, StateHandler)]
+
+    def input_index(self, name: str) -> int:
+        """Position of the graph input ``name`` (what wrappers that take the graph's positional
+        arguments use, so that none of them hard-codes a position)."""
+        return self.input_names.index(name)
 
     @property
     def cache_names(self) -> List[str]:
@@ -73,7 +103,24 @@ class CachedSequenceInterface:
         return self.max_batch_size * self.pages_per_sequence
 
     def bytes_per_page(self) -> int:
-        return sum(h.bytes_per_page(self.page_size) for h in self.handlers.values())
+        """Bytes of one page over every paged cache (state caches have no pages)."""
+        return sum(h.bytes_per_page(self.page_size) for h in self.handlers.values() if isinstance(h, ResourceHandler))
+
+    # ---- state slots -------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        """State slots: one per sequence that can run at once, and the spare."""
+        return self.max_batch_size + 1
+
+    @property
+    def spare_slot(self) -> int:
+        """The slot padding rows (CUDA-graph and piecewise padding) read and write; never a
+        sequence's."""
+        return self.max_batch_size
+
+    def state_bytes(self) -> int:
+        """Bytes of every state cache, all slots (fixed: does not grow with the page pool)."""
+        return sum(h.bytes_per_slot() * self.num_slots for h in self.handlers.values() if isinstance(h, StateHandler))
 
     # ---- allocation --------------------------------------------------------------------------
     def allocate(self, num_pages: int) -> None:
@@ -83,7 +130,11 @@ class CachedSequenceInterface:
                 f"(needs {self.min_pages} pages of {self.page_size} tokens)"
             )
         self.caches.clear()  # free the old pool before allocating the new one
-        self.caches = {name: h.allocate(num_pages, self.page_size, self.device) for name, h in self.handlers.items()}
+        self.caches = {
+            name: h.allocate(num_pages, self.page_size, self.device) if isinstance(h, ResourceHandler)
+            else h.allocate(self.num_slots, self.device)
+            for name, h in self.handlers.items()
+        }
         self.num_pages = num_pages
 
     def reserve_scratch_page(self) -> int:
@@ -104,7 +155,12 @@ class CachedSequenceInterface:
         return self.num_pages - self.reserved_pages
 
     def cache_bytes(self) -> int:
+        """Bytes of every allocated cache, paged and state."""
         return sum(t.numel() * t.element_size() for t in self.caches.values())
+
+    def paged_bytes(self) -> int:
+        """Bytes of the allocated paged caches (what the page pool costs)."""
+        return sum(self.caches[n].numel() * self.caches[n].element_size() for n in self.paged_names if n in self.caches)
 
     # ---- calling the graph -------------------------------------------------------------------
     def graph_args(self, info: SequenceInfo) -> List[torch.Tensor]:

@@ -60,7 +60,9 @@ class RecomputeRunner(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch_info: torch.Tensor,
                 seq_len: torch.Tensor, input_pos: torch.Tensor, cu_seqlen: torch.Tensor, page_table: torch.Tensor,
-                token_cache: torch.Tensor) -> torch.Tensor:
+                slot_idx: torch.Tensor, use_initial_state: torch.Tensor, token_cache: torch.Tensor) -> torch.Tensor:
+        # slot_idx / use_initial_state: taken (the cached interface is one signature) but unused:
+        # recompute keeps no state besides the tokens
         page = self.page_size
         positions = position_ids[0]
         # Scatter the new tokens into their slots (same page arithmetic as the KV caches).

@@ -2,19 +2,21 @@
 
 After ``cache_init`` the graph is called with every token of the step flattened into one row
 (``input_ids [1, T]``, ``position_ids [1, T]``) plus this metadata, which tells the cached
-attention ops where each sequence's tokens are and where its keys live in the paged cache.
+attention ops where each sequence's tokens are and where its keys live in the paged cache, and
+the state ops (SSM, convolution, delta rule) which state slot holds each sequence's state and
+whether this step continues from it.
 Prefill sequences (several new tokens) come first, decode sequences (one new token) last, so
 decode rows are contiguous. The runtime builds a fresh ``SequenceInfo`` for each step; nothing
 lives in module globals.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 # Graph inputs after input_ids/position_ids, in this order.
-METADATA_NAMES = ("batch_info", "seq_len", "input_pos", "cu_seqlen", "page_table")
+METADATA_NAMES = ("batch_info", "seq_len", "input_pos", "cu_seqlen", "page_table", "slot_idx", "use_initial_state")
 
 
 @dataclass
@@ -26,6 +28,10 @@ class SequenceInfo:
     input_pos: torch.Tensor  # [B] int32: tokens of each sequence already in the cache
     cu_seqlen: torch.Tensor  # [B+1] int32: offsets of each sequence's tokens in the row
     page_table: torch.Tensor  # [B, P] int32: cache pages of each sequence (padded with 0)
+    slot_idx: torch.Tensor  # [B] int32: the state slot of each sequence (per-sequence state caches)
+    # [B] bool: the step continues from the stored state (input_pos > 0: a later prefill chunk
+    # or a decode); False starts from zeros, whatever the slot held before (a new or preempted one)
+    use_initial_state: torch.Tensor
 
     @property
     def num_sequences(self) -> int:
@@ -47,20 +53,39 @@ class SequenceInfo:
         }
 
 
+def example_metadata(name: str, max_batch: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An example value of the metadata input ``name`` (for the fake tensors of the graph's new
+    placeholders): only its dtype and rank matter downstream."""
+    i32 = dict(dtype=torch.int32, device=device)
+    return {
+        "batch_info": lambda: torch.zeros(3, **i32),
+        "seq_len": lambda: torch.zeros(max_batch, **i32),
+        "input_pos": lambda: torch.zeros(max_batch, **i32),
+        "cu_seqlen": lambda: torch.zeros(max_batch + 1, **i32),
+        "page_table": lambda: torch.zeros(max_batch, 4, **i32),
+        "slot_idx": lambda: torch.zeros(max_batch, **i32),
+        "use_initial_state": lambda: torch.zeros(max_batch, dtype=torch.bool, device=device),
+    }[name]()
+
+
 def build_sequence_info(
     tokens: Sequence[Sequence[int]],
     start_positions: Sequence[int],
     page_tables: Sequence[Sequence[int]],
     device: torch.device | str = "cpu",
+    slots: Optional[Sequence[int]] = None,
 ) -> SequenceInfo:
     """Metadata for one step: ``tokens[i]`` are sequence i's new tokens, which start at position
-    ``start_positions[i]``; ``page_tables[i]`` lists its cache pages. Prefill sequences (more
-    than one new token, or a first chunk) must come before single-token decode sequences."""
+    ``start_positions[i]``; ``page_tables[i]`` lists its cache pages and ``slots[i]`` its state
+    slot (default: slot i). Prefill sequences (more than one new token, or a first chunk) must
+    come before single-token decode sequences."""
     if not tokens:
         raise ValueError("a step needs at least one sequence")
     lengths = [len(t) for t in tokens]
     if min(lengths) < 1:
         raise ValueError("every scheduled sequence needs at least one new token")
+    if slots is not None and len(slots) != len(tokens):
+        raise ValueError(f"{len(slots)} state slots for {len(tokens)} sequences")
     is_decode = [n == 1 and s > 0 for n, s in zip(lengths, start_positions)]
     num_decode = sum(is_decode)
     num_prefill = len(tokens) - num_decode
@@ -83,4 +108,6 @@ def build_sequence_info(
         input_pos=torch.tensor(list(start_positions), **i32),
         cu_seqlen=torch.tensor(cu, **i32),
         page_table=torch.tensor(table, **i32),
+        slot_idx=torch.tensor(list(slots) if slots is not None else list(range(len(tokens))), **i32),
+        use_initial_state=torch.tensor([s > 0 for s in start_positions], dtype=torch.bool, device=device),
     )

@@ -74,6 +74,7 @@ class DecodeGraphs(nn.Module):
             )
         self.scratch_page = cache.reserve_scratch_page()
         self.width = cache.pages_per_sequence
+        self._index = {name: i for i, name in enumerate(cache.input_names)}
         self._static: Dict[int, List[torch.Tensor]] = {}
         self._runners: Dict[int, Runner] = {}
         pool = torch.cuda.graph_pool_handle() if capture is cuda_graph_capture else None
@@ -84,40 +85,47 @@ class DecodeGraphs(nn.Module):
         logger.info("captured decode graphs for batch sizes %s", self.batch_sizes)
 
     def _static_inputs(self, batch: int) -> List[torch.Tensor]:
+        """The captured graph's inputs, in the graph's input order (by name): an all-decode step
+        whose padding rows write the scratch page and the spare state slot."""
         dev = self.cache.device
         i32 = dict(dtype=torch.int32, device=dev)
-        caches = [self.cache.caches[n] for n in self.cache.cache_names]
-        return [
-            torch.zeros(1, batch, dtype=torch.long, device=dev),  # input_ids
-            torch.zeros(1, batch, dtype=torch.long, device=dev),  # position_ids
-            torch.tensor([0, 0, batch], **i32),  # batch_info: all decode
-            torch.ones(batch, **i32),  # seq_len
-            torch.zeros(batch, **i32),  # input_pos
-            torch.arange(batch + 1, **i32),  # cu_seqlen
-            torch.full((batch, self.width), self.scratch_page, **i32),  # page_table
-            *caches,
-        ]
+        step = {
+            "input_ids": torch.zeros(1, batch, dtype=torch.long, device=dev),
+            "position_ids": torch.zeros(1, batch, dtype=torch.long, device=dev),
+            "batch_info": torch.tensor([0, 0, batch], **i32),  # all decode
+            "seq_len": torch.ones(batch, **i32),
+            "input_pos": torch.zeros(batch, **i32),
+            "cu_seqlen": torch.arange(batch + 1, **i32),
+            "page_table": torch.full((batch, self.width), self.scratch_page, **i32),
+            "slot_idx": torch.full((batch,), self.cache.spare_slot, **i32),
+            "use_initial_state": torch.ones(batch, dtype=torch.bool, device=dev),  # decodes continue
+            **self.cache.caches,
+        }
+        return [step[name] for name in self.cache.input_names]
 
     def bucket_for(self, batch: int) -> Optional[int]:
         return next((b for b in self.batch_sizes if b >= batch), None)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        input_ids, seq_len = args[0], args[3]
+        at = self._index
+        input_ids, seq_len = args[at["input_ids"]], args[at["seq_len"]]
         tokens, batch = input_ids.shape[1], seq_len.shape[0]
         bucket = self.bucket_for(batch) if tokens == batch else None
         if bucket is None:
             return self.model(*args)
         static = self._static[bucket]
-        static[0][:, :batch].copy_(input_ids)
-        static[0][:, batch:].zero_()
-        static[1][:, :batch].copy_(args[1])
-        static[1][:, batch:].zero_()
-        static[4][:batch].copy_(args[4])
-        static[4][batch:].zero_()
-        table = args[6]
-        static[6][:batch, : table.shape[1]].copy_(table)
-        static[6][:batch, table.shape[1]:].fill_(self.scratch_page)
-        static[6][batch:].fill_(self.scratch_page)
+        # per-row inputs: the step's rows, then padding rows (token 0 at position 0, scratch
+        # page, spare slot); batch_info, seq_len and cu_seqlen are fixed for an all-decode bucket
+        for name, pad in (("input_ids", 0), ("position_ids", 0), ("input_pos", 0),
+                          ("slot_idx", self.cache.spare_slot), ("use_initial_state", True)):
+            dst, src = static[at[name]], args[at[name]]
+            dim = 1 if name in ("input_ids", "position_ids") else 0  # [1, T] token rows, [B] per sequence
+            dst.narrow(dim, 0, batch).copy_(src)
+            dst.narrow(dim, batch, dst.shape[dim] - batch).fill_(pad)
+        table, dst = args[at["page_table"]], static[at["page_table"]]
+        dst[:batch, : table.shape[1]].copy_(table)
+        dst[:batch, table.shape[1]:].fill_(self.scratch_page)
+        dst[batch:].fill_(self.scratch_page)
         replay, out = self._runners[bucket]
         replay()
         return out[:, :batch]

@@ -119,28 +119,34 @@ class PiecewiseGraphs(nn.Module):
         return next((b for b in self.buckets if b > tokens), None)  # room for >= 1 padding token
 
     def _padded(self, args: Sequence[torch.Tensor], pad: int) -> List[torch.Tensor]:
-        input_ids, position_ids, batch_info, seq_len, input_pos, cu_seqlen, page_table = args[: len(METADATA_NAMES) + 2]
+        """The step's inputs (in the graph's input order, found by name) with a padding prefill
+        sequence of ``pad`` tokens in front: it writes the scratch page and the spare state slot,
+        starting from an empty state, and only its own (discarded) outputs read them."""
+        step = dict(zip(self.cache.input_names, args))
+        input_ids, page_table = step["input_ids"], step["page_table"]
         dev = input_ids.device
         i32 = dict(dtype=torch.int32, device=dev)
-        pad_table = torch.full((1, page_table.shape[1]), self.scratch_page, **i32)
-        info = batch_info.clone()
+        info = step["batch_info"].clone()
         info[0] += 1
         info[1] += pad
-        return [
-            torch.cat([torch.zeros(1, pad, dtype=input_ids.dtype, device=dev), input_ids], dim=1),
-            # the padding sequence writes positions 0..pad-1 into the one scratch page: only
-            # its own (discarded) attention reads them
-            torch.cat([torch.arange(pad, device=dev)[None] % self.cache.page_size, position_ids], dim=1),
-            info,
-            torch.cat([torch.tensor([pad], **i32), seq_len]),
-            torch.cat([torch.zeros(1, **i32), input_pos]),
-            torch.cat([torch.zeros(1, **i32), cu_seqlen + pad]),
-            torch.cat([pad_table, page_table]),
-            *args[len(METADATA_NAMES) + 2 :],
-        ]
+        padded = {
+            "input_ids": torch.cat([torch.zeros(1, pad, dtype=input_ids.dtype, device=dev), input_ids], dim=1),
+            # positions 0..pad-1 of the one scratch page
+            "position_ids": torch.cat([torch.arange(pad, device=dev)[None] % self.cache.page_size,
+                                       step["position_ids"]], dim=1),
+            "batch_info": info,
+            "seq_len": torch.cat([torch.tensor([pad], **i32), step["seq_len"]]),
+            "input_pos": torch.cat([torch.zeros(1, **i32), step["input_pos"]]),
+            "cu_seqlen": torch.cat([torch.zeros(1, **i32), step["cu_seqlen"] + pad]),
+            "page_table": torch.cat([torch.full((1, page_table.shape[1]), self.scratch_page, **i32), page_table]),
+            "slot_idx": torch.cat([torch.tensor([self.cache.spare_slot], **i32), step["slot_idx"]]),
+            "use_initial_state": torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), step["use_initial_state"]]),
+        }
+        return [padded.get(name, step[name]) for name in self.cache.input_names]
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        tokens, sequences = args[0].shape[1], args[3].shape[0]
+        at = self.cache.input_index
+        tokens, sequences = args[at("input_ids")].shape[1], args[at("seq_len")].shape[0]
         bucket = self.bucket_for(tokens) if tokens != sequences else None
         if bucket is None:
             return self.model(*args)

@@ -5,4 +5,6 @@ fake kernel so it survives ``torch.export`` and shape propagation. Backend imple
 (other prefixes) live beside them and are chosen by later transforms.
 """
 
-from . import attention, cached_attention, compiled, linear, mlp, moe, normalization, rope  # noqa: F401
+from . import attention, cached_attention, compiled, delta_rule, linear, mlp, moe, normalization, rope, ssm  # noqa: F401
+
+# ssm imports causal_conv (the causal convolution ops and the state-slot step driver both families share)

@@ -31,6 +31,7 @@ class ModelRunner:
             [s.num_computed for s, _ in batch],
             [s.pages for s, _ in batch],
             device=self.cache.device,
+            slots=[s.slot for s, _ in batch],
         )
         logits = self.model(*self.cache.graph_args(info))[0]
         rows = step.due_rows

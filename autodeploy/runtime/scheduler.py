@@ -7,6 +7,12 @@ needs a page and none is free, the youngest running sequence is preempted: its p
 and it waits, at the front of the queue, to be recomputed (prompt and generated tokens) later.
 No request is dropped: one sequence always fits because the pool holds at least a full
 ``max_seq_len`` sequence.
+
+Each running sequence also holds a state slot (``Sequence.slot``, ``0..max_batch_size-1``) for
+the per-sequence state caches (SSM, convolution, delta rule): taken when it starts running,
+given back when it finishes, is aborted or is preempted. A preempted sequence recomputes from an
+empty state (its first step has ``use_initial_state`` False), so whatever its old slot holds by
+then does not matter.
 """
 
 from collections import deque
@@ -56,6 +62,7 @@ class Scheduler:
         self.waiting: Deque[Sequence] = deque()
         self.running: List[Sequence] = []  # in arrival order
         self.num_preemptions = 0
+        self.free_slots: List[int] = list(range(max_batch_size))[::-1]  # pop() hands out the lowest
 
     # ---- queue ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -77,6 +84,12 @@ class Scheduler:
             self.waiting.remove(seq)
         self.pool.free(seq.pages)
         seq.pages = []
+        self._release_slot(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.free_slots.append(seq.slot)
+            seq.slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         # info, not warning: preemption is the designed answer to a full pool, but a deployment
@@ -86,6 +99,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.free(seq.pages)
         seq.pages = []
+        self._release_slot(seq)
         seq.num_computed = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -154,6 +168,7 @@ class Scheduler:
                     n = fits
                 self.waiting.remove(seq)
                 self.running.append(seq)
+                seq.slot = self.free_slots.pop()  # running < max_batch_size: one is free
             else:
                 fits = (len(seq.pages) + self.pool.num_free) * self.pool.page_size - seq.num_computed
                 if self.chunked_prefill and 1 <= fits < n:

@@ -20,6 +20,7 @@ class Sequence:
     token_ids: List[int] = field(init=False)
     num_computed: int = 0  # tokens whose keys/values are in the cache
     pages: List[int] = field(default_factory=list)
+    slot: Optional[int] = None  # its state slot while running (per-sequence state caches)
     finish_reason: Optional[str] = None
     logprobs: Optional[List[Dict[int, float]]] = None
     detokenizer: Any = None  # an ``IncrementalDetokenizer`` when the engine has a tokenizer

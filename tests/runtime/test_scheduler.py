@@ -61,6 +61,12 @@ class Driver:
             assert seq.pages == []
         held = [p for s in sched.running for p in s.pages]
         assert len(held) == len(set(held))  # no page given twice
+        # state slots: one per running sequence, distinct, never the spare (max_batch_size)
+        slots = [s.slot for s in sched.running]
+        assert all(slot is not None and 0 <= slot < sched.max_batch_size for slot in slots), slots
+        assert len(set(slots)) == len(slots)
+        assert all(s.slot is None for s in sched.waiting)
+        assert len(slots) + len(sched.free_slots) == sched.max_batch_size
         assert len(held) + pool.num_free == pool.num_pages
 
         # ---- preemption: the youngest running sequences, freed and queued at the front ----
@@ -84,7 +90,7 @@ class Driver:
                 if len(seq.output_token_ids) >= seq.params.max_tokens:
                     seq.finish_reason = "length"
                     sched.finish(seq)
-                    assert seq.pages == []
+                    assert seq.pages == [] and seq.slot is None
                     self.finished.append(seq)
         self.steps.append(record)
         return step
@@ -94,6 +100,7 @@ class Driver:
             assert len(self.steps) < max_steps, "the scheduler does not make progress"
             self.step()
         assert self.pool.num_free == self.pool.num_pages  # no page leaked
+        assert sorted(self.sched.free_slots) == list(range(self.sched.max_batch_size))  # no slot leaked
         assert not self.sched.running and not self.sched.waiting
 
 

@@ -102,7 +102,8 @@ class _Head(nn.Module):
         self.emb = nn.Parameter(torch.randn(32, 8))
         self.w = nn.Parameter(torch.randn(16, 8))
 
-    def forward(self, input_ids, position_ids, batch_info, seq_len, input_pos, cu_seqlen, page_table):
+    def forward(self, input_ids, position_ids, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_idx,
+                use_initial_state):
         h = aten.embedding.default(self.emb, input_ids)
         if self.kind == "matmul":
             return aten.matmul.default(h, aten.t.default(self.w))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from autodeploy.cache import build_sequence_info
+from autodeploy.cache.attention_backends import PAGED_ATTENTION_METADATA
 from autodeploy.cache.sequence_info import METADATA_NAMES
 from autodeploy.transform.interface import PipelineContext, Stage
 from autodeploy.transform.optimizer import build_transform
@@ -80,7 +81,8 @@ def test_graph_structure(cached):
     assert count_op(gm, other) == 0
     assert count_op(gm, ad.torch_cached_attention_prepare_metadata) == 1
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    expected = ["input_ids", "position_ids", "batch_info", "seq_len", "input_pos", "cu_seqlen", "page_table"]
+    expected = ["input_ids", "position_ids", "batch_info", "seq_len", "input_pos", "cu_seqlen", "page_table",
+                "slot_idx", "use_initial_state"]
     for layer in range(NUM_LAYERS):
         expected += [f"k_cache_{layer}", f"v_cache_{layer}"]
     assert names == expected
@@ -93,7 +95,9 @@ def test_graph_structure(cached):
     cached_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == CACHED_OPS[backend].default]
     for layer, node in enumerate(cached_nodes):
         assert node.args[8] is prepare
-        assert [a.name for a in node.args[3:8]] == list(METADATA_NAMES)
+        # the paged attention op takes its metadata by name: not the state slots
+        assert [a.name for a in node.args[3:8]] == list(PAGED_ATTENTION_METADATA)
+        assert list(PAGED_ATTENTION_METADATA) == list(METADATA_NAMES[:5])
         assert [node.args[9].name, node.args[10].name] == [f"k_cache_{layer}", f"v_cache_{layer}"]
 
 

@@ -64,7 +64,8 @@ class InitializeCache(BaseTransform):
         if ctx.auto_batch_size:  # resize_kv_cache chooses again for the pool it makes
             cache.max_batch_size = ctx.max_batch_size = auto_batch_size(cache)
         logger.info(
-            "KV cache: %d pages x %d tokens, %.1f MiB (%d cache tensors)",
-            pages, cache.page_size, cache.cache_bytes() / 2**20, len(cache.caches),
+            "KV cache: %d pages x %d tokens, %.1f MiB; state caches: %d slots, %.1f MiB (%d cache tensors)",
+            pages, cache.page_size, cache.paged_bytes() / 2**20, cache.num_slots, cache.state_bytes() / 2**20,
+            len(cache.caches),
         )
         return TransformInfo(num_matches=len(cache.caches), is_clean=True, has_valid_shapes=True)

@@ -28,7 +28,7 @@ from torch import fx
 
 from ...cache import CachedSequenceInterface
 from ...cache.attention_backends import attention_backends, get_attention_backend
-from ...cache.sequence_info import METADATA_NAMES
+from ...cache.sequence_info import METADATA_NAMES, example_metadata
 from ...utils.errors import ConfigError
 from ...utils.fx import copy_graph_module
 from ..graph_utils import arg, is_op
@@ -45,18 +45,6 @@ class InsertCachedAttentionConfig(TransformConfig):
         description="When an attention cannot be KV-cached (explicit mask, not causal, static-length export): "
         "leave the graph uncached for recompute_fallback, or raise.",
     )
-
-
-def _example_meta(name: str, max_batch: int, device: torch.device) -> torch.Tensor:
-    """Example values for metadata inputs: only their dtype/rank matter downstream."""
-    i32 = dict(dtype=torch.int32, device=device)
-    return {
-        "batch_info": lambda: torch.zeros(3, **i32),
-        "seq_len": lambda: torch.zeros(max_batch, **i32),
-        "input_pos": lambda: torch.zeros(max_batch, **i32),
-        "cu_seqlen": lambda: torch.zeros(max_batch + 1, **i32),
-        "page_table": lambda: torch.zeros(max_batch, 4, **i32),
-    }[name]()
 
 
 @TransformRegistry.register("insert_cached_attention")
@@ -109,7 +97,7 @@ class InsertCachedAttention(BaseTransform):
         for name in METADATA_NAMES:
             with graph.inserting_after(last):
                 last = meta[name] = graph.placeholder(name)
-            meta[name].meta["val"] = fake_mode.from_tensor(_example_meta(name, ctx.max_batch_size, device))
+            meta[name].meta["val"] = fake_mode.from_tensor(example_metadata(name, ctx.max_batch_size, device))
         layer_caches: List[List[fx.Node]] = []
         for layer, node in enumerate(attn_nodes):
             handlers = backend.cache_handlers(node.args[1].meta["val"], node.args[2].meta["val"], ctx.dtype)

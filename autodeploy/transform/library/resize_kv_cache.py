@@ -78,7 +78,8 @@ class ResizeKVCache(BaseTransform):
                         forward_peak / 2**20)
             choose_batch_size(ctx, cache)
             return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
-        free = free_memory_bytes(cache.device) + cache.cache_bytes()  # the sizing pool is given back
+        # the sizing pool is given back; state caches stay (their size does not depend on the pool)
+        free = free_memory_bytes(cache.device) + cache.paged_bytes()
         budget = int(cfg.free_mem_ratio * max(0, free - forward_peak))
         if cache.device.type == "cpu" and cfg.cpu_max_cache_gb is not None:
             budget = min(budget, int(cfg.cpu_max_cache_gb * 2**30))
@@ -90,8 +91,9 @@ class ResizeKVCache(BaseTransform):
         cache.allocate(pages)
         choose_batch_size(ctx, cache)
         logger.info(
-            "KV cache resized to %d pages (%.1f MiB, %d tokens): free %.0f MiB, forward peak %.1f MiB, budget %.0f MiB, "
-            "max_batch_size %d, max_seq_len %d", pages, cache.cache_bytes() / 2**20, pages * cache.page_size,
+            "KV cache resized to %d pages (%.1f MiB, %d tokens; state caches %.1f MiB): free %.0f MiB, forward peak "
+            "%.1f MiB, budget %.0f MiB, max_batch_size %d, max_seq_len %d", pages, cache.paged_bytes() / 2**20,
+            pages * cache.page_size, cache.state_bytes() / 2**20,
             free / 2**20, forward_peak / 2**20, budget / 2**20, cache.max_batch_size, cache.max_seq_len,
         )
         return TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)

@@ -1,0 +1,152 @@
+"""Depthwise causal 1-D convolution: ``torch_causal_conv1d`` and its cached variant.
+
+This is the short convolution in front of Mamba/Mamba2's scan (with ``silu``) and LFM2's
+short-conv block (no activation). Every channel is convolved with its own ``k`` taps over the
+current and the ``k - 1`` previous tokens; the sequence is left-padded with zeros, so token
+``t`` never sees tokens after it.
+
+Layout: the op takes and returns ``[b, s, c]`` (channels last, like ``bsnd``), while HF's code
+transposes to ``[b, c, s]`` for ``nn.Conv1d`` and back. In ``[b, s, c]`` the op's neighbours (the
+in-projection and its split, the SSM, the flattened ``[1, T, ...]`` rows of the cached graph)
+need no transposes around it, and a fused kernel is free to pick its own memory layout; the
+transposes live inside the reference only.
+
+Numerics follow HF's ``causal_conv1d_fn``: the input is cast to the weight's dtype, conv and
+activation run there, and the result is cast back to the input's dtype.
+
+The cached op keeps, per state slot, the last ``k - 1`` inputs of the sequence
+(``conv_state [num_slots, c, k - 1]``, channels first like HF's conv cache, but one column
+shorter: HF keeps ``k`` and drops the oldest when it convolves). A step's new tokens are
+convolved with the stored window in front, and the window is replaced by the last ``k - 1``
+inputs seen. The state is stored in ``conv_state``'s dtype; the model's dtype is the natural
+choice (these are raw inputs, no accumulation happens in them).
+
+``scan_each_sequence`` is the step driver every cached state-space op shares (this conv and the
+SSMs in ``ssm.py``): given the op's math as "outputs and final state from an initial state", it
+runs prefill sequences one by one and all one-token sequences in one batch, and reads/writes
+the state slots.
+"""
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# (per-token inputs [b, s, ...], initial state [b, *state_shape]) -> (outputs [b, s, ...], final state)
+ScanFn = Callable[[Sequence[Tensor], Tensor], Tuple[Tensor, Tensor]]
+
+_ACTIVATIONS = {None: lambda t: t, "silu": F.silu, "swish": F.silu}
+
+
+def _activation(name: Optional[str]):
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"causal_conv1d: unsupported activation {name!r} (use 'silu' or None)")
+    return _ACTIVATIONS[name]
+
+
+def _conv_scan(x: Tensor, window: Tensor, weight: Tensor, bias: Optional[Tensor],
+               activation: Optional[str]) -> Tuple[Tensor, Tensor]:
+    """``x [b, s, c]`` after the previous inputs ``window [b, c, k - 1]`` -> (outputs ``[b, s, c]``
+    in the weight's dtype, the last ``k - 1`` inputs ``[b, c, k - 1]``)."""
+    c, k = weight.shape[0], weight.shape[-1]
+    taps = weight.reshape(c, 1, k)  # nn.Conv1d's depthwise [c, 1, k]; [c, k] is accepted too
+    inputs = torch.cat([window.to(taps.dtype), x.transpose(1, 2).to(taps.dtype)], dim=-1)  # [b, c, k - 1 + s]
+    out = _activation(activation)(F.conv1d(inputs, taps, bias, groups=c))  # valid conv: [b, c, s]
+    return out.transpose(1, 2), inputs[..., inputs.shape[-1] - (k - 1):]
+
+
+@torch.library.custom_op("autodeploy::torch_causal_conv1d", mutates_args=())
+def torch_causal_conv1d(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None
+) -> Tensor:
+    """Depthwise causal conv of ``x [b, s, c]`` with ``weight [c, 1, k]`` (or ``[c, k]``) -> ``[b, s, c]``.
+
+    ``activation`` is ``'silu'`` (Mamba, Mamba2 and hybrids) or ``None`` (LFM2).
+    """
+    zeros = x.new_zeros(x.shape[0], x.shape[2], weight.shape[-1] - 1)  # left padding
+    return _conv_scan(x, zeros, weight, bias, activation)[0].to(x.dtype).contiguous()
+
+
+@torch_causal_conv1d.register_fake
+def _torch_causal_conv1d_fake(x, weight, bias=None, activation=None):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def scan_each_sequence(
+    scan: ScanFn,
+    tokens: Sequence[Tensor],
+    batch_info: Tensor,
+    seq_len: Tensor,
+    cu_seqlen: Tensor,
+    slot_idx: Tensor,
+    use_initial_state: Tensor,
+    state_cache: Tensor,
+) -> Tensor:
+    """Runs ``scan`` over a flattened step and updates ``state_cache [num_slots, *state_shape]``.
+
+    ``tokens`` are the op's per-token inputs, each ``[1, T, ...]``; the first one's shape and dtype
+    are the output's. Sequence i continues from ``state_cache[slot_idx[i]]`` when
+    ``use_initial_state[i]``, else from zeros, and its final state is written back there; no other
+    slot is touched. Prefill sequences run one at a time; the one-token sequences after them
+    (decodes, or a whole step with one token per sequence) run as one batch of length-1 rows,
+    without host reads when every sequence has one token (decode steps stay CUDA-graph capturable).
+    """
+    out = tokens[0].new_zeros(tokens[0].shape)
+    num_seqs = seq_len.shape[0]
+    if out.shape[1] == num_seqs:  # one new token per sequence
+        num_prefill, first_single = 0, 0
+    else:
+        num_prefill, first_single = batch_info[:2].tolist()
+    starts, lengths = cu_seqlen.tolist()[:num_prefill], seq_len.tolist()[:num_prefill]
+    slots, carried = slot_idx.tolist()[:num_prefill], use_initial_state.tolist()[:num_prefill]
+    for start, n, slot, carry in zip(starts, lengths, slots, carried):
+        rows = slice(start, start + n)
+        initial = state_cache[slot:slot + 1] if carry else torch.zeros_like(state_cache[slot:slot + 1])
+        y, final = scan([t[:, rows] for t in tokens], initial)
+        out[:, rows] = y.to(out.dtype)
+        state_cache[slot].copy_(final[0])
+    num_single = num_seqs - num_prefill
+    if num_single:
+        rows = slice(first_single, first_single + num_single)
+        slots_t = slot_idx[num_prefill:].long()
+        carry_t = use_initial_state[num_prefill:].to(torch.bool).reshape(-1, *([1] * (state_cache.dim() - 1)))
+        initial = state_cache.index_select(0, slots_t).masked_fill_(~carry_t, 0)
+        y, final = scan([t[0, rows].unsqueeze(1) for t in tokens], initial)  # row i = sequence i, 1 token
+        out[0, rows] = y[:, 0].to(out.dtype)
+        state_cache.index_copy_(0, slots_t, final.to(state_cache.dtype))
+    return out
+
+
+@torch.library.custom_op("autodeploy::torch_cached_causal_conv1d", mutates_args=("conv_state",))
+def torch_cached_causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    batch_info: Tensor,
+    seq_len: Tensor,
+    cu_seqlen: Tensor,
+    slot_idx: Tensor,
+    use_initial_state: Tensor,
+    conv_state: Tensor,
+    activation: Optional[str] = None,
+) -> Tensor:
+    """``torch_causal_conv1d`` over a flattened step ``x [1, T, c]``, continuing from and updating
+    each sequence's window ``conv_state[slot_idx[i]]`` (``[num_slots, c, k - 1]``).
+
+    ``use_initial_state[i] == False`` starts sequence i from zeros (a fresh prompt, or a
+    preempted one that restarts), whatever its slot holds.
+    """
+    def scan(inputs: Sequence[Tensor], window: Tensor) -> Tuple[Tensor, Tensor]:
+        return _conv_scan(inputs[0], window, weight, bias, activation)
+
+    return scan_each_sequence(scan, [x], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state, conv_state)
+
+
+@torch_cached_causal_conv1d.register_fake
+def _torch_cached_causal_conv1d_fake(x, weight, bias, batch_info, seq_len, cu_seqlen, slot_idx,
+                                     use_initial_state, conv_state, activation=None):
+    return x.new_empty(x.shape)
+
+
+__all__: List[str] = ["torch_causal_conv1d", "torch_cached_causal_conv1d", "scan_each_sequence"]
