@@ -246,18 +246,11 @@ def cmd_run(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 # ---- serve -------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .llm import LLM
-    from .serve.server import bind_socket, serve
+    from .serve.server import bind_socket, check_settings, serve
 
-    if args.shutdown_timeout < 0:
-        raise AutoDeployError(f"--shutdown-timeout {args.shutdown_timeout:g} is negative; give the seconds "
-                              "requests in flight get to finish on shutdown (0: cut them at once)")
-    if args.max_request_bytes < 1:
-        raise AutoDeployError(f"--max-request-bytes {args.max_request_bytes} must be at least 1 (default 1 MiB)")
-    if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
-        raise AutoDeployError(f"--max-tokens-limit {args.max_tokens_limit} must be at least 1; omit it for no limit")
-    if args.max_choices_per_request < 1:
-        raise AutoDeployError(f"--max-choices-per-request {args.max_choices_per_request} must be at least 1 "
-                              "(default 128)")
+    limits = dict(max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
+                  max_choices_per_request=args.max_choices_per_request)
+    check_settings(shutdown_timeout=args.shutdown_timeout, **limits)
     config = _config_from_args(args, overrides)
     # The port first: a port in use is reported now, not after the model is built.
     sock = bind_socket(args.host, args.port)
@@ -268,8 +261,7 @@ def cmd_serve(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         auth = " (API key required)" if args.api_key else ""
         print(f"\nserving '{name}' at http://{args.host}:{sock.getsockname()[1]}/v1{auth}", flush=True)
         serve(llm, host=args.host, port=args.port, sock=sock, model_name=name, api_key=args.api_key,
-              max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
-              max_choices_per_request=args.max_choices_per_request, shutdown_timeout=args.shutdown_timeout)
+              shutdown_timeout=args.shutdown_timeout, **limits)
     finally:
         sock.close()
     return 0

@@ -2,7 +2,7 @@
 
 import copy
 import os
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import fx
@@ -170,11 +170,11 @@ def hf_model(checkpoint: str) -> torch.nn.Module:
     return _HF_MODELS[checkpoint]
 
 
-def assert_matches_hf(graph: Callable, checkpoint: str, shapes: Sequence[Tuple[int, int]] = ((1, 5), (3, 2)),
-                      tol: float = 1e-5) -> None:
-    """A pipeline graph ``(input_ids, position_ids) -> logits`` equals HF's model of the same
-    checkpoint (the unmodified model) at each ``(batch, seq)`` of ``shapes``."""
-    hf = hf_model(checkpoint)
+def assert_matches_hf(graph: Callable, reference: Union[str, torch.nn.Module],
+                      shapes: Sequence[Tuple[int, int]] = ((1, 5), (3, 2)), tol: float = 1e-5) -> None:
+    """A pipeline graph ``(input_ids, position_ids) -> logits`` equals the HF model ``reference``
+    (a module, or a checkpoint whose unmodified HF model is loaded) at each ``(batch, seq)``."""
+    hf = hf_model(reference) if isinstance(reference, str) else reference
     vocab = hf.config.vocab_size
     for b, s in shapes:
         ids = torch.randint(0, vocab, (b, s))

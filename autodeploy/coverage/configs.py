@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..utils.logging import get_logger
 from .recipes import KEEP, REGULAR, Recipe, get_recipe, is_int, quirks, size_rules

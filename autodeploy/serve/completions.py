@@ -5,7 +5,6 @@ Every prompt of the request is one engine request of ``n`` choices; choice ``j``
 ``i`` is the response's choice ``i * n + j``.
 """
 
-import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Tuple

@@ -63,16 +63,6 @@ def unencodable_text(value: Any, path: str = "") -> Optional[str]:
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _encodable(cls, data: Any) -> Any:
-        bad = unencodable_text(data)
-        if bad is not None:
-            # raised as such (not a ValueError) so that the 400 names the field, nested or not
-            raise APIError(400, f"'{bad}' holds text that is not valid Unicode (a lone UTF-16 surrogate); "
-                                "send well-formed UTF-8 text", bad.split(".")[0])
-        return data
-
 
 _UNSUPPORTED_NUMBER = {"enum": [0, None], "description": "Not supported: only 0 or null."}
 
@@ -84,6 +74,18 @@ class StreamOptions(_Strict):
 class _Common(_Strict):
     """Fields both endpoints share. Unknown fields are accepted and ignored (clients send
     vendor extras); known-but-unsupported ones are rejected in ``check_supported``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        """One walk over the whole body (here, not in the nested models, which would walk their
+        parts again)."""
+        bad = unencodable_text(data)
+        if bad is not None:
+            # raised as such (not a ValueError) so that the 400 names the field, nested or not
+            raise APIError(400, f"'{bad}' holds text that is not valid Unicode (a lone UTF-16 surrogate); "
+                                "send well-formed UTF-8 text", bad.split(".")[0])
+        return data
 
     model: str
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)

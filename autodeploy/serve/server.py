@@ -41,9 +41,26 @@ logger = get_logger(__name__)
 CUT_GRACE_S = 5.0
 
 
+def check_settings(*, shutdown_timeout: float = 30.0, max_request_bytes: int = 1 << 20,
+                   max_tokens_limit: Optional[int] = None, max_choices_per_request: int = 128) -> None:
+    """The server's own settings, checked in one place: by ``serve`` and, before the model is
+    built, by the CLI (a bad flag is reported at once, not after minutes of building)."""
+    if shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout {shutdown_timeout:g} is negative; give the seconds requests in "
+                          "flight get to finish on shutdown (0: cut them at once)")
+    if max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes {max_request_bytes} must be at least 1 (default 1 MiB)")
+    if max_tokens_limit is not None and max_tokens_limit < 1:
+        raise ConfigError(f"--max-tokens-limit {max_tokens_limit} must be at least 1; omit it for no limit")
+    if max_choices_per_request < 1:
+        raise ConfigError(f"--max-choices-per-request {max_choices_per_request} must be at least 1 (default 128)")
+
+
 def build_state(llm: LLM, *, model_name: Optional[str] = None, api_key: Optional[str] = None,
                 max_request_bytes: int = 1 << 20, max_tokens_limit: Optional[int] = None,
                 max_choices_per_request: int = 128) -> ServerState:
+    check_settings(max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit,
+                   max_choices_per_request=max_choices_per_request)
     if llm.tokenizer is None:
         raise ConfigError(
             "serving needs a tokenizer (the OpenAI API speaks text), but this model has none: "
@@ -158,10 +175,8 @@ def serve(llm: LLM, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeo
           sock: Optional[socket.socket] = None, **state_kwargs: Any) -> None:
     """Serve ``llm`` until SIGTERM/SIGINT, then shut down gracefully (module docstring).
     ``sock``: a socket from ``bind_socket`` (else ``host:port`` is bound here); it is closed on return."""
-    if shutdown_timeout < 0:
-        raise ConfigError(f"--shutdown-timeout {shutdown_timeout:g} is negative; give the seconds requests in "
-                          "flight get to finish on shutdown (0: cut them at once)")
-    state = build_state(llm, **state_kwargs)
+    check_settings(shutdown_timeout=shutdown_timeout)
+    state = build_state(llm, **state_kwargs)  # checks the limits
     if sock is None:
         sock = bind_socket(host, port)
     bound_port = sock.getsockname()[1]

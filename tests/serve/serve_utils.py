@@ -7,7 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import httpx
 import openai
@@ -186,6 +186,17 @@ def parse_prometheus(text: str) -> Dict[str, float]:
 def sse_events(lines) -> List[str]:
     """The ``data:`` payloads of a server-sent-event stream, in order (``[DONE]`` included)."""
     return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+def read_events(lines: Iterator[str], n: int) -> List[str]:
+    """The first ``n`` event payloads from an open stream's line iterator (fewer if it ends),
+    leaving the rest of the stream unread: for tests that act while a response is in flight."""
+    events: List[str] = []
+    for line in lines:
+        events += sse_events([line])
+        if len(events) >= n:
+            break
+    return events
 
 
 def json_events(events: List[str]) -> List[dict]:

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from serve_utils import (API_KEY, LONG_PROMPT, MAX_REQUEST_BYTES, MAX_SEQ_LEN, MAX_TOKENS_LIMIT, MODEL, SERVED_NAME,
-                         json_events, sse_events)
+                         json_events, read_events, sse_events)
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -226,11 +226,7 @@ def test_bad_request_does_not_fail_other_requests(healthy):
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{server.url}{CMPL}", json=body) as r:
             lines = r.iter_lines()
-            events = []
-            for line in lines:
-                events += sse_events([line])
-                if len(events) >= 2:
-                    break
+            events = read_events(lines, 2)
             assert httpx.get(f"{server.url}/health", timeout=10).json()["in_flight"] >= 1
             _post(server, CMPL, {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 4, "temperature": 1e-300})
             for line in lines:

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from serve_utils import LONG_PROMPT, SERVED_NAME, sse_events
+from serve_utils import LONG_PROMPT, SERVED_NAME, read_events
 
 N_REQUESTS = 64
 ABORTED = 'autodeploy_requests_total{status="aborted"}'
@@ -98,14 +98,10 @@ def test_stream_disconnect_frees_pages(healthy, path):
         body["prompt"] = LONG_PROMPT
     else:
         body["messages"] = [{"role": "user", "content": LONG_PROMPT}]
-    got = []
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{server.url}{path}", json=body) as r:
             assert r.status_code == 200
-            for line in r.iter_lines():
-                got += sse_events([line])
-                if len(got) >= 3:
-                    break
+            got = read_events(r.iter_lines(), 3)
         # leaving the block closes the response (and its connection) mid-stream
     assert "[DONE]" not in got
     _check_aborted(server, before, 100)

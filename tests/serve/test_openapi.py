@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import httpx
-import pytest
 
 from serve_utils import SERVED_NAME
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from serve_utils import LONG_PROMPT, MODEL, SHUTDOWN_TIMEOUT, json_events, sse_events
+from serve_utils import LONG_PROMPT, MODEL, SHUTDOWN_TIMEOUT, json_events, read_events, sse_events
 
 N, MAX_TOKENS = 16, 30  # 16 choices of 30 tokens: two batches of 8, well over 0.1 s of work
 
@@ -25,10 +25,7 @@ def shutdown_run(aux_server):
         with http.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
             result["status"] = r.status_code
             lines = r.iter_lines()
-            for line in lines:
-                result["events"] += sse_events([line])
-                if len(result["events"]) >= 2:
-                    break
+            result["events"] = read_events(lines, 2)
             result["in_flight_at_signal"] = httpx.get(f"{srv.url}/health", timeout=5).json()["in_flight"]
             srv.proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()

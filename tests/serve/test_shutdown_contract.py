@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from serve_utils import LONG_PROMPT, MODEL, ServerProcess, json_events, sse_events
+from serve_utils import LONG_PROMPT, MODEL, ServerProcess, json_events, read_events, sse_events
 
 SHUTDOWN_TIMEOUT = 3.0
 # A stream far longer than the timeout: 40 prompts run one after another, each 16 choices of 100
@@ -53,10 +53,7 @@ def _drain(srv: ServerProcess) -> dict:
         with http.stream("POST", f"{srv.url}/v1/completions", json={**LONG_BODY, "stream": True}) as r:
             result["status"] = r.status_code
             lines = r.iter_lines()
-            for line in lines:
-                result["events"] += sse_events([line])
-                if len(result["events"]) >= 2:
-                    break
+            result["events"] = read_events(lines, 2)
             plain.start()
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and httpx.get(f"{srv.url}/health", timeout=5).json()["in_flight"] < 2:
@@ -140,10 +137,7 @@ def test_sigint_drains_too_and_a_second_signal_cuts_at_once():
             with http.stream("POST", f"{srv.url}/v1/completions", json={**LONG_BODY, "stream": True}) as r:
                 assert r.status_code == 200
                 lines = r.iter_lines()
-                for line in lines:
-                    events += sse_events([line])
-                    if len(events) >= 2:
-                        break
+                events = read_events(lines, 2)
                 srv.proc.send_signal(signal.SIGINT)
                 time.sleep(0.3)
                 new_status = httpx.post(f"{srv.url}/v1/completions", timeout=10,

@@ -26,7 +26,7 @@ from autodeploy.pipeline import build_graph
 from autodeploy.transform.interface import PipelineContext, Stage
 from autodeploy.transform.optimizer import build_transform
 from autodeploy.utils.errors import ModelSourceError
-from helpers import build, family_checkpoint, rel_rmse
+from helpers import assert_matches_hf, build, family_checkpoint, rel_rmse
 
 SHAPES = [(2, 7), (1, 1)]
 
@@ -87,15 +87,8 @@ def _build_with_hooks(directory: str, hooks: Optional[List[load_hooks.LoadHook]]
     return build_graph(_config_up_to_weight_load(directory), factory=factory, log_summary=False).graph
 
 
-def _assert_matches_hf(gm, hf, vocab: int = 512, tol: float = 1e-5) -> None:
-    for batch, seq in SHAPES:
-        ids = torch.randint(0, vocab, (batch, seq))
-        pos = torch.arange(seq).expand(batch, seq)
-        with torch.no_grad():
-            ref = hf(input_ids=ids, position_ids=pos).logits
-            out = gm(ids, pos)
-        assert out.shape == ref.shape
-        assert rel_rmse(out, ref) < tol, (batch, seq, rel_rmse(out, ref))
+def _assert_matches_hf(gm, hf) -> None:
+    assert_matches_hf(gm, hf, SHAPES)
 
 
 def _device_args(gm) -> List[torch.device]:
