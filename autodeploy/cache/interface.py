@@ -118,9 +118,13 @@ class CachedSequenceInterface:
         sequence's."""
         return self.max_batch_size
 
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes of one slot over every state cache: what each running sequence holds."""
+        return sum(h.bytes_per_slot() for h in self.handlers.values() if isinstance(h, StateHandler))
+
     def state_bytes(self) -> int:
         """Bytes of every state cache, all slots (fixed: does not grow with the page pool)."""
-        return sum(h.bytes_per_slot() * self.num_slots for h in self.handlers.values() if isinstance(h, StateHandler))
+        return self.state_bytes_per_sequence() * self.num_slots
 
     # ---- allocation --------------------------------------------------------------------------
     def allocate(self, num_pages: int) -> None:

@@ -12,15 +12,30 @@ built for the cap.
 On CPU the pool also has a size cap (``resize_kv_cache.cpu_max_cache_gb``, 4 GiB by default, as
 vLLM's CPU backend reserves): RAM is shared with everything else on the machine, and a pool is
 zero-filled when allocated.
+
+Per-sequence state caches (SSM, conv, delta-rule states) are different: every running sequence
+holds its whole state whatever its length, so a batch cap costs ``(cap + 1) * state_bytes``
+up front. With state caches the cap is also bounded by the bytes left for them, and the cap
+is chosen before they are allocated (``UNSIZED_STATE_BUDGET`` until ``resize_kv_cache``
+measures the real budget), so a large model never allocates 257 states it cannot afford.
 """
+
+from typing import Optional
 
 from .interface import CachedSequenceInterface
 
 MAX_BATCH_SIZE_CAP = 256
 MIN_AUTO_BATCH_SIZE = 64
+# What state caches may take before resize_kv_cache has measured the memory (and when it is off).
+UNSIZED_STATE_BUDGET = 2**30
 
 
-def auto_batch_size(cache: CachedSequenceInterface) -> int:
-    """The batch cap for the pool ``cache`` holds now (see the module docstring)."""
+def auto_batch_size(cache: CachedSequenceInterface, state_budget: Optional[int] = None) -> int:
+    """The batch cap for the pool ``cache`` holds now (see the module docstring); with state
+    caches, at most what ``state_budget`` bytes hold (one slot per sequence and the spare)."""
     full_length = cache.allocatable_pages // max(1, cache.pages_per_sequence)
-    return max(MIN_AUTO_BATCH_SIZE, min(MAX_BATCH_SIZE_CAP, full_length))
+    size = max(MIN_AUTO_BATCH_SIZE, min(MAX_BATCH_SIZE_CAP, full_length))
+    per_sequence = cache.state_bytes_per_sequence()
+    if per_sequence and state_budget is not None:
+        size = min(size, max(1, state_budget // per_sequence - 1))
+    return size

@@ -60,7 +60,7 @@ class CheckResult:
     tokens_match: Optional[bool] = None
     first_divergence: Optional[List[int]] = None  # [prompt index, token index]
     min_top2_gap: Optional[float] = None  # HF's smallest best-vs-second logit gap on the greedy path
-    cache_mode: Optional[str] = None  # "paged_kv", or "recompute" (recompute_fallback took over)
+    cache_mode: Optional[str] = None  # "paged_kv", "state", "paged_kv+state", or "recompute" (fallback)
     cache_mode_reason: str = ""
     seconds: Dict[str, float] = field(default_factory=dict)
 

@@ -121,7 +121,8 @@ def _stage_cell(r: CheckResult) -> str:
 
 
 def _mode_cell(r: CheckResult) -> str:
-    return {"paged_kv": "paged KV", "recompute": "recompute"}.get(r.cache_mode or "", "")
+    return {"paged_kv": "paged KV", "state": "state", "paged_kv+state": "paged KV + state",
+            "recompute": "recompute"}.get(r.cache_mode or "", "")
 
 
 def _rmse_cell(r: CheckResult) -> str:

@@ -117,6 +117,9 @@ class TransformRecord:
     error: Optional[str] = None
 
 
+CacheMode = Literal["paged_kv", "state", "paged_kv+state", "recompute"]
+
+
 @dataclass
 class PipelineContext:
     """What transforms share besides the model: where it comes from, the deployment limits, and
@@ -152,10 +155,11 @@ class PipelineContext:
     uncached_graph: Optional[fx.GraphModule] = None
     # ... or, when insert_cached_attention left the graph uncached, why.
     uncached_reason: Optional[str] = None
-    # recompute_fallback's decision: "paged_kv" (the KV-cached graph serves the model) or
-    # "recompute" (every step recomputes each sequence's history; see autodeploy.cache.recompute).
-    # None until it ran. Read by compile_model and the coverage check.
-    cache_mode: Optional[Literal["paged_kv", "recompute"]] = None
+    # recompute_fallback's decision: the cached graph serves the model with a paged KV cache
+    # ("paged_kv"), per-sequence state caches ("state": SSM / conv / delta-rule states) or both
+    # ("paged_kv+state"); or "recompute" (every step recomputes each sequence's history; see
+    # autodeploy.cache.recompute). None until it ran. Read by compile_model and the coverage check.
+    cache_mode: Optional[CacheMode] = None
     # Why the model runs in recompute mode (set with cache_mode == "recompute").
     recompute_reason: Optional[str] = None
 

@@ -1,9 +1,11 @@
-"""``initialize_cache`` (cache_init): allocate the paged caches the cached ops read and write.
+"""``initialize_cache`` (cache_init): allocate the caches the cached ops read and write.
 
 Before: cache inputs registered by ``insert_cached_*`` but no tensors.
-After: one ``[num_pages, page_size, ...]`` tensor per cache input, zeroed, on the device. With
+After: one ``[num_pages, page_size, ...]`` tensor per paged cache input and one
+``[max_batch_size + 1, ...]`` tensor per state cache input, zeroed, on the device. With
 ``num_pages`` unset the pool is just large enough for ``resize_kv_cache``'s sizing forward
-(one step of ``max_num_tokens``), which then grows it.
+(one step of ``max_num_tokens``), which then grows it; an unset ``max_batch_size`` is chosen
+here for that pool (``autodeploy.cache.limits``) and again by ``resize_kv_cache``.
 """
 
 from typing import Optional
@@ -11,7 +13,7 @@ from typing import Optional
 from pydantic import Field
 from torch import fx
 
-from ...cache.limits import auto_batch_size
+from ...cache.limits import UNSIZED_STATE_BUDGET, auto_batch_size
 from ...utils.errors import ConfigError
 from ...utils.logging import get_logger
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
@@ -59,10 +61,13 @@ class InitializeCache(BaseTransform):
         if cfg.num_pages is not None and cfg.num_pages < cache.min_pages:
             raise too_few_pages_error(cfg.num_pages, cache)
         pages = cfg.num_pages if cfg.num_pages is not None else sizing_pages(cache)
+        if ctx.auto_batch_size and cache.state_names:
+            # state slots cost memory per slot: allocate what the sizing step needs, not the cap
+            cache.max_batch_size = -(-cache.max_num_tokens // cache.max_seq_len)
         cache.allocate(pages)
         cache.fixed_size = cfg.num_pages is not None
         if ctx.auto_batch_size:  # resize_kv_cache chooses again for the pool it makes
-            cache.max_batch_size = ctx.max_batch_size = auto_batch_size(cache)
+            cache.max_batch_size = ctx.max_batch_size = auto_batch_size(cache, UNSIZED_STATE_BUDGET)
         logger.info(
             "KV cache: %d pages x %d tokens, %.1f MiB; state caches: %d slots, %.1f MiB (%d cache tensors)",
             pages, cache.page_size, cache.paged_bytes() / 2**20, cache.num_slots, cache.state_bytes() / 2**20,

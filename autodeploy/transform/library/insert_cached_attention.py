@@ -28,11 +28,10 @@ from torch import fx
 
 from ...cache import CachedSequenceInterface
 from ...cache.attention_backends import attention_backends, get_attention_backend
-from ...cache.sequence_info import METADATA_NAMES, example_metadata
 from ...utils.errors import ConfigError
-from ...utils.fx import copy_graph_module
 from ..graph_utils import arg, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+from ._cache_inputs import add_cache_input, step_inputs
 from .recompute_fallback import export_shape_problem
 
 
@@ -70,9 +69,6 @@ class InsertCachedAttention(BaseTransform):
             if problem is not None:
                 ctx.uncached_reason = problem
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        if [p.name for p in placeholders] != ["input_ids", "position_ids"]:
-            raise RuntimeError(f"insert_cached_attention expects inputs (input_ids, position_ids), got {placeholders}")
         try:
             for node in attn_nodes:
                 self._check_cacheable(node)
@@ -83,36 +79,17 @@ class InsertCachedAttention(BaseTransform):
                 raise RuntimeError(problem)
             ctx.uncached_reason = problem
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
-        ctx.uncached_graph = copy_graph_module(gm)  # recompute_fallback's way back
-        if ctx.cache is None:
-            ctx.cache = CachedSequenceInterface(
-                page_size=ctx.page_size, max_batch_size=ctx.max_batch_size, max_seq_len=ctx.max_seq_len,
-                max_num_tokens=ctx.max_num_tokens, device=device,
-            )
-        cache: CachedSequenceInterface = ctx.cache
-        fake_mode = placeholders[0].meta["val"].fake_mode
-
-        last = placeholders[-1]
-        meta: Dict[str, fx.Node] = {}
-        for name in METADATA_NAMES:
-            with graph.inserting_after(last):
-                last = meta[name] = graph.placeholder(name)
-            meta[name].meta["val"] = fake_mode.from_tensor(example_metadata(name, ctx.max_batch_size, device))
+        meta = step_inputs(gm, ctx)
+        cache: CachedSequenceInterface = ctx.cache  # type: ignore[assignment]
         layer_caches: List[List[fx.Node]] = []
         for layer, node in enumerate(attn_nodes):
             handlers = backend.cache_handlers(node.args[1].meta["val"], node.args[2].meta["val"], ctx.dtype)
-            layer_caches.append([])
-            for kind, handler in handlers.items():
-                name = f"{kind}_{layer}"
-                cache.add_cache(name, handler)
-                with graph.inserting_after(last):
-                    last = graph.placeholder(name)
-                last.meta["val"] = fake_mode.from_tensor(handler.allocate(1, cache.page_size, device))
-                layer_caches[-1].append(last)
+            layer_caches.append([add_cache_input(gm, ctx, f"{kind}_{layer}", h) for kind, h in handlers.items()])
+        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
         with graph.inserting_after(last):
             slots = graph.call_function(
                 backend.prepare_metadata_op,
-                (placeholders[1], meta["seq_len"], meta["cu_seqlen"], meta["page_table"], cache.page_size),
+                (meta["position_ids"], meta["seq_len"], meta["cu_seqlen"], meta["page_table"], cache.page_size),
             )
         for node, cache_nodes in zip(attn_nodes, layer_caches):
             q, k, v = node.args[:3]

@@ -76,6 +76,12 @@ def export_shape_problem(gm: fx.GraphModule) -> Optional[str]:
     return None
 
 
+def cached_mode(cache: CachedSequenceInterface) -> str:
+    """The cache mode of a graph the cache serves: which kinds of cache it holds."""
+    kinds = [kind for kind, names in (("paged_kv", cache.paged_names), ("state", cache.state_names)) if names]
+    return "+".join(kinds)
+
+
 @TransformRegistry.register("recompute_fallback")
 class RecomputeFallback(BaseTransform):
     config_class = RecomputeFallbackConfig
@@ -89,7 +95,7 @@ class RecomputeFallback(BaseTransform):
         cached = ctx.cache is not None and bool(ctx.cache.caches)
         reason = self._reason(mod, ctx, cfg, cached, vocab)
         if reason is None:
-            ctx.cache_mode = "paged_kv"
+            ctx.cache_mode = cached_mode(ctx.cache)
             ctx.uncached_graph = None
             return mod, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         if cfg.mode == "never":

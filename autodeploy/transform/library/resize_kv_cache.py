@@ -23,7 +23,7 @@ from torch import fx
 from ...cache.sequence_info import build_sequence_info
 from ...utils.logging import get_logger
 from ...utils.memory import free_memory_bytes, measure_peak
-from ...cache.limits import MAX_BATCH_SIZE_CAP, auto_batch_size
+from ...cache.limits import MAX_BATCH_SIZE_CAP, UNSIZED_STATE_BUDGET, auto_batch_size
 from ...utils.errors import ConfigError
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
@@ -78,18 +78,23 @@ class ResizeKVCache(BaseTransform):
                         forward_peak / 2**20)
             choose_batch_size(ctx, cache)
             return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
-        # the sizing pool is given back; state caches stay (their size does not depend on the pool)
-        free = free_memory_bytes(cache.device) + cache.paged_bytes()
+        # the sizing pool and states are given back and allocated again at their final sizes
+        free = free_memory_bytes(cache.device) + cache.paged_bytes() + cache.state_bytes()
         budget = int(cfg.free_mem_ratio * max(0, free - forward_peak))
         if cache.device.type == "cpu" and cfg.cpu_max_cache_gb is not None:
             budget = min(budget, int(cfg.cpu_max_cache_gb * 2**30))
-        affordable = budget // max(1, cache.bytes_per_page())
-        _fit_max_seq_len(ctx, cache, affordable, budget, max(0, free - forward_peak))
-        # an unset max_batch_size is chosen from this pool, so the pool may hold as many as the cap
+        # state slots come out of the same budget: one per sequence that may run, and the spare
+        state_budget = max(0, budget - cache.min_pages * cache.bytes_per_page())
         batch_bound = MAX_BATCH_SIZE_CAP if ctx.auto_batch_size else cache.max_batch_size
+        if ctx.auto_batch_size and cache.state_names:
+            batch_bound = min(batch_bound, max(1, state_budget // cache.state_bytes_per_sequence() - 1))
+        page_budget = max(0, budget - (batch_bound + 1) * cache.state_bytes_per_sequence())
+        affordable = page_budget // max(1, cache.bytes_per_page())
+        _fit_max_seq_len(ctx, cache, affordable, page_budget, max(0, free - forward_peak))
+        # an unset max_batch_size is chosen from this pool, so the pool may hold as many as the bound
         pages = max(cache.min_pages, min(batch_bound * cache.pages_per_sequence, affordable))
         cache.allocate(pages)
-        choose_batch_size(ctx, cache)
+        choose_batch_size(ctx, cache, state_budget)
         logger.info(
             "KV cache resized to %d pages (%.1f MiB, %d tokens; state caches %.1f MiB): free %.0f MiB, forward peak "
             "%.1f MiB, budget %.0f MiB, max_batch_size %d, max_seq_len %d", pages, cache.paged_bytes() / 2**20,
@@ -99,10 +104,11 @@ class ResizeKVCache(BaseTransform):
         return TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
 
 
-def choose_batch_size(ctx: PipelineContext, cache) -> None:
-    """An unset max_batch_size becomes what the pool holds (``autodeploy.cache.limits``)."""
+def choose_batch_size(ctx: PipelineContext, cache, state_budget: Optional[int] = UNSIZED_STATE_BUDGET) -> None:
+    """An unset max_batch_size becomes what the pool (and the state budget) holds
+    (``autodeploy.cache.limits``)."""
     if ctx.auto_batch_size:
-        cache.max_batch_size = ctx.max_batch_size = auto_batch_size(cache)
+        cache.max_batch_size = ctx.max_batch_size = auto_batch_size(cache, state_budget)
 
 
 def _fit_max_seq_len(ctx: PipelineContext, cache, affordable_pages: int, budget: int, available: int) -> None:
