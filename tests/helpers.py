@@ -91,6 +91,16 @@ def stateful_checkpoint(family: str) -> str:
     return _cached_checkpoint(f"stateful-{family}", STATEFUL_FAMILIES[family])
 
 
+def coverage_checkpoint(model_type: str) -> Tuple[str, int]:
+    """(checkpoint, vocab size) of the coverage sweep's tiny config (recipe a) for ``model_type``:
+    the state-space and hybrid families, whose configs have too many fields to write by hand."""
+    from autodeploy.coverage.configs import tiny_config
+
+    config = tiny_config(model_type, "a")
+    text = config.get("text_config", config)
+    return _cached_checkpoint(f"coverage-{model_type}", config), int(text["vocab_size"])
+
+
 def family_checkpoint(family: str) -> str:
     """A real checkpoint directory (safetensors + tokenizer) for a tiny config, cached on disk."""
     return _cached_checkpoint(family, FAMILIES[family])
@@ -226,6 +236,6 @@ def assert_same_outputs(ref: Callable, new: Callable, inputs: Iterable[Tuple[tor
             assert rel_rmse(y, x) < tol, f"rel rmse {rel_rmse(y, x)} at input shapes {[t.shape for t in args]}"
 
 
-__all__ = ["FAMILIES", "NORMS_PER_LAYER", "MOE_FAMILIES", "MOE_LAYERS", "moe_family_checkpoint", "moe_config",
+__all__ = ["coverage_checkpoint", "FAMILIES", "NORMS_PER_LAYER", "MOE_FAMILIES", "MOE_LAYERS", "moe_family_checkpoint", "moe_config",
            "moe_block", "export_moe_block", "family_checkpoint", "build", "rel_rmse", "export_gm", "apply_transform",
            "ops_of", "assert_same_outputs", "count_op", "hf_model", "assert_matches_hf"]

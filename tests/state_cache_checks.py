@@ -22,7 +22,7 @@ from helpers import build, rel_rmse
 
 LIMITS = dict(max_seq_len=32, max_num_tokens=32, max_batch_size=3, page_size=4)
 CACHED_ONLY = {"resize_kv_cache": {"enabled": False}, "gather_logits_before_lm_head": {"enabled": False},
-               "recompute_fallback": {"enabled": False}}
+               "recompute_fallback": {"enabled": False}, "initialize_cache": {"num_pages": 40}}
 TOL = 1e-5
 
 

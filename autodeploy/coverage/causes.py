@@ -19,10 +19,6 @@ _CHUNKED_SCAN = (
 )
 
 CAUSES: Dict[str, str] = {
-    **{t: _CHUNKED_SCAN.format(chunk="256 tokens") for t in
-       ("bamba", "falcon_h1", "granitemoehybrid", "mamba2", "zamba2")},
-    "nemotron_h": _CHUNKED_SCAN.format(chunk="256 tokens") + " Recipe a fails earlier: its MoE router counts "
-                  "tokens per expert with torch.histc on integer ids, which has no CPU kernel in the exported graph.",
     "xlstm": _CHUNKED_SCAN.format(chunk="64 tokens").replace("HF's chunked scan", "xLSTM's chunkwise mLSTM scan"),
     "blt": "the byte patcher chooses patch boundaries from the data (entropy thresholds): export cannot guard on "
            "the data-dependent patch count.",
@@ -43,8 +39,32 @@ CAUSES: Dict[str, str] = {
 }
 
 
+# What a type that passes in recompute mode needs to be served with caches (issue 14 gave the
+# conv / SSM / delta-rule families state caches; these hold other kinds of state).
+RECOMPUTE_NEEDS: Dict[str, str] = {
+    "minimax": "lightning attention: linear attention with a fixed per-head decay (S = exp(-slope) S + k^T v, "
+               "o = q S), computed in blocks by a Python loop over the sequence. Needs a canonical decayed "
+               "linear-attention op with a [slots, h, dk, dv] state (the delta-rule step driver fits) and an "
+               "export patch for MiniMaxLightningAttention.",
+    "recurrent_gemma": "the RG-LRU recurrence (a gated diagonal linear recurrence over the LRU width) and a "
+                       "temporal conv written as nn.Conv1d, not HF's causal_conv1d_fn. Needs an RG-LRU op with a "
+                       "[slots, width] state, and an export patch for its recurrent block emitting that op and "
+                       "torch_causal_conv1d.",
+    "rwkv": "the WKV recurrence (per-channel exponential decay with a numerator, denominator and running-max "
+            "state) and token shift (each layer mixes in the previous token). Needs a WKV op with "
+            "[slots, 3, hidden] state and a token-shift state [slots, hidden] per block.",
+    "xlstm": "the chunkwise mLSTM scan (matrix memory with exponential gates and a stabiliser). Needs an mLSTM op "
+             "with C [slots, h, dk, dv], n [slots, h, dk] and m [slots, h] states; recipe b fails today because "
+             "the export bakes in the chunk count.",
+    "zaya": "Compressed Convolutional Attention: q/k pass through a depthwise then a grouped causal conv (window "
+            "(cca_time0 - 1) + (cca_time1 - 1), written as nn.Conv1d) and half of each value head is the previous "
+            "token's projection. Needs a grouped causal conv op (the conv-state cache fits) and a one-token shift "
+            "state, with an export patch for ZayaCCAProjection.",
+}
+
+
 def cause_of(model_type: str) -> str:
     return CAUSES.get(model_type, "")
 
 
-__all__ = ["CAUSES", "cause_of"]
+__all__ = ["CAUSES", "RECOMPUTE_NEEDS", "cause_of"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from .check import EXCLUDED, LOGITS_RTOL, MISMATCH, NEW_TOKENS, PASS, PROMPT_LENGTHS, STAGES, CheckResult
-from .causes import CAUSES, cause_of
+from .causes import CAUSES, RECOMPUTE_NEEDS, cause_of
 from .configs import DECODER_ONLY
 from .recipes import RECIPES
 
@@ -53,6 +53,11 @@ class TypeRow:
     def recompute(self) -> bool:
         return any(r.cache_mode == "recompute" for r in self.results.values())
 
+    @property
+    def state(self) -> bool:
+        """Served with per-sequence state caches (SSM / conv / delta-rule states)."""
+        return any("state" in (r.cache_mode or "") for r in self.results.values())
+
 
 def group_by_type(results: Sequence[CheckResult]) -> List[TypeRow]:
     rows: Dict[str, Dict[str, CheckResult]] = {}
@@ -72,6 +77,7 @@ def summarize(results: Sequence[CheckResult]) -> Dict[str, Any]:
     decoder = [row for row in rows if row.category == DECODER_ONLY]
     passed = sum(row.passed for row in decoder)
     recompute = sum(row.passed and row.recompute for row in decoder)
+    with_state = sum(row.passed and not row.recompute and row.state for row in decoder)
     by_outcome = Counter(row.outcome for row in decoder)
     failing = [r for row in decoder for r in row.failed]
     errors_by_stage = Counter(r.stage for r in failing if r.status != MISMATCH)
@@ -86,6 +92,7 @@ def summarize(results: Sequence[CheckResult]) -> Dict[str, Any]:
         "decoder_only": len(decoder),
         "passed": passed,
         "passed_recompute": recompute,
+        "passed_state": with_state,
         "pass_rate": round(100.0 * passed / len(decoder), 1) if decoder else 0.0,
         "by_outcome": dict(sorted(by_outcome.items())),
         "per_recipe": per_recipe,
@@ -172,6 +179,16 @@ def _cause_lines(rows: Sequence[TypeRow]) -> List[str]:
     return lines
 
 
+def _recompute_lines(rows: Sequence[TypeRow]) -> List[str]:
+    """What the stateful types still in recompute mode need (``causes.RECOMPUTE_NEEDS``)."""
+    listed = [row for row in rows if row.passed and row.recompute and row.model_type in RECOMPUTE_NEEDS]
+    if not listed:
+        return []
+    lines = ["", "## What the stateful types in recompute mode need", ""]
+    lines += [f"* **{row.model_type}**: {RECOMPUTE_NEEDS[row.model_type]}" for row in listed]
+    return lines
+
+
 def markdown(results: Sequence[CheckResult], meta: Optional[Dict[str, Any]] = None) -> str:
     meta = dict(meta or {})
     s = summarize(results)
@@ -192,14 +209,16 @@ def markdown(results: Sequence[CheckResult], meta: Optional[Dict[str, Any]] = No
         *_recipe_lines(recipes),
         "",
         f"**Decoder-only: {s['passed']} of {s['decoder_only']} pass end to end at every recipe "
-        f"({s['pass_rate']:.1f}%); {s['passed'] - s['passed_recompute']} of them with the paged KV cache, "
-        f"{s['passed_recompute']} in recompute mode.**",
+        f"({s['pass_rate']:.1f}%); {s['passed'] - s['passed_recompute']} of them with the paged KV cache "
+        f"and/or state caches ({s.get('passed_state', 0)} with state caches), {s['passed_recompute']} in "
+        "recompute mode.**",
         "",
-        "Cache mode: `paged KV` is the normal path (cached attention). `recompute` means `recompute_fallback` "
-        "found that a KV cache cannot serve the model and ran it exactly, but re-running each sequence's whole "
-        "history every step; the last column says why (state outside attention such as convolution or SSM "
-        "layers, attention the matchers did not canonicalise, or a model that only exports with a static "
-        "sequence length).",
+        "Cache mode: `paged KV` is the normal path (cached attention); `state` means per-sequence state caches "
+        "(convolution windows, SSM and delta-rule states: one slot per running sequence), `paged KV + state` "
+        "both (hybrid models). `recompute` means `recompute_fallback` found that the caches cannot serve the "
+        "model and ran it exactly, but re-running each sequence's whole history every step; the last column "
+        "says why (state outside attention that no state cache holds yet, attention the matchers did not "
+        "canonicalise, or a model that only exports with a static sequence length).",
         "",
         "Results: `pass`; `FAIL: wrong tokens` / `FAIL: wrong logits` (ran through, output differs from HF); "
         "`FAIL: error` (an exception at the stage shown, with the failing transform); `FAIL: timeout`. "
@@ -235,6 +254,7 @@ def markdown(results: Sequence[CheckResult], meta: Optional[Dict[str, Any]] = No
         lines.append(f"| {row.model_type} | {'pass' if row.passed else 'FAIL'} | {cells} | {_type_mode_cell(row)} | "
                      f"{rmse} | {_cell(_type_note(row), 300)} |")
     lines += _cause_lines(rows)
+    lines += _recompute_lines(rows)
     excluded = [r for r in results if r.category != DECODER_ONLY]
     if excluded:
         ran = any(r.status != EXCLUDED for r in excluded)

@@ -86,3 +86,24 @@ def _meta_tensor_constants(model: nn.Module) -> Iterator[None]:
         torch.tensor = original  # type: ignore[assignment]
         _META_CONSTANTS.clear()
 
+
+
+@register_export_patch(
+    "histc_float_input",
+    "transformers' grouped_mm experts count tokens per expert with torch.histc on int ids except on CPU; traced on "
+    "the meta device it takes the int path, which CPU kernels lack: count on float ids (exact below 2**24) everywhere",
+)
+@contextmanager
+def _histc_float_input(model: nn.Module) -> Iterator[None]:
+    original = torch.histc
+
+    def histc(input: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if not input.is_floating_point():
+            input = input.float()
+        return original(input, *args, **kwargs)
+
+    torch.histc = histc  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.histc = original  # type: ignore[assignment]

@@ -22,10 +22,10 @@ CACHE = os.path.join(REPO, ".cache", "coverage")
 # Families that pass quickly; together they cover GQA, sliding windows, q/k/v biases, QK-norm,
 # scaled embeddings with tied heads, fused qkv/gate-up weights, soft-capping and learned positions,
 # Falcon (multi-query attention with in-place scaling; list-index constants built on meta) and
-# recompute mode: LFM2 (short convolutions, caught by the consistency check).
+# the state caches: LFM2 (short convolutions beside attention) and Mamba (conv + Mamba1 scan only).
 FAST_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gemma2", "olmo2", "starcoder2", "granite",
-                 "lfm2", "falcon"]
-RECOMPUTE_FAMILIES = {"lfm2"}
+                 "lfm2", "falcon", "mamba"]
+CACHE_MODES = {"lfm2": "paged_kv+state", "mamba": "state"}
 
 
 @pytest.mark.parametrize("model_type", FAST_FAMILIES)
@@ -34,7 +34,7 @@ def test_fast_families_pass_end_to_end(model_type):
     assert result.status == "pass", f"{model_type}: {result.outcome} at {result.stage}: {result.error}"
     assert result.stage == "compare" and result.tokens_match
     assert result.logits_rel_rmse < LOGITS_RTOL
-    assert result.cache_mode == ("recompute" if model_type in RECOMPUTE_FAMILIES else "paged_kv")
+    assert result.cache_mode == CACHE_MODES.get(model_type, "paged_kv")
 
 
 def test_a_model_that_branches_on_sequence_length_is_an_error_not_a_wrong_answer():
@@ -150,11 +150,28 @@ def test_report_distinguishes_wrong_output_from_errors(tmp_path):
             "control flow |") in md
     assert "| d_slow | FAIL | FAIL: timeout at pattern_matcher |" in md
     assert "| e_bert | encoder |" in md and "**Decoder-only: 1 of 4 pass end to end at every recipe (25.0%); 0 of them with the paged KV " \
-        "cache, 1 in recompute mode.**" in md
+        "cache and/or state caches (0 with state caches), 1 in recompute mode.**" in md
     paths = write_report(results, str(tmp_path / "cov.md"), {"date": "today"})
     data = json.loads(open(paths[1]).read())
     assert data["summary"]["by_outcome"]["FAIL: wrong tokens"] == 1
     assert {r["model_type"]: r["outcome"] for r in data["results"]}["c_export"] == "FAIL: error"
+
+
+def test_report_says_what_the_recompute_types_need_and_counts_state_caches():
+    results = [
+        CheckResult("rwkv", status="pass", stage="compare", logits_rel_rmse=1e-7, tokens_match=True,
+                    cache_mode="recompute", cache_mode_reason="static length"),
+        CheckResult("mamba", status="pass", stage="compare", logits_rel_rmse=1e-7, tokens_match=True,
+                    cache_mode="state"),
+        CheckResult("lfm2", status="pass", stage="compare", logits_rel_rmse=1e-7, tokens_match=True,
+                    cache_mode="paged_kv+state"),
+    ]
+    s = summarize(results)
+    assert s["passed"] == 3 and s["passed_recompute"] == 1 and s["passed_state"] == 2
+    md = markdown(results, {"date": "today"})
+    assert "| mamba | pass | pass | state |" in md and "| lfm2 | pass | pass | paged KV + state |" in md
+    section = md.split("## What the stateful types in recompute mode need", 1)[1]
+    assert "* **rwkv**: the WKV recurrence" in section and "mamba" not in section
 
 
 @pytest.mark.slow

@@ -229,3 +229,23 @@ def test_autodeploy_route_refuses_attention_arguments_it_would_drop():
     assert out.shape == (1, 3, 4, 8)
     with pytest.raises(RouteUnsupportedError, match="position_bias"):
         autodeploy_attention(module, q, k, v, None, scaling=0.5, position_bias=torch.zeros(1, 4, 3, 3))
+
+
+class _CountsExperts(nn.Module):
+    """What transformers' grouped_mm experts do off CPU (and on the meta device during export):
+    count tokens per expert with histc on integer ids."""
+
+    def forward(self, ids):
+        return torch.histc(ids.int(), bins=4, min=0, max=3)
+
+
+def test_histc_on_integer_ids_is_exported_on_float_ids():
+    ids = torch.tensor([[0, 1, 1, 3, 3, 3]])
+    with pytest.raises(NotImplementedError, match="histogram_cpu"):
+        _CountsExperts()(ids)  # the CPU kernel the traced int path would need does not exist
+    gm = export_to_graph_module(_CountsExperts(), (ids,), dynamic_shapes=({1: Dim.DYNAMIC},))
+    assert torch.equal(gm(ids), torch.tensor([1.0, 2.0, 0.0, 3.0]))
+    assert torch.equal(gm(torch.tensor([[2, 2, 0]])), torch.tensor([1.0, 0.0, 2.0, 0.0]))
+    with pytest.raises(Exception, match="histogram_cpu"):  # the patch off: the graph keeps the int histc
+        export_to_graph_module(_CountsExperts(), (ids,), dynamic_shapes=({1: Dim.DYNAMIC},),
+                               patches={"histc_float_input": False})(ids)

@@ -2,7 +2,9 @@
 recompute path (paged token cache, uncached graph over each history) is exact.
 
 The stateful model is a real LFM2 checkpoint with a short-convolution layer next to an
-attention layer; the near miss is Llama, whose state lives entirely in the KV cache.
+attention layer, built with ``insert_cached_causal_conv`` off, so that its convolution state has
+no cache (what any state op without a cache transform looks like); the near miss is Llama,
+whose state lives entirely in the KV cache.
 """
 
 import pytest
@@ -19,6 +21,7 @@ from helpers import build, family_checkpoint, stateful_checkpoint
 
 PROMPTS = ["The for statement", "x", "A class definition defines a class object"]
 SMALL = dict(max_seq_len=64, max_batch_size=4, max_num_tokens=128, page_size=8)
+NO_CONV_CACHE = {"insert_cached_causal_conv": {"enabled": False}}
 
 
 def _hf_greedy(path: str, tokenizer, prompts, new_tokens: int):
@@ -35,14 +38,14 @@ def _hf_greedy(path: str, tokenizer, prompts, new_tokens: int):
 
 def test_state_outside_attention_fails_the_check_and_recompute_matches_hf():
     path = stateful_checkpoint("lfm2")
-    res = build(path, **SMALL)
+    res = build(path, overrides=NO_CONV_CACHE, **SMALL)
     ctx = res.context
     assert ctx.cache_mode == "recompute"
     assert "disagrees with itself" in ctx.recompute_reason
     assert list(res.cache.handlers) == ["token_cache"]
     assert [r.status for r in ctx.history if r.key == "recompute_fallback"] == ["ok"]
 
-    llm = LLM(path, **SMALL)
+    llm = LLM(path, transforms=NO_CONV_CACHE, **SMALL)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert ours == _hf_greedy(path, llm.tokenizer, PROMPTS, 12)
@@ -52,8 +55,8 @@ def test_the_paged_kv_graph_of_a_stateful_model_is_caught_by_the_check():
     """The check itself, on the KV-cached LFM2 graph (fallback off): the two schedules disagree."""
     path = stateful_checkpoint("lfm2")
     with pytest.raises(ConfigError, match="cannot run with a KV cache: the KV-cached graph disagrees"):
-        build(path, overrides={"recompute_fallback": {"mode": "never"}}, **SMALL)
-    res = build(path, overrides={"recompute_fallback": {"enabled": False}}, **SMALL)
+        build(path, overrides={"recompute_fallback": {"mode": "never"}, **NO_CONV_CACHE}, **SMALL)
+    res = build(path, overrides={"recompute_fallback": {"enabled": False}, **NO_CONV_CACHE}, **SMALL)
     result = check_cache_consistency(res.graph, res.cache, res.factory.vocab_size, torch.float32)
     assert result is not None and not result.ok and result.error > 1e-4
 

@@ -6,14 +6,16 @@ Before (per layer; the graph takes ``input_ids``/``position_ids``)::
 
 After (one prepare node per graph; metadata and per-layer cache inputs added)::
 
-    graph(input_ids, position_ids, batch_info, seq_len, input_pos, cu_seqlen, page_table,
-          k_cache_0, v_cache_0, k_cache_1, ...)
+    graph(input_ids, position_ids, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_idx,
+          use_initial_state, k_cache_0, v_cache_0, k_cache_1, ...)
     slots = autodeploy.torch_cached_attention_prepare_metadata(position_ids, seq_len, cu_seqlen, page_table, P)
     o = autodeploy.sdpa_cached_attention_with_cache(q, k, v, batch_info, seq_len, input_pos, cu_seqlen,
                                                     page_table, slots, k_cache_0, v_cache_0, scale, sinks, window, cap)
 
 After this the graph is called with every token of a step flattened into one row
-(``[1, total_tokens]``); see ``autodeploy.cache.sequence_info``. An attention that is not
+(``[1, total_tokens]``); see ``autodeploy.cache.sequence_info``. The metadata inputs are added
+once for every cache transform (``_cache_inputs``); the state-cache transforms that run after
+this one append their caches behind the KV caches. An attention that is not
 causal or still carries an explicit mask cannot be cached correctly, and neither can a graph
 exported with a static sequence length: with ``on_uncacheable: recompute`` (the default) the
 graph is left uncached with the reason for ``recompute_fallback``; with ``error`` it is an
