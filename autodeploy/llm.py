@@ -45,9 +45,21 @@ class LLM:
         self.tokenizer_handle = TokenizerHandle(factory.tokenizer, skip=self.config.skip_tokenizer_init)
         self.generation_config = factory.generation_config()
         self.processor = RequestProcessor(self.tokenizer_handle, max_seq_len=cache.max_seq_len,
-                                          vocab_size=factory.vocab_size)
+                                          vocab_size=factory.vocab_size, hidden_state_layers=self.hidden_state_layers)
+        wanted = (self.config.transforms.get("insert_cached_residual_add") or {}).get("layers")
+        if wanted and not self.hidden_state_layers:
+            logger.warning("insert_cached_residual_add.layers is set but no hidden states are captured (cache mode "
+                           "%s%s); requests with return_hidden_states will be refused", self.build.context.cache_mode,
+                           f": {self.build.context.recompute_reason}" if self.build.context.recompute_reason else "")
         self.engine = Engine(self.build.graph, cache, tokenizer=self.tokenizer_handle,
                              eos_token_ids=self._eos_token_ids())
+
+    @property
+    def hidden_state_layers(self) -> List[int]:
+        """The decoder layers whose hidden states requests can get
+        (``SamplingParams(return_hidden_states=True)``), in the order of the outputs' layer axis;
+        set with ``transforms={"insert_cached_residual_add": {"layers": [...]}}``."""
+        return list(self.build.cache.captured_layers) if self.build.cache is not None else []
 
     @property
     def tokenizer(self) -> Any:

@@ -65,13 +65,14 @@ SMOKE_MODEL = dict(model_type="mamba2", hidden_size=64, num_hidden_layers=2, exp
 PROFILES = {
     "full": dict(histories=[64, 512, 2048], batch_sizes=[1, 8], batch_history=512, steps=32, rounds=3,
                  recompute_budget=20.0, out=os.path.join(REPO, "benchmarks", "results"),
-                 png=os.path.join(REPO, "benchmarks", "state-decode.png")),
-    "smoke": dict(histories=[8, 40], batch_sizes=[1, 2], batch_history=24, steps=4, rounds=2,
+                 png=os.path.join(REPO, "benchmarks", "state-decode.png"), compile=True),
+    "smoke": dict(histories=[8, 40], batch_sizes=[1, 2], batch_history=24, steps=4, rounds=2, compile=False,
                   recompute_budget=5.0, out=os.path.join(REPO, ".cache", "bench", "smoke-results"), png=None),
 }
 FLAT_CLAIM = 1.3  # state cache: slowest history's ms/step / fastest history's, at most this
 SEED = 0
-ENGINES = ("autodeploy", "autodeploy-recompute", "hf-eager")
+ENGINES = ("autodeploy", "autodeploy-recompute", "hf-eager", "hf+torch.compile")
+HISTORY_ENGINES = ENGINES[:3]  # the history sweep; HF + torch.compile joins the batch comparison only
 
 
 # ---- the checkpoint ------------------------------------------------------------------------------
@@ -189,16 +190,24 @@ class _Clock(BaseStreamer):
 
 
 class HFDecoder:
-    """HF eager ``generate`` with its own cache (``use_cache=True``), greedy, EOS ignored."""
+    """HF eager ``generate`` with its own cache (``use_cache=True``), greedy, EOS ignored; with
+    ``compile``, the model's forward wrapped in ``torch.compile`` (default mode, graph breaks
+    allowed: Mamba2's cache code branches in Python, and its cache is not the static KV cache the
+    transformers docs compile with; compilation happens in the warm-up)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, compile: bool = False):
         from transformers import AutoModelForCausalLM
 
-        self.name = "hf-eager"
+        self.name = "hf+torch.compile" if compile else "hf-eager"
         start = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.model.generation_config.eos_token_id = None
         self.model.generation_config.pad_token_id = 0
+        if compile:
+            import torch._dynamo as dynamo
+
+            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
+            self.model.forward = torch.compile(self.model.forward)
         self.build_s = time.perf_counter() - start
         self.info = {"build_s": round(self.build_s, 2)}
 
@@ -215,7 +224,7 @@ class HFDecoder:
         finally:
             gc.enable()
         if out.shape[1] != ids.shape[1] + steps + 1 or len(clock.times) != steps + 2:
-            raise RuntimeError(f"hf-eager: expected {steps + 1} new tokens, got {out.shape[1] - ids.shape[1]} "
+            raise RuntimeError(f"{self.name}: expected {steps + 1} new tokens, got {out.shape[1] - ids.shape[1]} "
                                f"({len(clock.times)} streamer calls)")
         tokens = clock.times[1:]  # [0]: the prompt, before the prefill; [1]: the first token, after it
         return [b - a for a, b in zip(tokens, tokens[1:])]
@@ -231,11 +240,11 @@ def prompts_for(history: int, batch: int, vocab: int, seed: int) -> List[List[in
 def plan(args: argparse.Namespace) -> Dict[Tuple[int, int], List[str]]:
     """Measured points ``(history, batch)`` and the engines measured at each."""
     points: Dict[Tuple[int, int], List[str]] = {}
-    for h in args.histories:  # history sweep at batch 1: all three
-        points[(h, 1)] = list(ENGINES)
-    for b in args.batch_sizes:  # batch sweep: the state cache against HF eager
+    for h in args.histories:  # history sweep at batch 1: the state cache, recompute mode, HF eager
+        points[(h, 1)] = list(HISTORY_ENGINES)
+    for b in args.batch_sizes:  # batch sweep: the state cache against HF eager (and HF + torch.compile)
         names = points.setdefault((args.batch_history, b), [])
-        for name in ("autodeploy", "hf-eager"):
+        for name in ("autodeploy", "hf-eager") + (("hf+torch.compile",) if args.compile else ()):
             if name not in names:
                 names.append(name)
     return {p: [n for n in ENGINES if n in names] for p, names in sorted(points.items(), key=lambda kv: kv[0][::-1])}
@@ -263,10 +272,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     max_seq_len = max_history + args.steps + 64
 
     engines: Dict[str, Any] = {}
-    for name in ENGINES:
+    used = [n for n in ENGINES if any(n in names for names in points.values())]
+    for name in used:
         print(f"building {name}", flush=True)
-        if name == "hf-eager":
-            engines[name] = HFDecoder(path)
+        if name.startswith("hf"):
+            engines[name] = HFDecoder(path, compile=name == "hf+torch.compile")
         else:
             engines[name] = AutoDeployDecoder(name, path, max_seq_len, max(args.batch_sizes),
                                               recompute=name == "autodeploy-recompute")
@@ -286,7 +296,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             steps[(name, point)] = n
         print(f"warm-up h={h} b={b} done", flush=True)
 
-    samples: Dict[str, Dict[str, List[float]]] = {n: {} for n in ENGINES}
+    samples: Dict[str, Dict[str, List[float]]] = {n: {} for n in used}
     for r in range(args.rounds):
         for point, names in points.items():
             h, b = point
@@ -297,7 +307,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
     results: Dict[str, Dict[str, Any]] = {}
-    for name in ENGINES:
+    for name in used:
         row: Dict[str, Any] = {"info": engines[name].info}
         for point, names in points.items():
             if name not in names:
@@ -315,7 +325,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     lo, hi = min(args.histories), max(args.histories)
     checks = {}
-    for name in ENGINES:
+    for name in HISTORY_ENGINES:
         ms = [results[name][key(h, 1)]["ms_per_step"]["median"] for h in args.histories]
         checks[name] = {"ms_per_step_b1_longest_over_shortest": results[name][key(hi, 1)]["ms_per_step"]["median"] /
                         results[name][key(lo, 1)]["ms_per_step"]["median"], "slowest_over_fastest": max(ms) / min(ms)}
@@ -333,7 +343,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             "torch": torch.__version__, "transformers": transformers.__version__,
             "autodeploy_commit": commit + ("+dirty" if dirty else ""), "dtype": "float32", "device": "cpu",
             "smoke": args.smoke, "rounds": args.rounds, "steps": args.steps, "histories": args.histories,
-            "batch_sizes": args.batch_sizes, "batch_history": args.batch_history,
+            "batch_sizes": args.batch_sizes, "batch_history": args.batch_history, "compile": args.compile,
             "recompute_budget_s": args.recompute_budget}
     model = {"type": "mamba2", "config": model_config, "parameters": params, "checkpoint": path, "seed": SEED}
     return {"meta": meta, "model": model, "results": results, "checks": checks}
@@ -364,6 +374,8 @@ def markdown(data: Dict[str, Any]) -> str:
         "|---|---|" + "---|" * (len(hist) + 1),
     ]
     for name, row in results.items():
+        if name not in checks:  # not in the history sweep
+            continue
         cells = []
         for h in hist:
             c = row[key(h, 1)]
@@ -390,7 +402,8 @@ def markdown(data: Dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "In brackets: tokens/s relative to HF eager at the same point (same run). An autodeploy step "
               "includes its sampling and incremental detokenization; HF eager runs transformers' PyTorch "
-              "reference path for Mamba2 (no mamba_ssm / causal_conv1d kernels on CPU).", "",
+              "reference path for Mamba2 (no mamba_ssm / causal_conv1d kernels on CPU); HF + torch.compile wraps its "
+              "forward in torch.compile (default mode, graph breaks allowed), compiled during the warm-up.", "",
               "Builds: " + "; ".join(f"{n} {r['info']['build_s']} s" for n, r in results.items()) + ". "
               f"autodeploy state per sequence: {results['autodeploy']['info']['state_mib_per_sequence']} MiB."]
     return "\n".join(lines) + "\n"
@@ -429,17 +442,18 @@ def plot(data: Dict[str, Any], path: str) -> Optional[str]:
     left.set_ylabel("ms / decode step (batch 1)")
     left.set_title("decode step time vs history")
     left.legend()
-    width = 0.8 / 2
-    for i, name in enumerate(("autodeploy", "hf-eager")):
+    bars = [n for n in ("autodeploy", "hf-eager", "hf+torch.compile") if n in results]
+    styles["hf+torch.compile"] = ("HF + torch.compile", "")
+    width = 0.8 / len(bars)
+    for i, name in enumerate(bars):
         xs = [j + i * width for j in range(len(batches))]
         cells = [results[name][key(bh, b)] for b in batches]
         right.bar(xs, [c["tok_s"]["median"] for c in cells], width, label=styles[name][0])
         for x, c in zip(xs, cells):
             right.annotate(f"{c['tok_s_vs_hf_eager']:.2f}x", (x, c["tok_s"]["median"]), ha="center", va="bottom",
                            fontsize=8)
-    right.set_ylim(0, 1.3 * max(results[n][key(bh, b)]["tok_s"]["median"] for n in ("autodeploy", "hf-eager")
-                                for b in batches))
-    right.set_xticks([j + width / 2 for j in range(len(batches))])
+    right.set_ylim(0, 1.3 * max(results[n][key(bh, b)]["tok_s"]["median"] for n in bars for b in batches))
+    right.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(batches))])
     right.set_xticklabels([f"batch {b}" for b in batches])
     right.set_ylabel("tokens / s")
     right.set_title(f"decode after a {bh}-token history (x: vs HF eager)")
@@ -487,6 +501,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", help="directory of the JSON and markdown results (full: benchmarks/results)")
     p.add_argument("--png", help="where the plot goes (full: benchmarks/state-decode.png; smoke: beside the JSON)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, recorded)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="also measure HF + torch.compile in the batch comparison (full: on; smoke: off, it "
+                        "would spend most of the smoke run compiling)")
     args = p.parse_args(argv)
     for name, value in PROFILES["smoke" if args.smoke else "full"].items():
         if getattr(args, name) is None:

@@ -51,6 +51,7 @@ KEYS: Dict[str, List[str]] = {
     "match_repeat_kv": ["transforms/test_match_repeat_kv.py"],
     "match_rope_pattern": ["transforms/test_match_rope_pattern.py"],
     "match_rmsnorm_pattern": ["transforms/test_match_rmsnorm_pattern.py"],
+    "match_l2norm_pattern": ["transforms/test_match_l2norm_pattern.py"],
     "match_swiglu_pattern": ["transforms/test_match_swiglu_pattern.py"],
     "match_moe_pattern": ["transforms/test_match_moe_pattern.py"],
     "match_linear_simple": ["transforms/test_match_linear_simple.py"],
@@ -61,15 +62,24 @@ KEYS: Dict[str, List[str]] = {
     "fuse_silu_mul": ["transforms/test_fuse_silu_mul.py"],
     "fuse_add_rms_norm": ["transforms/test_fuse_add_rms_norm.py"],
     "fuse_rmsnorm": ["transforms/test_fuse_rmsnorm.py"],
+    "fuse_l2norm": ["transforms/test_fuse_l2norm.py"],
     "fuse_moe": ["transforms/test_fuse_moe.py"],
+    "fuse_gdn_gating": ["transforms/test_fuse_gdn_gating.py"],
     "optimize_rope": ["transforms/test_optimize_rope.py"],
     "select_linear_backend": ["transforms/test_select_linear_backend.py",
                               "transforms/test_select_linear_backend_gemv.py"],
     # cache_init / compile
     "insert_cached_attention": ["transforms/test_insert_cached_attention.py"],
     "resize_kv_cache": ["transforms/test_resize_kv_cache.py"],
+    "insert_cached_causal_conv": ["transforms/test_insert_cached_causal_conv.py"],
+    "insert_cached_ssm_attention": ["transforms/test_insert_cached_ssm_attention.py"],
+    "insert_cached_delta_rule": ["transforms/test_insert_cached_delta_rule.py"],
+    "insert_cached_gated_delta_rule": ["transforms/test_insert_cached_gated_delta_rule.py"],
+    "insert_cached_residual_add": ["transforms/test_insert_cached_residual_add.py", "runtime/test_hidden_states.py"],
+    "initialize_mrope_delta_cache": ["transforms/test_initialize_mrope_delta_cache.py"],
     "gather_logits_before_lm_head": ["transforms/test_gather_logits_before_lm_head.py"],
     "cleanup_identity_dtype_cast": ["transforms/test_cleanup_identity_dtype_cast.py"],
+    "fuse_causal_conv_activation": ["transforms/test_fuse_causal_conv_activation.py"],
 }
 
 # Survivors that are meant to survive a no-op of their transform: node-id prefix -> why.
@@ -109,6 +119,7 @@ INTENDED: Dict[str, str] = {
     "transforms/test_match_rope_pattern.py::test_rope_ops_equal_hf_functions":
         "op test: the replacement ops equal HF's functions (runs no transform)",
     "transforms/test_match_rmsnorm_pattern.py::test_near_misses_are_left_alone": "near miss",
+    "transforms/test_match_l2norm_pattern.py::test_near_misses_are_left_alone": "near miss",
     "transforms/test_match_swiglu_pattern.py::test_near_misses_left_alone": "near miss",
     "transforms/test_match_moe_pattern.py::test_export_route_emits_the_same_canonical_op":
         "near miss: the export route already emits the canonical op, the matcher must find nothing",
@@ -122,11 +133,18 @@ INTENDED: Dict[str, str] = {
         "near miss: on llama every linear parent is fuse_gemms' (asserts 0 matches here)",
     "transforms/test_fuse_swiglu.py::test_near_misses_left_alone": "near miss",
     "transforms/test_fuse_silu_mul.py::test_near_misses_left_alone": "near miss",
+    "transforms/test_fuse_gdn_gating.py::test_near_misses_left_alone": "near miss",
+    "transforms/test_fuse_gdn_gating.py::test_op_equals_hf_expression_and_dtypes":
+        "op test: the fused op against HF's expression (runs no transform)",
     "transforms/test_fuse_add_rms_norm.py::test_near_misses_are_left_alone": "near miss",
     "transforms/test_fuse_rmsnorm.py::test_graph_without_norms_is_a_zero_match": "near miss",
     "transforms/test_fuse_rmsnorm.py::test_native_kernel_matches_the_reference_and_declines_what_it_cannot_take":
         "op test: the native kernel against the reference op (runs no transform)",
     "transforms/test_fuse_rmsnorm.py::test_invalid_backend_is_a_config_error": "config validation",
+    "transforms/test_fuse_l2norm.py::test_graph_without_l2_norms_is_a_zero_match": "near miss",
+    "transforms/test_fuse_l2norm.py::test_native_op_matches_the_reference_and_falls_back_where_the_kernel_cannot_run":
+        "op test: the native op against the reference op (runs no transform)",
+    "transforms/test_fuse_l2norm.py::test_invalid_backend_is_a_config_error": "config validation",
     "transforms/test_fuse_moe.py::test_input_dependent_weights_left_alone": "near miss",
     "transforms/test_select_linear_backend.py::test_onednn_leaves_bf16_and_computed_weights_alone": "near miss",
     "transforms/test_select_linear_backend.py::test_bf16_weights_left_alone": "near miss",
@@ -139,6 +157,27 @@ INTENDED: Dict[str, str] = {
     "transforms/test_resize_kv_cache.py::test_explicit_min_pool_with_large_token_budget_is_kept":
         "near miss: a user's num_pages is kept",
     "transforms/test_resize_kv_cache.py::test_free_mem_ratio_is_validated": "config validation",
+    "transforms/test_insert_cached_causal_conv.py::test_a_graph_without_convs_is_left_alone": "near miss",
+    "transforms/test_insert_cached_causal_conv.py::test_an_uncacheable_graph_is_left_for_recompute": "near miss",
+    "transforms/test_insert_cached_causal_conv.py::test_without_the_transform_the_consistency_check_falls_back_to_recompute":
+        "the transform switched off is the test's premise (the safety net catches the uncached conv)",
+    "transforms/test_insert_cached_ssm_attention.py::test_a_graph_with_convs_but_no_scan_is_left_alone": "near miss",
+    "transforms/test_insert_cached_gated_delta_rule.py::test_a_graph_without_delta_rules_is_left_alone": "near miss",
+    "transforms/test_insert_cached_residual_add.py::test_hf_hidden_states_convention":
+        "reference check: HF's output_hidden_states convention the other tests rely on (runs no transform)",
+    "transforms/test_insert_cached_residual_add.py::test_capture_op_writes_only_the_step_rows":
+        "op test: the capture op itself (runs no transform)",
+    "runtime/test_hidden_states.py::test_a_build_that_captures_nothing_refuses_the_request":
+        "near miss: a build without layers must refuse the request (the transform is not asked to capture)",
+    "transforms/test_initialize_mrope_delta_cache.py::test_plain_rope_model_is_left_alone": "near miss",
+    "transforms/test_initialize_mrope_delta_cache.py::test_detection_follows_the_models_rotary_embedding":
+        "helper test: mRoPE detection from the model (runs no transform)",
+    "transforms/test_fuse_causal_conv_activation.py::test_near_misses_left_alone": "near miss",
+    "transforms/test_fuse_causal_conv_activation.py::test_cached_conv_with_gelu_left_alone": "near miss",
+    "transforms/test_fuse_causal_conv_activation.py::test_real_qwen3_next_already_passes_silu_into_the_conv":
+        "near miss: HF models pass the activation into the conv already (0 matches)",
+    "transforms/test_fuse_causal_conv_activation.py::test_stage_is_compile_before_compile_model":
+        "config: the transform's stage and place (runs no transform)",
 }
 
 

@@ -1,9 +1,11 @@
 """What the cached graph needs besides its weights: the cache tensors and their page geometry.
 
 ``insert_cached_*`` transforms register one handler per cache input they add to the graph:
-paged (``ResourceHandler``) or per-sequence state (``StateHandler``, one slot per running
-sequence plus a spare); ``initialize_cache`` / ``resize_kv_cache`` allocate them; the runtime
-reads the page geometry to schedule and calls the graph with ``graph_args(seq_info)``.
+paged (``ResourceHandler``), per-sequence state (``StateHandler``, one slot per running
+sequence plus a spare) or a per-step token buffer (``TokenBufferHandler``, one row per token of
+the step, ``[max_num_tokens, ...]``); ``initialize_cache`` / ``resize_kv_cache`` allocate them;
+the runtime reads the page geometry to schedule and calls the graph with
+``graph_args(seq_info)``.
 """
 
 from dataclasses import dataclass
@@ -12,8 +14,10 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from ..utils.errors import ConfigError
-from .resources import ResourceHandler, StateHandler
+from .resources import ResourceHandler, StateHandler, TokenBufferHandler
 from .sequence_info import METADATA_NAMES, SequenceInfo
+
+Handler = Union[ResourceHandler, StateHandler, TokenBufferHandler]
 
 
 @dataclass
@@ -35,12 +39,16 @@ class CachedSequenceInterface:
         self.max_num_tokens = max_num_tokens
         self.device = torch.device(device)
         # in registration order, which is the order of the graph's cache placeholders
-        self.handlers: Dict[str, Union[ResourceHandler, StateHandler]] = {}
+        self.handlers: Dict[str, Handler] = {}
         self.caches: Dict[str, torch.Tensor] = {}
         self.num_pages = 0
         self.fixed_size = False  # the pool size was given explicitly (resize keeps it)
         # The graph returns one logits row per sequence (its last token) instead of per token.
         self.gathered_logits = False
+        # insert_cached_residual_add: decoder layer index -> the token buffer that holds the
+        # hidden state leaving that layer for each token of the last step, in the order of the
+        # layer axis of ``RequestOutput.hidden_states``. Empty: no hidden states are captured.
+        self.captured_layers: Dict[int, str] = {}
         # Pages at the end of the pool kept out of the page allocator (CUDA-graph padding rows).
         self.reserved_pages = 0
 
@@ -60,7 +68,7 @@ class CachedSequenceInterface:
                 self.caches[name] = handler.allocate(self.num_slots, self.device)  # type: ignore[call-arg]
 
     # ---- registration (by insert_cached_* transforms) ----------------------------------------
-    def add_cache(self, name: str, handler: Union[ResourceHandler, StateHandler]) -> None:
+    def add_cache(self, name: str, handler: Handler) -> None:
         if name in self.handlers:
             raise ValueError(f"cache input '{name}' registered twice")
         self.handlers[name] = handler
@@ -72,6 +80,11 @@ class CachedSequenceInterface:
     @property
     def state_names(self) -> List[str]:
         return [n for n, h in self.handlers.items() if isinstance(h, StateHandler)]
+
+    @property
+    def buffer_names(self) -> List[str]:
+        """Per-step token buffers (``TokenBufferHandler``): neither paged nor per-sequence."""
+        return [n for n, h in self.handlers.items() if isinstance(h, TokenBufferHandler)]
 
     def input_index(self, name: str) -> int:
         """Position of the graph input ``name`` (what wrappers that take the graph's positional
@@ -126,17 +139,31 @@ class CachedSequenceInterface:
         """Bytes of every state cache, all slots (fixed: does not grow with the page pool)."""
         return self.state_bytes_per_sequence() * self.num_slots
 
+    # ---- token buffers -----------------------------------------------------------------------
+    def buffer_bytes(self) -> int:
+        """Bytes of every token buffer (``max_num_tokens`` rows each; fixed: depends on neither
+        the page pool nor the batch size)."""
+        return self.max_num_tokens * sum(
+            h.bytes_per_token() for h in self.handlers.values() if isinstance(h, TokenBufferHandler))
+
     # ---- allocation --------------------------------------------------------------------------
     def allocate(self, num_pages: int) -> None:
+        """Allocate the page pool at ``num_pages`` and the state slots, zeroed. Token buffers
+        allocated before are kept as they are (their size never changes), so re-sizing the pool
+        neither frees nor re-counts them."""
         if num_pages < self.min_pages:
             raise ValueError(
                 f"{num_pages} cache pages cannot hold one sequence of max_seq_len={self.max_seq_len} "
                 f"(needs {self.min_pages} pages of {self.page_size} tokens)"
             )
+        kept = {name: self.caches[name] for name in self.buffer_names
+                if name in self.caches and self.caches[name].shape[0] == self.max_num_tokens}
         self.caches.clear()  # free the old pool before allocating the new one
         self.caches = {
             name: h.allocate(num_pages, self.page_size, self.device) if isinstance(h, ResourceHandler)
-            else h.allocate(self.num_slots, self.device)
+            else h.allocate(self.num_slots, self.device) if isinstance(h, StateHandler)
+            else kept[name] if name in kept
+            else h.allocate(self.max_num_tokens, self.device)
             for name, h in self.handlers.items()
         }
         self.num_pages = num_pages
@@ -159,7 +186,7 @@ class CachedSequenceInterface:
         return self.num_pages - self.reserved_pages
 
     def cache_bytes(self) -> int:
-        """Bytes of every allocated cache, paged and state."""
+        """Bytes of every allocated cache: paged, state and token buffers."""
         return sum(t.numel() * t.element_size() for t in self.caches.values())
 
     def paged_bytes(self) -> int:

@@ -1,13 +1,17 @@
 """Resource handlers: what one cache tensor looks like and how to allocate it.
 
-Two kinds (DESIGN.md section 5):
+Three kinds (DESIGN.md section 5 has the first two):
 
 * paged (``ResourceHandler``): tokens' keys/values in pages of one pool, addressed by page
   tables; the pool is sized to the free memory (``resize_kv_cache``);
 * per-sequence state (``StateHandler``): a fixed-size state per running sequence (an SSM state,
   a convolution window, a delta-rule matrix), ``[num_slots, *shape]`` addressed by ``slot_idx``,
   with ``num_slots = max_batch_size + 1`` (the last slot is the padding rows' scratch). Its size
-  does not depend on the page pool.
+  does not depend on the page pool;
+* per-step token buffer (``TokenBufferHandler``): one row per token of the current step,
+  ``[max_num_tokens, hidden]``, rewritten by every step and read by the runtime after the graph
+  call (the hidden states ``insert_cached_residual_add`` captures). Nothing in it outlives the
+  step, so it depends on neither the pool nor the batch size.
 """
 
 from abc import ABC, abstractmethod
@@ -61,3 +65,21 @@ class StateHandler:
 
     def allocate(self, num_slots: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(num_slots, *self.shape, dtype=self.dtype, device=device)
+
+
+@dataclass(frozen=True)
+class TokenBufferHandler:
+    """A per-step token buffer: ``[num_tokens, hidden]`` of ``dtype`` (``num_tokens`` is
+    ``max_num_tokens``), zero-initialised. Row ``t`` holds token ``t`` of the step that ran last.
+
+    Neither a ``ResourceHandler`` nor a ``StateHandler``: it has no pages and no slots, so it
+    enters neither the page pool's nor the state slots' arithmetic."""
+
+    hidden: int
+    dtype: torch.dtype
+
+    def bytes_per_token(self) -> int:
+        return int(self.hidden) * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(num_tokens, self.hidden, dtype=self.dtype, device=device)

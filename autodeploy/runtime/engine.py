@@ -78,7 +78,8 @@ class _Request:
             prompt_token_ids=list(self.prepared.prompt_token_ids),
             outputs=[
                 CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason,
-                                 list(s.logprobs) if s.logprobs is not None else None)
+                                 list(s.logprobs) if s.logprobs is not None else None,
+                                 s.hidden_states_so_far())
                 for s in self.sequences
             ],
             finished=self.finished,
@@ -137,7 +138,8 @@ class Engine:
                 seed = (params.seed * 1000003 + i) % 2**63 if params.seed is not None else self._rng.getrandbits(63)
                 gen = torch.Generator().manual_seed(seed)
             seq = Sequence(request_id, i, request.prompt_token_ids, params, next(self._arrivals), gen,
-                           logprobs=[] if params.logprobs is not None else None)
+                           logprobs=[] if params.logprobs is not None else None,
+                           hidden_states=[] if params.return_hidden_states else None)
             if tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
             sequences.append(seq)

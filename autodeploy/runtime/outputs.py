@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+import torch
+
 
 @dataclass
 class CompletionOutput:
@@ -11,6 +13,12 @@ class CompletionOutput:
     token_ids: List[int]
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
     logprobs: Optional[List[Dict[int, float]]] = None  # per step: {token_id: logprob}, chosen first
+    # SamplingParams(return_hidden_states=True): ``[tokens, layers, hidden]`` (CPU), row j the hidden
+    # state leaving each captured layer (LLM.hidden_state_layers, in that order) at token j of
+    # prompt + token_ids. Only tokens the model ran have one: the last generated token was never fed
+    # back, so a finished output has len(prompt_token_ids) + len(token_ids) - 1 rows, and row
+    # len(prompt_token_ids) - 1 + k is the state token_ids[k] was sampled from.
+    hidden_states: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -33,3 +41,7 @@ class RequestOutput:
     @property
     def finish_reason(self) -> Optional[str]:
         return self.outputs[0].finish_reason
+
+    @property
+    def hidden_states(self) -> Optional[torch.Tensor]:
+        return self.outputs[0].hidden_states

@@ -91,10 +91,13 @@ class TokenizerHandle:
 class RequestProcessor:
     """Turns user prompts into ``PreparedRequest``s for one deployed model."""
 
-    def __init__(self, tokenizer: TokenizerHandle, *, max_seq_len: int, vocab_size: Optional[int]):
+    def __init__(self, tokenizer: TokenizerHandle, *, max_seq_len: int, vocab_size: Optional[int],
+                 hidden_state_layers: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
+        # the decoder layers whose hidden states the build captures (insert_cached_residual_add)
+        self.hidden_state_layers = list(hidden_state_layers)
 
     # ---- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> Tuple[Optional[str], List[int]]:
@@ -159,6 +162,12 @@ class RequestProcessor:
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.stop_strings:
             self.tokenizer.require("a stop string")
+        if params.return_hidden_states and not self.hidden_state_layers:
+            raise InvalidRequestError(
+                "return_hidden_states: this deployment captures no hidden states; build it with the layers to capture, "
+                "e.g. LLM(model, transforms={'insert_cached_residual_add': {'layers': [0, -1]}}) (YAML: "
+                "transforms.insert_cached_residual_add.layers). A model served in recompute mode captures none"
+            )
 
     def check(self, prompt: Prompt) -> CheckedPrompt:
         """Tokenize and check a prompt (once: ``prepare`` does not check a ``CheckedPrompt`` again)."""

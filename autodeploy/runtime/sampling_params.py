@@ -29,7 +29,10 @@ class SamplingParams:
     ``stop`` strings end the output (the text is cut before them); ``stop_token_ids`` and the
     model's EOS token end it too unless ``ignore_eos``. ``seed`` makes sampling reproducible per
     request. ``n`` completions per prompt; ``logprobs`` returns the chosen token's log
-    probability and that many top alternatives per step.
+    probability and that many top alternatives per step. ``return_hidden_states`` returns the
+    hidden states the build captures (``transforms.insert_cached_residual_add.layers``) for every
+    token the model ran (``CompletionOutput.hidden_states``); a build that captures none refuses
+    the request.
     """
 
     max_tokens: int = 16
@@ -42,6 +45,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: Optional[int] = None
+    return_hidden_states: bool = False
     stop_strings: List[str] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +75,8 @@ class SamplingParams:
             raise bad("stop must be a non-empty string or a list of them")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        if not isinstance(self.return_hidden_states, bool):
+            raise bad(f"return_hidden_states must be True or False, got {self.return_hidden_states!r}")
 
     @property
     def greedy(self) -> bool:

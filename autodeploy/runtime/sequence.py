@@ -25,9 +25,34 @@ class Sequence:
     logprobs: Optional[List[Dict[int, float]]] = None
     detokenizer: Any = None  # an ``IncrementalDetokenizer`` when the engine has a tokenizer
     cut_text: Optional[str] = None  # the final text when a stop string cut it
+    # SamplingParams.return_hidden_states: the captured hidden states of the tokens computed so
+    # far, ``[tokens, layers, hidden]`` chunks in token order (None: not asked for)
+    hidden_states: Optional[List[torch.Tensor]] = None
+    num_hidden_rows: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    def add_hidden_states(self, start: int, rows: torch.Tensor) -> None:
+        """The hidden states of tokens ``start..start + len(rows) - 1``. Rows from ``start`` on that
+        are already there (a preempted sequence computing its tokens again) are replaced."""
+        if self.hidden_states is None:
+            return
+        if start < self.num_hidden_rows:
+            kept = torch.cat(self.hidden_states)[:start] if start else None
+            self.hidden_states = [kept] if kept is not None else []
+            self.num_hidden_rows = start
+        self.hidden_states.append(rows)
+        self.num_hidden_rows += int(rows.shape[0])
+
+    def hidden_states_so_far(self) -> Optional[torch.Tensor]:
+        """One ``[tokens computed, layers, hidden]`` tensor (None before the first step or when not
+        asked for). The chunks are joined here, once, and kept joined."""
+        if not self.hidden_states:
+            return None
+        if len(self.hidden_states) > 1:
+            self.hidden_states = [torch.cat(self.hidden_states)]
+        return self.hidden_states[0]
 
     @property
     def text(self) -> str:

@@ -31,9 +31,12 @@ def test_plan_and_profiles():
     assert args.histories == [64, 512, 2048] and args.batch_sizes == [1, 8] and args.batch_history == 512
     assert not args.smoke and args.png.endswith(os.path.join("benchmarks", "state-decode.png"))
     points = bench.plan(args)
-    # the batch-1 sweep has all three engines; batch 8 only the state cache and HF eager; (512, 1) once
+    # the batch-1 sweep has the three history engines, the batch sweep adds HF + torch.compile; (512, 1) once
     assert list(points) == [(64, 1), (512, 1), (2048, 1), (512, 8)]
-    assert points[(512, 1)] == list(bench.ENGINES) and points[(512, 8)] == ["autodeploy", "hf-eager"]
+    assert points[(64, 1)] == ["autodeploy", "autodeploy-recompute", "hf-eager"]
+    assert points[(512, 1)] == list(bench.ENGINES)
+    assert points[(512, 8)] == ["autodeploy", "hf-eager", "hf+torch.compile"]
+    assert list(bench.plan(bench.parse_args(["--no-compile"])).values())[-1] == ["autodeploy", "hf-eager"]
     smoke = bench.parse_args(["--smoke", "--steps", "3", "--histories", "16", "8", "16"])
     assert smoke.steps == 3 and smoke.histories == [8, 16] and smoke.png is None
     with pytest.raises(SystemExit):

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from ...cache import CachedSequenceInterface
-from ...cache.resources import ResourceHandler, StateHandler
+from ...cache.resources import ResourceHandler, StateHandler, TokenBufferHandler
 from ...cache.sequence_info import METADATA_NAMES, example_metadata
 from ...utils.fx import copy_graph_module
 from ..interface import PipelineContext
@@ -53,7 +53,7 @@ def step_inputs(gm: fx.GraphModule, ctx: PipelineContext) -> Dict[str, fx.Node]:
 
 
 def add_cache_input(gm: fx.GraphModule, ctx: PipelineContext, name: str,
-                    handler: Union[ResourceHandler, StateHandler]) -> fx.Node:
+                    handler: Union[ResourceHandler, StateHandler, TokenBufferHandler]) -> fx.Node:
     """Register ``handler`` under ``name`` and append its placeholder (after ``step_inputs``)."""
     cache: CachedSequenceInterface = ctx.cache  # type: ignore[assignment]
     cache.add_cache(name, handler)
@@ -61,6 +61,7 @@ def add_cache_input(gm: fx.GraphModule, ctx: PipelineContext, name: str,
     with gm.graph.inserting_after(placeholders[-1]):
         node = gm.graph.placeholder(name)
     device = torch.device(ctx.device)
+    # one page / one slot / one token row: only the dtype, rank and trailing sizes matter downstream
     example = (handler.allocate(1, cache.page_size, device) if isinstance(handler, ResourceHandler)
                else handler.allocate(1, device))
     node.meta["val"] = placeholders[0].meta["val"].fake_mode.from_tensor(example)

@@ -2,7 +2,8 @@
 
 Before: cache inputs registered by ``insert_cached_*`` but no tensors.
 After: one ``[num_pages, page_size, ...]`` tensor per paged cache input and one
-``[max_batch_size + 1, ...]`` tensor per state cache input, zeroed, on the device. With
+``[max_batch_size + 1, ...]`` tensor per state cache input, zeroed, on the device (and one
+``[max_num_tokens, ...]`` tensor per token buffer, e.g. captured hidden states). With
 ``num_pages`` unset the pool is just large enough for ``resize_kv_cache``'s sizing forward
 (one step of ``max_num_tokens``), which then grows it; an unset ``max_batch_size`` is chosen
 here for that pool (``autodeploy.cache.limits``) and again by ``resize_kv_cache``.
@@ -69,8 +70,8 @@ class InitializeCache(BaseTransform):
         if ctx.auto_batch_size:  # resize_kv_cache chooses again for the pool it makes
             cache.max_batch_size = ctx.max_batch_size = auto_batch_size(cache, UNSIZED_STATE_BUDGET)
         logger.info(
-            "KV cache: %d pages x %d tokens, %.1f MiB; state caches: %d slots, %.1f MiB (%d cache tensors)",
-            pages, cache.page_size, cache.paged_bytes() / 2**20, cache.num_slots, cache.state_bytes() / 2**20,
-            len(cache.caches),
+            "KV cache: %d pages x %d tokens, %.1f MiB; state caches: %d slots, %.1f MiB; token buffers: %.1f MiB "
+            "(%d cache tensors)", pages, cache.page_size, cache.paged_bytes() / 2**20, cache.num_slots,
+            cache.state_bytes() / 2**20, cache.buffer_bytes() / 2**20, len(cache.caches),
         )
         return TransformInfo(num_matches=len(cache.caches), is_clean=True, has_valid_shapes=True)

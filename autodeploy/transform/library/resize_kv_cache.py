@@ -78,7 +78,8 @@ class ResizeKVCache(BaseTransform):
                         forward_peak / 2**20)
             choose_batch_size(ctx, cache)
             return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
-        # the sizing pool and states are given back and allocated again at their final sizes
+        # the sizing pool and states are given back and allocated again at their final sizes (token
+        # buffers stay allocated: their size is fixed, and the free memory already excludes them)
         free = free_memory_bytes(cache.device) + cache.paged_bytes() + cache.state_bytes()
         budget = int(cfg.free_mem_ratio * max(0, free - forward_peak))
         if cache.device.type == "cpu" and cfg.cpu_max_cache_gb is not None:
@@ -96,9 +97,10 @@ class ResizeKVCache(BaseTransform):
         cache.allocate(pages)
         choose_batch_size(ctx, cache, state_budget)
         logger.info(
-            "KV cache resized to %d pages (%.1f MiB, %d tokens; state caches %.1f MiB): free %.0f MiB, forward peak "
-            "%.1f MiB, budget %.0f MiB, max_batch_size %d, max_seq_len %d", pages, cache.paged_bytes() / 2**20,
-            pages * cache.page_size, cache.state_bytes() / 2**20,
+            "KV cache resized to %d pages (%.1f MiB, %d tokens; state caches %.1f MiB; token buffers %.1f MiB): free "
+            "%.0f MiB, forward peak %.1f MiB, budget %.0f MiB, max_batch_size %d, max_seq_len %d", pages,
+            cache.paged_bytes() / 2**20, pages * cache.page_size, cache.state_bytes() / 2**20,
+            cache.buffer_bytes() / 2**20,
             free / 2**20, forward_peak / 2**20, budget / 2**20, cache.max_batch_size, cache.max_seq_len,
         )
         return TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
