@@ -66,11 +66,11 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message, capsys):
 
 def test_bad_yaml_file_through_the_real_console_script(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("transforms:\n  fuse_everything: {}\n")
+    bad.write_text("transforms:\n  xyzzy_plugh: {}\n")
     proc = run_cli("export", "--yaml", str(bad))
     assert proc.returncode == 2
     # the registry is fixed, so is the message: no key is close enough to be suggested
-    assert proc.stderr.strip().splitlines() == ["autodeploy: error: unknown transform 'fuse_everything'"]
+    assert proc.stderr.strip().splitlines() == ["autodeploy: error: unknown transform 'xyzzy_plugh'"]
     debug = run_cli("--debug", "export", "--yaml", str(bad))
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
