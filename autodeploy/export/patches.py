@@ -3,7 +3,7 @@ are in ``family_patches``); both register in ``patch_registry``, which says what
 """
 
 from contextlib import contextmanager
-from typing import ContextManager, Dict, Iterator, Optional, Tuple
+from typing import Callable, ContextManager, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -79,13 +79,22 @@ def _meta_tensor_constants(model: nn.Module) -> Iterator[None]:
             _META_CONSTANTS[id(out)] = (out, value)
         return out
 
-    torch.tensor = tensor  # type: ignore[assignment]
+    try:
+        with _torch_function_replaced("tensor", tensor):
+            yield
+    finally:
+        _META_CONSTANTS.clear()
+
+
+@contextmanager
+def _torch_function_replaced(name: str, replacement: Callable) -> Iterator[None]:
+    """``torch.<name>`` is ``replacement`` for the duration (the original is restored on exit)."""
+    original = getattr(torch, name)
+    setattr(torch, name, replacement)
     try:
         yield
     finally:
-        torch.tensor = original  # type: ignore[assignment]
-        _META_CONSTANTS.clear()
-
+        setattr(torch, name, original)
 
 
 @register_export_patch(
@@ -98,12 +107,7 @@ def _histc_float_input(model: nn.Module) -> Iterator[None]:
     original = torch.histc
 
     def histc(input: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        if not input.is_floating_point():
-            input = input.float()
-        return original(input, *args, **kwargs)
+        return original(input if input.is_floating_point() else input.float(), *args, **kwargs)
 
-    torch.histc = histc  # type: ignore[assignment]
-    try:
+    with _torch_function_replaced("histc", histc):
         yield
-    finally:
-        torch.histc = original  # type: ignore[assignment]

@@ -33,13 +33,12 @@ from pydantic import Field
 from torch import fx
 
 from ...ops import l2norm as _l2norm_ops  # noqa: F401  (registers autodeploy::native_l2norm)
-from ...ops import native
-from ...utils.logging import get_logger
+from ...ops import native  # noqa: F401  (registers the native_* ops)
 from ..graph_utils import is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+from ._native_backend import resolve_native_backend
 
 ad = torch.ops.autodeploy
-logger = get_logger(__name__)
 _BACKEND_OPS = {"native": ad.native_l2norm}
 
 
@@ -70,12 +69,4 @@ class FuseL2Norm(BaseTransform):
         return TransformInfo(num_matches=count, is_clean=True, has_valid_shapes=True)
 
     def _resolve(self, ctx: PipelineContext) -> str:
-        backend: str = self.config.backend  # type: ignore[attr-defined]
-        on_cpu = torch.device(ctx.device).type == "cpu"
-        if backend == "auto":
-            usable = on_cpu and ctx.compile_backend != "torch-compile" and native.available()
-            return "native" if usable else "torch"
-        if backend == "native" and not on_cpu:
-            logger.warning("fuse_l2norm backend 'native' is CPU-only; device %s keeps the reference ops", ctx.device)
-            return "torch"
-        return backend
+        return resolve_native_backend(self.config.backend, ctx, "fuse_l2norm")  # type: ignore[attr-defined]

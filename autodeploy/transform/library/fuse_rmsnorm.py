@@ -30,13 +30,12 @@ import torch
 from pydantic import Field
 from torch import fx
 
-from ...ops import native
-from ...utils.logging import get_logger
+from ...ops import native  # noqa: F401  (registers the native_* ops)
 from ..graph_utils import is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+from ._native_backend import resolve_native_backend
 
 ad = torch.ops.autodeploy
-logger = get_logger(__name__)
 # backend -> (plain norm, fused add+norm)
 _BACKEND_OPS = {"compile": (ad.compiled_rmsnorm, ad.compiled_fused_add_rmsnorm),
                 "native": (ad.native_rmsnorm, ad.native_fused_add_rmsnorm)}
@@ -71,12 +70,4 @@ class FuseRMSNorm(BaseTransform):
         return TransformInfo(num_matches=count, is_clean=True, has_valid_shapes=True)
 
     def _resolve(self, ctx: PipelineContext) -> str:
-        backend: str = self.config.backend  # type: ignore[attr-defined]
-        on_cpu = torch.device(ctx.device).type == "cpu"
-        if backend == "auto":
-            usable = on_cpu and ctx.compile_backend != "torch-compile" and native.available()
-            return "native" if usable else "torch"
-        if backend == "native" and not on_cpu:
-            logger.warning("fuse_rmsnorm backend 'native' is CPU-only; device %s keeps the reference ops", ctx.device)
-            return "torch"
-        return backend
+        return resolve_native_backend(self.config.backend, ctx, "fuse_rmsnorm")  # type: ignore[attr-defined]
