@@ -139,8 +139,8 @@ def check_new_sequence_ignores_a_used_slot(c: Cached) -> None:
     assert_close(out, uncached_logits(c, fresh), "prefill in a reused slot")
 
 
-def state_handlers(c: Cached, prefix: str) -> Dict[str, StateHandler]:
-    return {n: h for n, h in c.cache.handlers.items() if n.startswith(prefix + "_")}
+def state_handlers(cache: CachedSequenceInterface, prefix: str) -> Dict[str, StateHandler]:
+    return {n: h for n, h in cache.handlers.items() if n.startswith(prefix + "_")}
 
 
 def run_all(c: Cached) -> None:

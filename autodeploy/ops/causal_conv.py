@@ -94,13 +94,12 @@ def scan_each_sequence(
     """
     out = tokens[0].new_zeros(tokens[0].shape)
     num_seqs = seq_len.shape[0]
-    if out.shape[1] == num_seqs:  # one new token per sequence
-        num_prefill, first_single = 0, 0
-    else:
+    num_prefill, first_single = 0, 0
+    if out.shape[1] != num_seqs:  # not one new token per sequence: some prefill rows (host reads)
         num_prefill, first_single = batch_info[:2].tolist()
-    starts, lengths = cu_seqlen.tolist()[:num_prefill], seq_len.tolist()[:num_prefill]
-    slots, carried = slot_idx.tolist()[:num_prefill], use_initial_state.tolist()[:num_prefill]
-    for start, n, slot, carry in zip(starts, lengths, slots, carried):
+    prefills = zip(cu_seqlen[:num_prefill].tolist(), seq_len[:num_prefill].tolist(),
+                   slot_idx[:num_prefill].tolist(), use_initial_state[:num_prefill].tolist()) if num_prefill else ()
+    for start, n, slot, carry in prefills:
         rows = slice(start, start + n)
         initial = state_cache[slot:slot + 1] if carry else torch.zeros_like(state_cache[slot:slot + 1])
         y, final = scan([t[:, rows] for t in tokens], initial)

@@ -97,11 +97,11 @@ def test_calls_with_state_go_to_hf():
 
 
 def test_patch_swaps_only_during_export_and_restores():
-    original = hf_mamba2.mamba2_chunk_scan
+    original, conv = hf_mamba2.mamba2_chunk_scan, hf_qwen3_next.causal_conv1d_fn
     with apply_export_patches(torch.nn.Module(), {}):
         assert hf_mamba2.mamba2_chunk_scan is not original
-        assert hf_qwen3_next.causal_conv1d_fn is not None
-    assert hf_mamba2.mamba2_chunk_scan is original
+        assert hf_qwen3_next.causal_conv1d_fn is not conv  # every loaded modelling module, not one
+    assert hf_mamba2.mamba2_chunk_scan is original and hf_qwen3_next.causal_conv1d_fn is conv
     with apply_export_patches(torch.nn.Module(), {"state_kernels": False}):
         assert hf_mamba2.mamba2_chunk_scan is original
 

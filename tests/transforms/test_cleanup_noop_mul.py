@@ -2,7 +2,6 @@
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 

@@ -7,7 +7,6 @@ of the sum and of the norm, the real tiny llama (4 fusions), and near misses lef
 import copy
 import operator
 
-import pytest
 import torch
 from torch import nn
 

@@ -37,9 +37,10 @@ def test_every_conv_gets_a_state_cache(lfm2):
     assert record.status == "ok" and record.num_matches == n
     assert count_op(c.graph, ad.torch_causal_conv1d) == 0
     assert count_op(c.graph, ad.torch_cached_causal_conv1d) == n
-    handlers = state_handlers(c, "conv_state")
+    handlers = state_handlers(c.cache, "conv_state")
     assert list(handlers) == [f"conv_state_{i}" for i in range(n)]
-    hidden, kernel = AutoConfig.from_pretrained(path).hidden_size, AutoConfig.from_pretrained(path).conv_L_cache
+    config = AutoConfig.from_pretrained(path)
+    hidden, kernel = config.hidden_size, config.conv_L_cache
     for h in handlers.values():
         assert h.shape == (hidden, kernel - 1) and h.dtype == torch.float32
     assert c.cache.caches["conv_state_0"].shape == (LIMITS["max_batch_size"] + 1, hidden, kernel - 1)

@@ -55,7 +55,7 @@ def test_every_delta_rule_gets_an_fp32_state_and_the_graph_stays_exact():
     record = c.context.history[-1]
     assert record.key == "insert_cached_delta_rule" and record.status == "ok" and record.num_matches == 2
     assert count_op(c.graph, ad.torch_delta_rule) == 0 and count_op(c.graph, ad.torch_cached_delta_rule) == 2
-    handlers = state_handlers(c, "delta_state")
+    handlers = state_handlers(c.cache, "delta_state")
     assert list(handlers) == ["delta_state_0", "delta_state_1"]
     assert all(h.shape == (H, DK, DV) and h.dtype == torch.float32 for h in handlers.values())
     run_all(c)

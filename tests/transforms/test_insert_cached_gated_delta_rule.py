@@ -41,7 +41,7 @@ def test_every_delta_rule_gets_an_fp32_state(model):
     record = next(r for r in c.context.history if r.key == "insert_cached_gated_delta_rule")
     assert record.status == "ok" and record.num_matches == len(nodes)
     assert count_op(c.graph, source) == 0 and count_op(c.graph, cached) == len(nodes)
-    handlers = state_handlers(c, "delta_state")
+    handlers = state_handlers(c.cache, "delta_state")
     assert list(handlers) == [f"delta_state_{i}" for i in range(len(nodes))]
     for node, h in zip(nodes, handlers.values()):
         k, v = node.args[1].meta["val"], node.args[2].meta["val"]

@@ -38,12 +38,12 @@ def test_every_scan_gets_an_fp32_state(model):
     record = next(r for r in c.context.history if r.key == "insert_cached_ssm_attention")
     assert record.status == "ok" and record.num_matches == layers
     assert count_op(c.graph, source) == 0 and count_op(c.graph, cached) == layers
-    handlers = state_handlers(c, "ssm_state")
+    handlers = state_handlers(c.cache, "ssm_state")
     assert list(handlers) == [f"ssm_state_{i}" for i in range(layers)]
     for h in handlers.values():
         assert h.shape == _state_shape(family, cfg) and h.dtype == torch.float32
     # the conv in front of each scan has its window; no attention, so no paged cache holds anything
-    assert len(state_handlers(c, "conv_state")) == layers
+    assert len(state_handlers(c.cache, "conv_state")) == layers
     assert c.cache.paged_names == [] and c.cache.bytes_per_page() == 0
 
 
@@ -56,5 +56,5 @@ def test_a_graph_with_convs_but_no_scan_is_left_alone():
     res = build(path, up_to=Stage.CACHE_INIT, **LIMITS)
     record = next(r for r in res.context.history if r.key == "insert_cached_ssm_attention")
     assert record.status == "skipped" and record.num_matches == 0
-    assert not state_handlers(type("C", (), {"cache": res.cache})(), "ssm_state")
-    assert state_handlers(type("C", (), {"cache": res.cache})(), "conv_state")
+    assert not state_handlers(res.cache, "ssm_state")
+    assert state_handlers(res.cache, "conv_state")

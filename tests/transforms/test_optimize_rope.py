@@ -67,9 +67,9 @@ def test_record_and_structure(with_opt, without_opt):
     assert count_op(gm, aten.transpose) == 0
     # cos/sin are lookups of the position ids into the tables
     for node in ropes:
-        for arg, kind in zip(node.args[2:4], ("cos", "sin")):
-            assert arg.target == aten.embedding.default
-            table, ids = arg.args
+        for table_read, kind in zip(node.args[2:4], ("cos", "sin")):
+            assert table_read.target == aten.embedding.default
+            table, ids = table_read.args
             assert table.op == "get_attr" and table.target.startswith(f"rope_{kind}_table")
             assert ids.op == "placeholder" and ids.name == "position_ids"
 

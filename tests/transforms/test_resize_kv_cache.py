@@ -11,10 +11,9 @@ import torch
 
 from autodeploy.cache import build_sequence_info
 from autodeploy.transform.interface import PipelineContext, Stage
-from autodeploy.transform.library.resize_kv_cache import sizing_step
 from autodeploy.transform.optimizer import build_transform
 from autodeploy.utils.errors import ConfigError
-from helpers import build, count_op, family_checkpoint, rel_rmse
+from helpers import build, family_checkpoint, rel_rmse
 
 N_KV, HEAD_DIM, NUM_LAYERS = 2, 16, 2
 

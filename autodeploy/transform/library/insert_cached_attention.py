@@ -22,7 +22,7 @@ graph is left uncached with the reason for ``recompute_fallback``; with ``error`
 error naming the layer. Never a silently wrong answer.
 """
 
-from typing import Dict, List, Literal, Optional
+from typing import List, Literal
 
 import torch
 from pydantic import Field

@@ -159,7 +159,8 @@ class RecomputeFallback(BaseTransform):
         if result.ok:
             return None
         return (f"the KV-cached graph disagrees with itself ({result.detail}): the model keeps state across "
-                "tokens outside attention (a convolution, SSM or recurrent layer) that a KV cache does not hold")
+                "tokens outside attention (a convolution, SSM or recurrent layer) that none of its caches holds: its op "
+                "has no insert_cached_* state transform, or that transform is off")
 
     @staticmethod
     def _token_cache(ctx: PipelineContext, keep_pages: Optional[int]) -> CachedSequenceInterface:
