@@ -60,6 +60,13 @@ class DeployConfig(BaseModel):
         description="Shortcut for transforms.compile_model.backend (torch-simple by default); setting both to "
         "different values is an error.",
     )
+    quantization: Optional[Literal["int8", "int4"]] = Field(
+        default=None,
+        description="Shortcut for transforms.quantize_weights.method: weight-only quantization of a float "
+        "checkpoint's linears at load (int8: per output channel; int4: per group of "
+        "transforms.quantize_weights.group_size inputs, 128 by default), the LM head included unless "
+        "transforms.quantize_weights.exclude names it; setting both to different values is an error.",
+    )
     transforms: Dict[str, Optional[Dict[str, Any]]] = Field(
         default_factory=dict, description="The transform pipeline: {key: {field: value}}."
     )
@@ -132,6 +139,7 @@ def load_deploy_config(
 SHORTCUTS = {
     "attn_backend": ("insert_cached_attention", "backend"),
     "compile_backend": ("compile_model", "backend"),
+    "quantization": ("quantize_weights", "method"),
 }
 
 

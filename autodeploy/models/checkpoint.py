@@ -48,6 +48,15 @@ class CheckpointIndex:
             out.update(safetensors_header_dtypes(path))
         return {k: v for k, v in out.items() if k in self.weight_map}
 
+    def shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """Tensor name -> shape, from the safetensors headers (empty for pickled checkpoints)."""
+        if self.format != "safetensors":
+            return {}
+        out: Dict[str, Tuple[int, ...]] = {}
+        for path in self.files:
+            out.update(safetensors_header_shapes(path))
+        return {k: v for k, v in out.items() if k in self.weight_map}
+
     def quantized_dtype_tensors(self) -> List[Tuple[str, str]]:
         """(name, dtype) of tensors stored in a floating type that only holds quantized data (FP8, FP4)."""
         return sorted(
@@ -55,15 +64,24 @@ class CheckpointIndex:
         )
 
 
-def safetensors_header_dtypes(path: str) -> Dict[str, str]:
-    """Tensor name -> dtype name from a safetensors file's JSON header."""
+def _safetensors_header(path: str) -> Dict[str, Dict]:
     try:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
     except (OSError, ValueError, struct.error) as exc:
         raise ModelSourceError(f"cannot read the safetensors header of {path}: {exc}") from None
-    return {k: v["dtype"] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict) and "dtype" in v}
+    return {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict) and "dtype" in v}
+
+
+def safetensors_header_dtypes(path: str) -> Dict[str, str]:
+    """Tensor name -> dtype name from a safetensors file's JSON header."""
+    return {k: v["dtype"] for k, v in _safetensors_header(path).items()}
+
+
+def safetensors_header_shapes(path: str) -> Dict[str, Tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors file's JSON header."""
+    return {k: tuple(v.get("shape", ())) for k, v in _safetensors_header(path).items()}
 
 
 def _unreadable_safetensors(path: str, exc: BaseException) -> ModelSourceError:

@@ -21,6 +21,9 @@ class LoadHook:
     sources: Sequence[str]
     combine: Callable[[List[torch.Tensor]], torch.Tensor]
     description: str = ""
+    # the sources are quantized data that ``combine`` decodes (packed int32 codes into a uint8 or
+    # float buffer): the loader does not hold their dtypes against the parameter's
+    decodes: bool = False
 
     def source_names(self, param_name: str) -> Optional[List[str]]:
         m = re.fullmatch(self.pattern, param_name)
@@ -30,7 +33,7 @@ class LoadHook:
 
     def resolve(self, param_name: str) -> Optional[Tuple[List[str], Callable[[List[torch.Tensor]], torch.Tensor]]]:
         """The checkpoint keys for ``param_name`` and how to combine them (the loader's interface;
-        ``conversion_hooks.ConversionHook`` has the same)."""
+        ``conversion_hooks.ConversionHook`` has the same, and both may have ``decodes``)."""
         keys = self.source_names(param_name)
         return (keys, self.combine) if keys is not None else None
 

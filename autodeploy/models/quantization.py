@@ -11,8 +11,10 @@ scales) builds fine and generates garbage. So a checkpoint is checked at three p
 * the weight loader refuses unused tensors named like the companions of a quantization format
   (:func:`quantization_companions`: ``weight_scale``, ``qzeros``, ``*_blocks``, ...).
 
-No format is supported yet: :data:`SUPPORTED_QUANTIZATION` is empty. Supporting one means adding
-its ``quant_method`` there (with the algorithms handled) and teaching the loader its tensors.
+:data:`SUPPORTED_QUANTIZATION` lists the formats that load, each through one
+``quantize_*_from_config`` transform (``transform/library/quantize_*_from_config.py``) that
+rewrites the checkpoint's quantized linears into canonical quantized ops before the weights load.
+Supporting another format means adding its ``quant_method`` there and writing its transform.
 """
 
 import json
@@ -26,9 +28,23 @@ from ..utils.errors import ModelSourceError
 
 MODELOPT_CONFIG = "hf_quant_config.json"
 
-# quant_method -> the algorithms of that method autodeploy loads (upper case; None: all of them).
-# Empty until quantized formats are implemented; register with :func:`register_quantization`.
-SUPPORTED_QUANTIZATION: Dict[str, Optional[FrozenSet[str]]] = {}
+# quant_method -> the algorithms of that method autodeploy loads (upper case; None: all of them),
+# and the transform that loads it.
+SUPPORTED_QUANTIZATION: Dict[str, Optional[FrozenSet[str]]] = {
+    "modelopt": frozenset({"FP8", "NVFP4"}),
+    "fp8": None,  # fine-grained (block) FP8
+    "gptq": None,
+    "awq": None,
+    "compressed-tensors": frozenset({"PACK-QUANTIZED"}),
+}
+QUANTIZATION_TRANSFORMS: Dict[Tuple[str, Optional[str]], str] = {
+    ("modelopt", "FP8"): "quantize_fp8_linear_from_config",
+    ("modelopt", "NVFP4"): "quantize_nvfp4_linear_from_config",
+    ("fp8", None): "quantize_finegrained_fp8_linear_from_config",
+    ("gptq", None): "quantize_int4_linear_from_config",
+    ("awq", None): "quantize_int4_linear_from_config",
+    ("compressed-tensors", "PACK-QUANTIZED"): "quantize_int4_linear_from_config",
+}
 
 # Floating dtypes a checkpoint tensor may be cast from into a floating parameter.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -60,6 +76,11 @@ _FLOAT_CHECKPOINT = (
 )
 FIX_HINT = "use " + _FLOAT_CHECKPOINT
 FIX_SENTENCE = "Use " + _FLOAT_CHECKPOINT
+# a quantized checkpoint that does not say so (or whose tensors its declared format does not explain)
+UNDECLARED_HINT = (
+    "a quantized checkpoint loads only when its config.json quantization_config (or ModelOpt's "
+    "hf_quant_config.json) declares a supported format that matches its tensors; otherwise " + FIX_HINT
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +91,15 @@ class QuantizationInfo:
     algo: Optional[str] = None  # ModelOpt quant_algo (FP8, NVFP4, ...) or the format of the method
     declared_in: str = "config.json"
     details: Tuple[Tuple[str, Any], ...] = field(default=())
+    # the whole quantization_config (merged over hf_quant_config.json's "quantization"): the
+    # format's parameters (block sizes, bits, group size, excluded modules)
+    config: Dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def transform(self) -> Optional[str]:
+        """The ``quantize_*_from_config`` transform that loads this format."""
+        return QUANTIZATION_TRANSFORMS.get((self.method, (self.algo or "").upper() or None)) or \
+            QUANTIZATION_TRANSFORMS.get((self.method, None))
 
     def describe(self) -> str:
         text = f"quant_method '{self.method}'"
@@ -141,9 +171,10 @@ def detect_quantization(directory: str, raw_config: Dict[str, Any]) -> Optional[
         legacy_bnb = _algo_of(qcfg) in ("4-bit", "8-bit")  # old bitsandbytes configs name no quant_method
         method = str(qcfg.get("quant_method") or ("bitsandbytes" if legacy_bnb else "unknown"))
         algo = _algo_of(qcfg) or (modelopt_algo if method.lower() == "modelopt" else None)
-        return QuantizationInfo(method.lower(), algo, where, _details_of(qcfg))
+        merged = {**(modelopt or {}), **qcfg} if method.lower() == "modelopt" else dict(qcfg)
+        return QuantizationInfo(method.lower(), algo, where, _details_of(qcfg), merged)
     if modelopt is not None and (modelopt_algo or modelopt.get("kv_cache_quant_algo")):
-        return QuantizationInfo("modelopt", modelopt_algo, MODELOPT_CONFIG, _details_of(modelopt))
+        return QuantizationInfo("modelopt", modelopt_algo, MODELOPT_CONFIG, _details_of(modelopt), dict(modelopt))
     return None
 
 
@@ -152,13 +183,19 @@ def check_quantization(directory: str, raw_config: Dict[str, Any], model: str) -
     info = detect_quantization(directory, raw_config)
     if info is None or is_supported(info):
         return info
-    what = "this quantization format" if SUPPORTED_QUANTIZATION else "quantized checkpoints"
-    supported = ", ".join(sorted(SUPPORTED_QUANTIZATION)) or "none"
     raise ModelSourceError(
         f"{model} is a quantized checkpoint ({info.declared_in} declares {info.describe()}); autodeploy cannot "
-        f"load {what} yet (supported quantization methods: {supported}), and loading its weights as float "
-        f"without their scales would generate garbage. {FIX_SENTENCE}"
+        f"load this quantization format yet (supported: {supported_formats()}), and loading its weights as "
+        f"float without their scales would generate garbage. {FIX_SENTENCE}"
     )
+
+
+def supported_formats() -> str:
+    """The formats that load, for error messages: ``modelopt (FP8, NVFP4), fp8, ...``."""
+    parts = []
+    for method, algos in sorted(SUPPORTED_QUANTIZATION.items()):
+        parts.append(method + (f" ({', '.join(sorted(algos))})" if algos else ""))
+    return ", ".join(parts)
 
 
 # ---- checkpoint tensors -------------------------------------------------------------------------
@@ -176,6 +213,8 @@ def is_quantized_dtype(dtype: torch.dtype) -> bool:
 def check_tensor_dtype(key: str, source_dtype: torch.dtype, target: str, target_dtype: torch.dtype) -> None:
     """Refuse casting checkpoint tensor ``key`` into ``target`` across kinds (FP8/FP4/integer data
     into a floating parameter); float-to-float casts and integer buffers pass."""
+    if source_dtype == target_dtype:
+        return  # a quantized op's own tensor (FP8 weight into an FP8 buffer)
     if target_dtype.is_floating_point:
         ok = source_dtype in FLOAT_DTYPES
     else:
@@ -186,8 +225,7 @@ def check_tensor_dtype(key: str, source_dtype: torch.dtype, target: str, target_
     raise ModelSourceError(
         f"checkpoint tensor {where} is {dtype_name(source_dtype)}, but the model expects "
         f"{dtype_name(target_dtype)}; casting it would silently corrupt the weights. The checkpoint looks "
-        f"quantized (narrow or packed weights stored with scale tensors), which autodeploy cannot load yet: "
-        f"{FIX_HINT}"
+        f"quantized (narrow or packed weights stored with scale tensors): {UNDECLARED_HINT}"
     )
 
 
@@ -207,7 +245,7 @@ def companions_error(directory: str, companions: List[str], missing: Iterable[st
     return ModelSourceError(
         f"checkpoint {directory} has tensors of a quantization format that the model does not use ({shown})"
         f"{also}: the checkpoint looks quantized, and its weights would be used without their scales. "
-        f"autodeploy cannot load quantized checkpoints yet: {FIX_HINT}"
+        f"{UNDECLARED_HINT}"
     )
 
 
@@ -226,6 +264,5 @@ def quantized_dtype_error(directory: str, tensors: List[Tuple[str, str]], expect
     return ModelSourceError(
         f"checkpoint {directory} stores {len(tensors)} tensors in quantized types: {shown}, but its config.json "
         f"declares no quantization_config and the model expects {dtype_name(expected)} weights; casting them "
-        f"would silently corrupt the weights. The checkpoint looks quantized, which autodeploy cannot load yet: "
-        f"{FIX_HINT}"
+        f"would silently corrupt the weights. The checkpoint looks quantized: {UNDECLARED_HINT}"
     )

@@ -13,7 +13,7 @@ scales of a quantization format (a quantized checkpoint must not load as garbage
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -67,8 +67,10 @@ def load_into_module(
     initial_buffers: Optional[Dict[str, torch.Tensor]] = None,
     base_prefixes: Sequence[str] = ("model",),
     show_progress: bool = False,
+    accounted: Iterable[str] = (),
 ) -> LoadReport:
-    """Fill every parameter and buffer of ``module``; floating params are cast to ``dtype``."""
+    """Fill every parameter and buffer of ``module``; floating params are cast to ``dtype``.
+    ``accounted``: checkpoint tensors a transform decided not to load (not reported as unused)."""
     tied = tied or {}
     initial_buffers = initial_buffers or {}
     params = dict(module.named_parameters(remove_duplicate=False))
@@ -85,12 +87,13 @@ def load_into_module(
         progress = tqdm(total=index.total_bytes(), unit="B", unit_scale=True, desc="loading weights")
     with CheckpointReader(index) as reader:
 
-        def fetch(key: str, target: str) -> torch.Tensor:
+        def fetch(key: str, target: str, decoded: bool = False) -> torch.Tensor:
             used.add(key)
             t = reader.get(key)
             current = params[target] if target in params else buffers[target]
             expected = dtype if target in params and current.is_floating_point() else current.dtype
-            check_tensor_dtype(key, t.dtype, target, expected)  # before a hook combines or we cast it
+            if not decoded:  # a decoding hook reads quantized data on purpose
+                check_tensor_dtype(key, t.dtype, target, expected)  # before a hook combines or we cast it
             if progress is not None:
                 progress.update(t.numel() * t.element_size())
             return t
@@ -108,7 +111,8 @@ def load_into_module(
                 resolved = hook.resolve(name)
                 if resolved is not None and all(k in reader for k in resolved[0]):
                     report.from_hooks += 1
-                    return resolved[1]([fetch(k, target) for k in resolved[0]])
+                    decoded = getattr(hook, "decodes", False)
+                    return resolved[1]([fetch(k, target, decoded) for k in resolved[0]])
             alt = next((a for a in _prefix_variants(name, base_prefixes) if a in reader), None)
             return fetch(alt, target) if alt is not None else None
 
@@ -144,7 +148,7 @@ def load_into_module(
             _set_tensor(module, name, tensor, is_param)
     if progress is not None:
         progress.close()
-    report.unused = sorted(set(index.weight_map) - used)
+    report.unused = sorted(set(index.weight_map) - used - set(accounted))
     # Scales of a quantization format the model does not use: the checkpoint is quantized (its
     # weights are missing or were refused above); say so rather than only what is missing.
     companions = quantization_companions(report.unused)

@@ -137,4 +137,6 @@ def linear_forms() -> Tuple[object, ...]:
     )
     if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         forms += (torch.ops.mkldnn._linear_pointwise,)
-    return forms
+    from .quant.linear import quant_linear_ops  # quantized linears (the LM head of a quantized model)
+
+    return forms + quant_linear_ops()

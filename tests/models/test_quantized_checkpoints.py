@@ -1,4 +1,5 @@
-"""Quantized checkpoints are refused with an actionable error instead of loading as garbage.
+"""Quantized checkpoints autodeploy cannot load are refused with an actionable error instead of loading
+as garbage (the formats it loads are tested in ``test_quantized_loading.py``).
 
 Every checkpoint here is real and written by the test: a tiny float Llama saved by transformers,
 then quantized with the numerics of each format (ModelOpt per-tensor FP8 with calibrated input
@@ -239,42 +240,28 @@ def test_fixture_quantization_is_real(ckpts):
 # ---- config.json / hf_quant_config.json: refused before anything is built ----------------------
 
 
-def test_modelopt_fp8_config_is_refused(ckpts):
+def test_modelopt_hf_quant_config_alone_is_read(ckpts):
+    """Older ModelOpt exports declare the format only in hf_quant_config.json: it is read from there."""
+    factory = ModelFactory(ckpts["modelopt_json_only"])
+    factory.config
+    info = factory.quantization
+    assert (info.method, info.algo, info.declared_in) == ("modelopt", "NVFP4", "hf_quant_config.json")
+    assert info.transform == "quantize_nvfp4_linear_from_config"
+
+
+def test_declared_format_that_does_not_match_the_tensors_is_an_error(ckpts):
+    """The JSON says NVFP4, the tensors are FP8: no linear has NVFP4's tensors, and the FP8 weights
+    are refused rather than cast."""
     with pytest.raises(ModelSourceError) as err:
-        ModelFactory(ckpts["modelopt"]).config
+        _build(ckpts["modelopt_json_only"])
     msg = str(err.value)
-    assert "quant_method 'modelopt'" in msg and "quant_algo FP8" in msg
-    assert "cannot load quantized checkpoints" in msg and "float checkpoint" in msg
-
-
-def test_fine_grained_fp8_config_is_refused(ckpts):
-    with pytest.raises(ModelSourceError) as err:
-        ModelFactory(ckpts["fp8_block"]).config
-    msg = str(err.value)
-    assert "quant_method 'fp8'" in msg and "weight_block_size [128, 128]" in msg
-    assert "cannot load quantized checkpoints" in msg
-
-
-def test_full_build_refuses_quantized_config(ckpts):
-    with pytest.raises(ModelSourceError, match="quant_method 'modelopt', quant_algo FP8"):
-        _build(ckpts["modelopt"])
-    with pytest.raises(ModelSourceError, match="quant_method 'fp8'"):
-        _build(ckpts["fp8_block"])
-
-
-def test_modelopt_hf_quant_config_alone_is_refused(ckpts):
-    with pytest.raises(ModelSourceError) as err:
-        ModelFactory(ckpts["modelopt_json_only"]).config
-    msg = str(err.value)
-    assert "quant_method 'modelopt'" in msg and "quant_algo NVFP4" in msg and "hf_quant_config.json" in msg
+    assert "float8_e4m3fn" in msg and "looks quantized" in msg and "declares a supported format" in msg
 
 
 @pytest.mark.parametrize("qcfg, named", [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "quant_method 'gptq'"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
-     "quant_method 'awq'"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
-     "quant_method 'compressed-tensors', quant_algo pack-quantized"),
+    ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "quant_method 'modelopt', quant_algo W4A8_AWQ"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}},
+     "quant_method 'compressed-tensors', quant_algo float-quantized"),
     ({"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}, "quant_method 'mxfp4'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
      "quant_method 'bitsandbytes', quant_algo nf4"),
@@ -285,7 +272,9 @@ def test_any_quant_method_is_refused(ckpts, tmp_path, qcfg, named):
     d = _variant(ckpts["float"], str(tmp_path / "q"), ckpts["state_dict"], quantization_config=qcfg)
     with pytest.raises(ModelSourceError) as err:
         ModelFactory(d).config
-    assert named in str(err.value) and "cannot load quantized checkpoints" in str(err.value)
+    msg = str(err.value)
+    assert named in msg and "cannot load this quantization format" in msg
+    assert "supported: awq, compressed-tensors (PACK-QUANTIZED), fp8, gptq, modelopt (FP8, NVFP4)" in msg
 
 
 def test_float_checkpoint_and_presets_still_read(ckpts):

@@ -18,6 +18,7 @@ from ...models.conversion_hooks import conversion_hooks
 from ...models.weight_loader import load_into_module
 from ...utils.logging import get_logger
 from ..graph_utils import graph_modules, move_graph_to_device
+from ._quant_from_config import GRAPH_IGNORED_TENSORS, GRAPH_LOAD_HOOKS
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
 logger = get_logger(__name__)
@@ -50,13 +51,14 @@ class LoadWeights(BaseTransform):
         for gm in graph_modules(mod):
             converters = gm.meta.get(WEIGHT_CONVERSIONS) or []
             renamings = reverted_renamings(converters) if converters else []
-            hooks = list(factory.load_hooks) + conversion_hooks(
+            hooks = list(factory.load_hooks) + list(gm.meta.get(GRAPH_LOAD_HOOKS, [])) + conversion_hooks(
                 converters, set(index.weight_map), lambda name: checkpoint_name(name, renamings)
             )
             report = load_into_module(
                 gm, index, device=device, dtype=ctx.dtype, hooks=hooks,
                 tied=factory.tied_parameters, initial_buffers=factory.initial_buffers,
                 base_prefixes=(factory.base_model_prefix,), show_progress=show,
+                accounted=gm.meta.get(GRAPH_IGNORED_TENSORS, ()),
             )
             restored = _restore_constants(gm, device)
             move_graph_to_device(gm, device)

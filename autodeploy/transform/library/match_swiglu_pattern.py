@@ -66,7 +66,9 @@ class MatchSwigluConfig(TransformConfig):
 @TransformRegistry.register("match_swiglu_pattern")
 class MatchSwigluPattern(BaseTransform):
     config_class = MatchSwigluConfig
-    run_after = ("cleanup_noop_cast",)
+    # quantized linears first: their gate/up/down must not be read as a float SwiGLU
+    run_after = ("cleanup_noop_cast", "quantize_fp8_linear_from_config", "quantize_nvfp4_linear_from_config",
+                 "quantize_finegrained_fp8_linear_from_config", "quantize_int4_linear_from_config")
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         count = swiglu_patterns().apply(gm)

@@ -116,7 +116,8 @@ def onednn_available() -> bool:
 @TransformRegistry.register("select_linear_backend")
 class SelectLinearBackend(BaseTransform):
     config_class = SelectLinearBackendConfig
-    run_after = ("fuse_gemms", "fuse_gemms_mixed_children", "fuse_swiglu", "fuse_silu_mul")
+    run_after = ("fuse_gemms", "fuse_gemms_mixed_children", "fuse_swiglu", "fuse_silu_mul", "quantize_weights",
+                 "fuse_fp8_linear", "fuse_finegrained_fp8_linear", "fuse_nvfp4_linear")
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         backend = self._resolve(ctx)

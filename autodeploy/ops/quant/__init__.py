@@ -1,0 +1,3 @@
+"""Quantized ops: formats (numerics), canonical quantized linears, and their backends."""
+
+from . import activation, formats, linear  # noqa: F401

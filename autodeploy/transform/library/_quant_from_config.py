@@ -1,0 +1,226 @@
+"""Shared by the ``quantize_*_linear_from_config`` transforms: a checkpoint's quantized linears
+become canonical quantized ops before the weights load.
+
+Which linears are quantized is read from the checkpoint itself, not from the format's exclusion
+list: a linear is quantized when the checkpoint holds the format's *marker* tensor next to its
+weight (``weight_scale`` for ModelOpt FP8, ``weight_scale_inv`` for fine-grained FP8, ``qweight``
+for GPTQ/AWQ, ...). The exclusion lists come in several syntaxes (ModelOpt's wildcards,
+compressed-tensors' ``re:`` patterns, substrings); the tensors are the one unambiguous record.
+
+Every quantized linear is checked against the safetensors headers before anything loads: each
+tensor the format needs is present, in one of the format's dtypes, with the shape the linear's
+(N, K) implies. A mismatch is one error naming the tensor, what it is and what was expected.
+
+The op's tensors become buffers on the linear's module (they keep their dtype when loaded;
+parameters would be cast to the deployment dtype). A buffer either has the checkpoint tensor's
+name (ModelOpt's ``weight`` / ``weight_scale`` / ``input_scale`` are already the op's form) or
+is produced at load by a :class:`~autodeploy.models.load_hooks.LoadHook` from the format's
+tensors (GPTQ's ``qweight`` -> canonical nibbles), once, never per step.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import fx
+
+from ...models.load_hooks import LoadHook
+from ...models.quantization import SAFETENSORS_DTYPE_NAMES
+from ...utils.errors import ModelSourceError
+from ...utils.logging import get_logger
+from ..graph_utils import is_op
+from ..interface import PipelineContext
+
+aten = torch.ops.aten
+logger = get_logger(__name__)
+
+# gm.meta keys read by load_weights: extra load hooks, and checkpoint tensors a transform accounts for
+# without loading them (the loader otherwise refuses unused tensors of quantization formats)
+GRAPH_LOAD_HOOKS = "autodeploy_load_hooks"
+GRAPH_IGNORED_TENSORS = "autodeploy_ignored_checkpoint_tensors"
+
+Shape = Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """A tensor the format stores per quantized linear, as the headers must show it."""
+
+    suffix: str  # the name after the linear's module path: "weight_scale"
+    dtypes: Tuple[str, ...]  # safetensors dtype names accepted ("F8_E4M3", "F32", ...)
+    shape: Optional[Callable[[int, int], Shape]]  # from the linear's (N, K); None: a scalar (one element)
+    what: str  # words for errors: "per-tensor weight scale"
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One tensor argument of the quantized op, a buffer on the linear's module."""
+
+    name: str
+    dtype: torch.dtype
+    shape: Optional[Callable[[int, int], Shape]]  # None: the checkpoint tensor's own shape (a scalar)
+    sources: Tuple[str, ...] = ()  # checkpoint suffixes a load hook makes it from; () = same-named tensor
+    convert: Optional[Callable[[List[torch.Tensor]], torch.Tensor]] = None
+
+
+@dataclass(frozen=True)
+class LinearFormat:
+    """How one quantization format stores a linear, and the canonical op it becomes."""
+
+    name: str  # "ModelOpt FP8", for logs and errors
+    op: Any
+    marker: str  # checkpoint suffix whose presence means "this linear is quantized"
+    tensors: Tuple[CheckpointTensor, ...]
+    buffers: Tuple[Buffer, ...]  # the op's tensor arguments after (x, ..., bias), in order
+    # the op's trailing non-tensor arguments (block or group sizes), or a function of (N, K) giving them
+    constants: Union[Tuple[Any, ...], Callable[[int, int], Tuple[Any, ...]]] = ()
+    shape_error: Optional[Callable[[int, int], Optional[str]]] = None  # why (N, K) cannot be this format
+
+
+def _linear_parts(node: fx.Node) -> Optional[Tuple[fx.Node, Optional[Any]]]:
+    if not is_op(node, aten.linear):
+        return None
+    weight = node.args[1]
+    if not isinstance(weight, fx.Node) or weight.op != "get_attr" or not str(weight.target).endswith(".weight"):
+        return None
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    return weight, bias
+
+
+_PLAIN_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def _describe(dtypes: Sequence[str]) -> str:
+    names = {**_PLAIN_DTYPE_NAMES, **SAFETENSORS_DTYPE_NAMES}
+    return " or ".join(names.get(d, d.lower()) for d in dtypes)
+
+
+def validate_linear(
+    fmt: LinearFormat, prefix: str, n: int, k: int, names: Sequence[str], dtypes: Dict[str, str],
+    shapes: Dict[str, Shape],
+) -> None:
+    """Refuse a quantized linear whose checkpoint tensors do not match ``fmt`` (headers only)."""
+    if fmt.shape_error is not None:
+        reason = fmt.shape_error(n, k)
+        if reason:
+            raise ModelSourceError(f"'{prefix}' ({n} outputs, {k} inputs) cannot be {fmt.name}: {reason}")
+    for tensor in fmt.tensors:
+        key = f"{prefix}.{tensor.suffix}"
+        if key not in names:
+            raise ModelSourceError(
+                f"checkpoint tensor '{key}' is missing: {fmt.name} stores a {tensor.what} ({_describe(tensor.dtypes)}) "
+                f"next to every quantized weight, and '{prefix}' has a '{fmt.marker}'. Is the checkpoint complete?"
+            )
+        if key in dtypes and dtypes[key] not in tensor.dtypes:
+            raise ModelSourceError(
+                f"checkpoint tensor '{key}' is {_describe([dtypes[key]])}; {fmt.name} stores its {tensor.what} "
+                f"as {_describe(tensor.dtypes)}"
+            )
+        if key not in shapes:
+            continue
+        expected = tensor.shape(n, k) if tensor.shape is not None else None
+        got = shapes[key]
+        ok = (got == expected) if expected is not None else (torch.Size(got).numel() == 1)
+        if not ok:
+            want = list(expected) if expected is not None else "one element"
+            raise ModelSourceError(
+                f"checkpoint tensor '{key}' has shape {list(got)}; for a linear of {n} outputs and {k} inputs "
+                f"{fmt.name} expects its {tensor.what} to have shape {want}"
+            )
+
+
+def _load_hook(fmt: LinearFormat, buffer: Buffer) -> LoadHook:
+    sources = [rf"\1.{s}" for s in buffer.sources]
+    assert buffer.convert is not None
+    return LoadHook(rf"(.*)\.{re.escape(buffer.name)}", sources, buffer.convert,
+                    f"{fmt.name}: {', '.join(buffer.sources)} -> {buffer.name}", decodes=True)
+
+
+def quantize_linears(gm: fx.GraphModule, ctx: PipelineContext, fmt: LinearFormat) -> int:
+    """Rewrite every ``aten.linear`` whose checkpoint weight is in ``fmt`` into ``fmt.op``.
+
+    Before::
+
+        y = aten.linear(x, P.weight, P.bias)          # P.weight: float parameter [N, K] on meta
+
+    After::
+
+        y = fmt.op(x, P.<buffer 0>, P.bias, P.<buffer 1>, ..., *fmt.constants)   # buffers on meta
+    """
+    index = ctx.factory.checkpoint_index()
+    names = set(index.weight_map)
+    dtypes, shapes = index.dtypes(), index.shapes()
+    hooks: List[LoadHook] = gm.meta.setdefault(GRAPH_LOAD_HOOKS, [])
+    count = 0
+    for node in list(gm.graph.nodes):
+        parts = _linear_parts(node)
+        if parts is None:
+            continue
+        weight, bias = parts
+        prefix = str(weight.target)[: -len(".weight")]
+        if f"{prefix}.{fmt.marker}" not in names:
+            continue  # a float linear (lm_head, router, excluded modules)
+        if len(weight.users) > 1:
+            raise ModelSourceError(
+                f"'{prefix}.weight' is quantized ({fmt.name}) but the graph also uses it outside the linear "
+                f"(e.g. an embedding tied to it); autodeploy cannot share a quantized weight"
+            )
+        owner = gm.get_submodule(prefix)
+        n, k = owner.weight.shape
+        validate_linear(fmt, prefix, n, k, names, dtypes, shapes)
+        del owner._parameters["weight"]
+        args = []
+        with gm.graph.inserting_before(node):
+            for buf in fmt.buffers:
+                shape = buf.shape(n, k) if buf.shape is not None else shapes.get(f"{prefix}.{buf.name}", ())
+                owner.register_buffer(buf.name, torch.empty(shape, dtype=buf.dtype, device="meta"))
+                args.append(gm.graph.get_attr(f"{prefix}.{buf.name}"))
+            constants = fmt.constants(n, k) if callable(fmt.constants) else fmt.constants
+            new = gm.graph.call_function(fmt.op, (node.args[0], args[0], bias, *args[1:], *constants))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(weight)
+        count += 1
+    if count:
+        registered = {h.description for h in hooks}
+        for buf in fmt.buffers:
+            if buf.sources and _load_hook(fmt, buf).description not in registered:
+                hooks.append(_load_hook(fmt, buf))
+        logger.info("%s: %d linears quantized (the rest stay float)", fmt.name, count)
+    gm.graph.lint()
+    gm.recompile()
+    return count
+
+
+def ignore_checkpoint_tensors(gm: fx.GraphModule, names: Sequence[str]) -> None:
+    """Tell ``load_weights`` these checkpoint tensors are accounted for (e.g. KV-cache scales of a
+    KV-cache quantization autodeploy does not apply), so it does not refuse them as unused."""
+    gm.meta.setdefault(GRAPH_IGNORED_TENSORS, set()).update(names)
+
+
+__all__ = [
+    "Buffer", "CheckpointTensor", "GRAPH_IGNORED_TENSORS", "GRAPH_LOAD_HOOKS", "LinearFormat",
+    "ignore_checkpoint_tensors", "quantize_linears", "skip_kv_cache_scales", "validate_linear",
+]
+
+
+KV_SCALE_LEAVES = ("k_scale", "v_scale")
+
+
+def skip_kv_cache_scales(gm: fx.GraphModule, ctx: PipelineContext, info: Any) -> None:
+    """A ModelOpt checkpoint with ``kv_cache_quant_algo`` stores ``k_scale``/``v_scale`` for an FP8
+    KV cache. autodeploy keeps the KV cache in the model's dtype (more precise than FP8, so nothing
+    runs in a lower precision than the checkpoint allows); the scales are accounted for, and a
+    warning says so once."""
+    algo = info.config.get("kv_cache_quant_algo")
+    names = [n for n in ctx.factory.checkpoint_index().weight_map if n.rpartition(".")[2] in KV_SCALE_LEAVES]
+    if not names:
+        return
+    ignore_checkpoint_tensors(gm, names)
+    logger.warning(
+        "the checkpoint's KV-cache quantization (kv_cache_quant_algo %s, %d k_scale/v_scale tensors) is not "
+        "applied: the KV cache stays in the model's dtype", algo, len(names),
+    )
