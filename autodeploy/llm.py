@@ -28,9 +28,9 @@ class LLM:
     """A deployed model: the transformed graph, its caches, a request processor and an engine.
 
     ``config`` takes any ``DeployConfig`` setting (``dtype``, ``device``, ``max_seq_len``,
-    ``max_batch_size``, ``max_num_tokens``, ``attn_backend``, ``compile_backend``,
-    ``page_size``, ``skip_tokenizer_init``, ``transforms``, ...); ``yaml`` is one path or a list
-    of YAML files applied first.
+    ``max_batch_size``, ``max_num_tokens``, ``attn_backend``, ``compile_backend``, ``quantization``,
+    ``kv_cache_dtype``, ``page_size``, ``skip_tokenizer_init``, ``transforms``, ...); ``yaml`` is one
+    path or a list of YAML files applied first.
     """
 
     def __init__(self, model: Optional[str] = None, *, yaml: Union[str, Sequence[str], None] = None,

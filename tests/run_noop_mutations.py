@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 
-# key -> its own test files (relative to tests/)
+# key -> its own test files (relative to tests/), or test node ids where a file tests several keys
 KEYS: Dict[str, List[str]] = {
     # post_export cleanups
     "cleanup_assert_metadata": ["transforms/test_cleanup_assert_metadata.py"],
@@ -80,6 +80,35 @@ KEYS: Dict[str, List[str]] = {
     "gather_logits_before_lm_head": ["transforms/test_gather_logits_before_lm_head.py"],
     "cleanup_identity_dtype_cast": ["transforms/test_cleanup_identity_dtype_cast.py"],
     "fuse_causal_conv_activation": ["transforms/test_fuse_causal_conv_activation.py"],
+    # quantization (issue 15)
+    "quantize_fp8_linear_from_config": ["models/test_quantized_loading.py::test_quantized_checkpoint_loads_into_canonical_ops[llama-fp8]",
+                                        "models/test_quantized_loading.py::test_engine_generates_the_reference_tokens[fp8]",
+                                        "models/test_quantized_loading.py::test_missing_scale_tensor_is_named"],
+    "quantize_nvfp4_linear_from_config": ["models/test_quantized_loading.py::test_quantized_checkpoint_loads_into_canonical_ops[llama-nvfp4]",
+                                          "models/test_quantized_loading.py::test_quantized_checkpoint_loads_into_canonical_ops[nemotron-nvfp4]",
+                                          "models/test_quantized_loading.py::test_wrong_scale_shape_is_named"],
+    "quantize_finegrained_fp8_linear_from_config": [
+        "models/test_quantized_loading.py::test_quantized_checkpoint_loads_into_canonical_ops[llama-fp8_block]",
+        "models/test_quantized_loading.py::test_quantized_checkpoint_loads_into_canonical_ops[qwen3-fp8_block]", "models/test_quantized_loading.py::test_wrong_weight_dtype_is_named"],
+    "quantize_int4_linear_from_config": [
+        "models/test_quantized_loading.py::test_quantized_checkpoint_loads_into_canonical_ops[llama-gptq]",
+        "models/test_quantized_loading.py::test_quantized_checkpoint_loads_into_canonical_ops[llama-awq]",
+        "models/test_quantized_loading.py::test_quantized_checkpoint_loads_into_canonical_ops[llama-ct_int4]",
+        "models/test_quantized_loading.py::test_engine_generates_the_reference_tokens[gptq]", "models/test_quantized_loading.py::test_act_order_gptq_is_refused",
+        "models/test_quantized_loading.py::test_gptq_desc_act_config_is_refused"],
+    "fuse_fp8_linear": ["models/test_quantized_loading.py::test_fuse_quantized_linear_decodes_once[fp8]"],
+    "fuse_finegrained_fp8_linear": ["models/test_quantized_loading.py::test_fuse_quantized_linear_decodes_once[fp8_block]"],
+    "fuse_nvfp4_linear": ["models/test_quantized_loading.py::test_fuse_quantized_linear_decodes_once[nvfp4]"],
+    "quantize_weights": ["transforms/test_quantize_weights.py"],
+    "fuse_int4_linear": ["transforms/test_weight_only_backend.py"],
+    "fuse_int8_linear": ["transforms/test_weight_only_backend.py"],
+    "fuse_fp8_gemms": ["transforms/test_quant_gemm_fusion.py"],
+    "fuse_fp4_gemms": ["transforms/test_quant_gemm_fusion.py"],
+    "fuse_finegrained_fp8_swiglu": ["transforms/test_quant_gemm_fusion.py"],
+    "fuse_nvfp4_swiglu": ["transforms/test_quant_gemm_fusion.py"],
+    "fuse_rmsnorm_quant_fp8": ["transforms/test_quant_norm_fusion.py"],
+    "fuse_rmsnorm_quant_nvfp4": ["transforms/test_quant_norm_fusion.py"],
+    "fuse_relu2_quant_nvfp4": ["transforms/test_quant_norm_fusion.py"],
 }
 
 # Survivors that are meant to survive a no-op of their transform: node-id prefix -> why.

@@ -35,7 +35,11 @@ class ResourceHandler(ABC):
 
 @dataclass(frozen=True)
 class PagedKVHandler(ResourceHandler):
-    """A paged key or value cache: ``[num_pages, page_size, num_kv_heads, head_dim]``."""
+    """A paged key or value cache: ``[num_pages, page_size, num_kv_heads, head_dim]``.
+
+    ``dtype`` is the storage type: the model's dtype, or ``float8_e4m3fn`` for an FP8 KV cache
+    (``insert_cached_attention.kv_cache_dtype: fp8``). ``bytes_per_page`` follows it, so
+    ``resize_kv_cache`` fits 2x (bf16/fp16 model) or 4x (fp32 model) the pages in the same budget."""
 
     num_kv_heads: int
     head_dim: int

@@ -60,12 +60,19 @@ class DeployConfig(BaseModel):
         description="Shortcut for transforms.compile_model.backend (torch-simple by default); setting both to "
         "different values is an error.",
     )
-    quantization: Optional[Literal["int8", "int4"]] = Field(
+    kv_cache_dtype: Optional[Literal["auto", "fp8"]] = Field(
         default=None,
-        description="Shortcut for transforms.quantize_weights.method: weight-only quantization of a float "
-        "checkpoint's linears at load (int8: per output channel; int4: per group of "
-        "transforms.quantize_weights.group_size inputs, 128 by default), the LM head included unless "
-        "transforms.quantize_weights.exclude names it; setting both to different values is an error.",
+        description="Shortcut for transforms.insert_cached_attention.kv_cache_dtype (auto by default: the "
+        "model's dtype; fp8: float8_e4m3fn pages with per-tensor k/v scales, a ModelOpt checkpoint's calibrated "
+        "ones or 1.0); setting both to different values is an error.",
+    )
+    quantization: Optional[Literal["int8", "int4", "fp8"]] = Field(
+        default=None,
+        description="Shortcut for transforms.quantize_weights.method: quantization of a float checkpoint's "
+        "linears at load (int8: weight-only, per output channel; int4: weight-only, per group of "
+        "transforms.quantize_weights.group_size inputs, 128 by default; fp8: fine-grained FP8, 128x128 weight "
+        "tiles and dynamic per-token activations), the LM head included unless transforms.quantize_weights.exclude "
+        "names it; setting both to different values is an error.",
     )
     transforms: Dict[str, Optional[Dict[str, Any]]] = Field(
         default_factory=dict, description="The transform pipeline: {key: {field: value}}."
@@ -138,6 +145,7 @@ def load_deploy_config(
 # Top-level settings that are the user-facing knob of one transform field.
 SHORTCUTS = {
     "attn_backend": ("insert_cached_attention", "backend"),
+    "kv_cache_dtype": ("insert_cached_attention", "kv_cache_dtype"),
     "compile_backend": ("compile_model", "backend"),
     "quantization": ("quantize_weights", "method"),
 }

@@ -139,4 +139,5 @@ def linear_forms() -> Tuple[object, ...]:
         forms += (torch.ops.mkldnn._linear_pointwise,)
     from .quant.linear import quant_linear_ops  # quantized linears (the LM head of a quantized model)
 
-    return forms + quant_linear_ops()
+    ad = torch.ops.autodeploy
+    return forms + quant_linear_ops() + (ad.cpu_int4pack_linear.default, ad.cpu_int8pack_linear.default)

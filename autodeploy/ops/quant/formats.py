@@ -145,7 +145,8 @@ def fake_quant_nvfp4(x: Tensor, input_scale: Tensor) -> Tensor:
 
 
 def dequantize_fp8(weight: Tensor, weight_scale: Tensor) -> Tensor:
-    return weight.float() * weight_scale.float()
+    """``weight_scale``: one per tensor ([] or [1]) or one per output row ([N])."""
+    return weight.float() * weight_scale.float().reshape(-1, 1)
 
 
 def dequantize_fp8_blocks(weight: Tensor, scale_inv: Tensor, block: Tuple[int, int]) -> Tensor:
@@ -153,7 +154,8 @@ def dequantize_fp8_blocks(weight: Tensor, scale_inv: Tensor, block: Tuple[int, i
 
 
 def dequantize_nvfp4(weight: Tensor, weight_scale: Tensor, weight_scale_2: Tensor) -> Tensor:
-    return nvfp4_dequantize(unpack_nibbles(weight), weight_scale, weight_scale_2.float())
+    """``weight_scale_2``: one per tensor ([] or [1]) or one per output row ([N])."""
+    return nvfp4_dequantize(unpack_nibbles(weight), weight_scale, weight_scale_2.float().reshape(-1, 1))
 
 
 def dequantize_int4(weight: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
@@ -189,3 +191,16 @@ def quantize_int4(w: Tensor, group_size: int) -> Tuple[Tensor, Tensor, Tensor]:
     zeros = torch.round(-lo / scales).clamp(0, 15)
     q = torch.round(g / scales[..., None] + zeros[..., None]).clamp(0, 15).reshape(n, k)
     return pack_nibbles(q), scales, zeros
+
+
+def quantize_fp8_blocks(w: Tensor, block: Tuple[int, int] = (128, 128)) -> Tuple[Tensor, Tensor]:
+    """Fine-grained FP8 (DeepSeek-V3's layout): (e4m3 [N, K], float32 multiplier per
+    ``block`` tile [ceil(N/bn), ceil(K/bk)] = tile amax / 448; edge tiles are partial)."""
+    n, k = w.shape
+    bn, bk = block
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.nn.functional.pad(w.float(), (0, cols * bk - k, 0, rows * bn - n))
+    tiles = padded.reshape(rows, bn, cols, bk)
+    scale_inv = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = fp8_encode(tiles / scale_inv[:, None, :, None]).reshape(rows * bn, cols * bk)[:n, :k]
+    return q.contiguous(), scale_inv

@@ -11,20 +11,24 @@ op (weight arguments)                         dequantized weight W, activation s
 ============================================  ==============================================
 ``torch_quant_fp8_linear``                    ``weight.float() * weight_scale``;
 (weight e4m3 [N,K], input_scale [],           x -> e4m3(x / input_scale) * input_scale
-weight_scale [])
+weight_scale [] or per row [N])
 ``torch_quant_finegrained_fp8_linear``        ``weight.float() * weight_scale_inv`` per
 (weight e4m3 [N,K], weight_scale_inv          block_n x block_k tile; x -> e4m3 per token per
 [ceil(N/bn), ceil(K/bk)])                     block_k channels, scale amax/448
 ``torch_quant_nvfp4_linear``                  ``e2m1(weight) * weight_scale * weight_scale_2``
 (weight uint8 [N,K/2], input_scale [],        per 16; x -> e2m1 per 16 with e4m3 scales
-weight_scale e4m3 [N,K/16], weight_scale_2)   relative to input_scale
+weight_scale e4m3 [N,K/16], weight_scale_2    relative to input_scale
+[] or per row [N])
 ``torch_quant_int4_linear``                   ``(q - zeros) * scales`` per group_size of K;
 (weight uint8 [N,K/2], scales, zeros [N,K/g]) x unchanged
 ``torch_quant_int8_linear``                   ``q * scales[:, None]``; x unchanged
 (weight int8 [N,K], scales [N])
 ============================================  ==============================================
 
-The fake kernels only need the output shape; the weight's N is its first dim in every format.
+A per-row ``weight_scale`` / ``weight_scale_2`` is what ``fuse_fp8_gemms`` / ``fuse_fp4_gemms``
+make when linears with different per-tensor scales become one (exact, no re-quantization);
+checkpoints store one per tensor. The fake kernels only need the output shape; the weight's N is
+its first dim in every format.
 """
 
 from typing import Optional

@@ -204,23 +204,44 @@ def ignore_checkpoint_tensors(gm: fx.GraphModule, names: Sequence[str]) -> None:
 __all__ = [
     "Buffer", "CheckpointTensor", "GRAPH_IGNORED_TENSORS", "GRAPH_LOAD_HOOKS", "LinearFormat",
     "ignore_checkpoint_tensors", "quantize_linears", "skip_kv_cache_scales", "validate_linear",
+    "warn_unused_kv_cache_scales", "GRAPH_KV_CACHE_SCALES", "KV_SCALE_LEAVES",
 ]
 
 
 KV_SCALE_LEAVES = ("k_scale", "v_scale")
+# gm.meta key: the checkpoint's KV-cache scales, left by skip_kv_cache_scales for
+# insert_cached_attention, which uses them (kv_cache_dtype fp8) or warns that they are unused
+GRAPH_KV_CACHE_SCALES = "autodeploy_kv_cache_scales"
 
 
 def skip_kv_cache_scales(gm: fx.GraphModule, ctx: PipelineContext, info: Any) -> None:
     """A ModelOpt checkpoint with ``kv_cache_quant_algo`` stores ``k_scale``/``v_scale`` for an FP8
-    KV cache. autodeploy keeps the KV cache in the model's dtype (more precise than FP8, so nothing
-    runs in a lower precision than the checkpoint allows); the scales are accounted for, and a
-    warning says so once."""
-    algo = info.config.get("kv_cache_quant_algo")
+    KV cache (``...self_attn.k_proj.k_scale``, ``...self_attn.v_proj.v_scale``). They are not
+    model weights: they are marked as accounted for (``load_weights`` loads none of them), and
+    noted in ``gm.meta`` for ``insert_cached_attention``, the one transform that knows
+    ``kv_cache_dtype``: with ``fp8`` it reads them into each layer's cached attention; with
+    ``auto`` the KV cache stays in the model's dtype and :func:`warn_unused_kv_cache_scales`
+    says once how to use them. The warning is deferred to it because this transform runs before
+    the setting can be known, and must not warn when ``fp8`` is set."""
     names = [n for n in ctx.factory.checkpoint_index().weight_map if n.rpartition(".")[2] in KV_SCALE_LEAVES]
     if not names:
         return
     ignore_checkpoint_tensors(gm, names)
+    gm.meta[GRAPH_KV_CACHE_SCALES] = {"algo": info.config.get("kv_cache_quant_algo"), "count": len(names)}
+
+
+def warn_unused_kv_cache_scales(gm: fx.GraphModule) -> None:
+    """The warning for a checkpoint whose KV-cache scales the deployment does not use
+    (``kv_cache_dtype: auto``); nothing when the checkpoint has none."""
+    note = gm.meta.get(GRAPH_KV_CACHE_SCALES)
+    if not note:
+        return
+    algo = note["algo"]
+    if str(algo or "").upper() == "FP8":
+        hint = "set kv_cache_dtype: fp8 to use them (an FP8 KV cache: a quarter of fp32's memory, half of bf16's)"
+    else:
+        hint = "autodeploy quantizes a KV cache to FP8 only (kv_cache_dtype: fp8), and these scales are for another format"
     logger.warning(
         "the checkpoint's KV-cache quantization (kv_cache_quant_algo %s, %d k_scale/v_scale tensors) is not "
-        "applied: the KV cache stays in the model's dtype", algo, len(names),
+        "applied: the KV cache stays in the model's dtype; %s", algo, note["count"], hint,
     )

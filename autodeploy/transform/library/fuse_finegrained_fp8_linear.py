@@ -37,7 +37,7 @@ class FuseFinegrainedFP8LinearConfig(TransformConfig):
 @TransformRegistry.register("fuse_finegrained_fp8_linear")
 class FuseFinegrainedFP8Linear(BaseTransform):
     config_class = FuseFinegrainedFP8LinearConfig
-    run_after = ("fuse_finegrained_fp8_swiglu",)
+    run_after = ("fuse_finegrained_fp8_swiglu", "quantize_weights")
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         count = decode_quantized_linears(gm, ctx, RULE)

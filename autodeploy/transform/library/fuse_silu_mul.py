@@ -74,7 +74,7 @@ class FuseSiluMulConfig(TransformConfig):
 @TransformRegistry.register("fuse_silu_mul")
 class FuseSiluMul(BaseTransform):
     config_class = FuseSiluMulConfig
-    run_after = ("fuse_gemms", "fuse_gemms_mixed_children")
+    run_after = ("fuse_gemms", "fuse_gemms_mixed_children", "fuse_fp8_gemms", "fuse_fp4_gemms")
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         graph = gm.graph

@@ -16,8 +16,9 @@ After::
 
 The checkpoint tensors already have the op's form, so they load by name with their dtypes. The
 op is the reference (decodes the weight on every call); ``fuse_fp8_linear`` chooses a fast backend.
-A checkpoint that also quantized its KV cache (``kv_cache_quant_algo``) keeps the KV cache in
-the model's dtype: its ``k_scale``/``v_scale`` are not used, which a warning says.
+A checkpoint that also calibrated an FP8 KV cache (``kv_cache_quant_algo``) stores
+``k_scale``/``v_scale``: ``insert_cached_attention`` uses them with ``kv_cache_dtype: fp8``, and
+otherwise keeps the KV cache in the model's dtype and says so in a warning.
 """
 
 import torch

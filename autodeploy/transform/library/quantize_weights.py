@@ -1,4 +1,4 @@
-"""``quantize_weights`` (post_load_fusion): weight-only int8 / int4 quantization of float linears.
+"""``quantize_weights`` (post_load_fusion): int8 / int4 weight-only or fine-grained FP8 quantization at load.
 
 A float checkpoint's linears are quantized once, at load (gpt-fast's and torchao's weight-only
 schemes), opt-in with ``method`` or the top-level ``quantization`` setting.
@@ -92,7 +92,7 @@ aten = torch.ops.aten
 ad = torch.ops.autodeploy
 logger = get_logger(__name__)
 
-Method = Literal["int8", "int4"]
+Method = Literal["int8", "int4", "fp8"]
 
 
 class QuantizeWeightsConfig(TransformConfig):
@@ -100,9 +100,10 @@ class QuantizeWeightsConfig(TransformConfig):
     expect_mem_change: bool = True  # the point: float weights replaced by narrow ones
     method: Optional[Method] = Field(
         default=None,
-        description="weight-only quantization of float linears at load: int8 (symmetric per output channel) or "
-        "int4 (asymmetric per group_size inputs, integer zero points); unset: nothing changes. The top-level "
-        "setting 'quantization' is its shortcut.",
+        description="quantization of float linears at load: int8 (weight-only, symmetric per output channel), "
+        "int4 (weight-only, asymmetric per group_size inputs, integer zero points) or fp8 (fine-grained FP8 as "
+        "DeepSeek-V3 ships it: e4m3 weights with a scale per 128x128 tile, activations quantized per token per "
+        "128 channels at run time); unset: nothing changes. The top-level setting 'quantization' is its shortcut.",
     )
     group_size: int = Field(
         default=128,
@@ -124,6 +125,11 @@ class QuantizeWeightsConfig(TransformConfig):
             raise ValueError(f"group_size must be a power of two of at least 16, got {value}")
         return value
 
+
+# the canonical op each method emits, and fine-grained FP8's tile
+_OPS = {"int8": ad.torch_quant_int8_linear.default, "int4": ad.torch_quant_int4_linear.default,
+        "fp8": ad.torch_quant_finegrained_fp8_linear.default}
+FP8_BLOCK = (128, 128)
 
 # ops spelling a plain linear (x, weight, bias)
 _LINEARS = (aten.linear.default, ad.torch_linear_simple.default)
@@ -182,7 +188,7 @@ class _Quantizer:
         buffers, constants = self._quantized(weight)
         with graph.inserting_before(before):
             q, *scales = (graph.get_attr(name) for name in buffers)
-            op = ad.torch_quant_int8_linear.default if self.method == "int8" else ad.torch_quant_int4_linear.default
+            op = _OPS[self.method]
             node = graph.call_function(op, (x, q, bias, *scales, *constants))
         for name in buffers:
             self.readers[name] = self.readers.get(name, 0) + 1
@@ -198,6 +204,9 @@ class _Quantizer:
         if self.method == "int8":
             tensors = dict(zip(("q", "scales"), formats.quantize_int8(value)))
             constants: Tuple[Any, ...] = ()
+        elif self.method == "fp8":
+            tensors = dict(zip(("q", "scale_inv"), formats.quantize_fp8_blocks(value, FP8_BLOCK)))
+            constants = FP8_BLOCK
         else:
             group = _int4_group(int(value.shape[1]), self.group_size)
             assert group is not None  # quantizable() checked
@@ -295,7 +304,7 @@ def _report(stats: _Stats, cfg: QuantizeWeightsConfig) -> None:
         shown = ", ".join(stats.left_float[:5]) + (f" and {more} more" if more > 0 else "")
         logger.warning("quantize_weights: %d weights stay float: no power-of-two int4 group >= %d divides their "
                        "input size: %s", len(stats.left_float), min(32, cfg.group_size), shown)
-    fmt = cfg.method if cfg.method == "int8" else f"int4 (group {cfg.group_size})"
+    fmt = f"int4 (group {cfg.group_size})" if cfg.method == "int4" else cfg.method
     logger.info("quantize_weights %s: %d linears over %d weights, %.1f MiB -> %.1f MiB", fmt, stats.linears,
                 stats.weights, stats.bytes_before / 2**20, stats.bytes_after / 2**20)
 

@@ -117,7 +117,8 @@ def onednn_available() -> bool:
 class SelectLinearBackend(BaseTransform):
     config_class = SelectLinearBackendConfig
     run_after = ("fuse_gemms", "fuse_gemms_mixed_children", "fuse_swiglu", "fuse_silu_mul", "quantize_weights",
-                 "fuse_fp8_linear", "fuse_finegrained_fp8_linear", "fuse_nvfp4_linear")
+                 "fuse_fp8_linear", "fuse_finegrained_fp8_linear", "fuse_nvfp4_linear", "fuse_int4_linear",
+                 "fuse_int8_linear")
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         backend = self._resolve(ctx)
