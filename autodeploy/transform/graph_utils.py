@@ -1,7 +1,7 @@
 """Small helpers over ``torch.fx`` graphs shared by the transforms."""
 
 import weakref
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import fx
@@ -232,3 +232,24 @@ def move_graph_to_device(gm: fx.GraphModule, device: torch.device) -> int:
                     n.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
     gm.recompile()
     return changed
+
+
+def owner_of(gm: torch.nn.Module, target: str) -> Tuple[torch.nn.Module, str]:
+    """(the module holding attribute ``target``, the attribute's own name)."""
+    path, _, leaf = target.rpartition(".")
+    return (gm.get_submodule(path) if path else gm), leaf
+
+
+def add_tensor(gm: torch.nn.Module, path: str, base: str, tensor: torch.Tensor, parameter: bool = False) -> str:
+    """Register ``tensor`` on the submodule at ``path`` under the first free name ``base``,
+    ``base_1``, ... (a parameter without grad, or a non-persistent buffer); returns its target."""
+    owner = gm.get_submodule(path) if path else gm
+    name, i = base, 0
+    while hasattr(owner, name):
+        i += 1
+        name = f"{base}_{i}"
+    if parameter:
+        owner.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+    else:
+        owner.register_buffer(name, tensor, persistent=False)
+    return f"{path}.{name}" if path else name

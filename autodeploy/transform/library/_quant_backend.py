@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from ...utils.logging import get_logger
-from ..graph_utils import get_attr_value, nodes_calling
+from ..graph_utils import add_tensor, get_attr_value, nodes_calling, owner_of
 from ..interface import PipelineContext
 
 logger = get_logger(__name__)
@@ -46,23 +46,10 @@ class DecodeRule:
     activation_args: Callable[[Sequence[Any]], tuple]
 
 
-def _owner_path(target: str) -> str:
-    return target.rpartition(".")[0]
-
-
 def _delete_attr(gm: fx.GraphModule, target: str) -> None:
-    path, _, leaf = target.rpartition(".")
-    owner = gm.get_submodule(path) if path else gm
+    owner, leaf = owner_of(gm, target)
     owner._buffers.pop(leaf, None)
     owner._parameters.pop(leaf, None)
-
-
-def _free_name(owner: torch.nn.Module, base: str) -> str:
-    name, i = base, 0
-    while hasattr(owner, name):
-        i += 1
-        name = f"{base}_{i}"
-    return name
 
 
 def decode_quantized_linears(gm: fx.GraphModule, ctx: PipelineContext, rule: DecodeRule) -> int:
@@ -80,14 +67,11 @@ def decode_quantized_linears(gm: fx.GraphModule, ctx: PipelineContext, rule: Dec
             act.meta["val"] = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
         # the quantized tensors go before the float weight is added, so peak memory is one weight
         old_targets: List[str] = [str(a.target) for a in attrs if len(a.users) == 1]
-        owner_path = _owner_path(str(weight.target))
-        owner = gm.get_submodule(owner_path) if owner_path else gm
         with gm.graph.inserting_before(node):
             for target in old_targets:
                 _delete_attr(gm, target)
-            name = _free_name(owner, "weight")
-            owner.register_parameter(name, torch.nn.Parameter(decoded, requires_grad=False))
-            w_node = gm.graph.get_attr(f"{owner_path}.{name}" if owner_path else name)
+            w_node = gm.graph.get_attr(add_tensor(gm, str(weight.target).rpartition(".")[0], "weight", decoded,
+                                                  parameter=True))
             new = gm.graph.call_function(torch.ops.aten.linear.default, (act, w_node, bias))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)

@@ -36,7 +36,7 @@ from torch import fx
 
 from ...ops.quant import cpu_kernels, formats
 from ...utils.logging import get_logger
-from ..graph_utils import get_attr_value, nodes_calling
+from ..graph_utils import add_tensor, get_attr_value, nodes_calling, owner_of
 from ..interface import PipelineContext, Stage, TransformConfig
 
 logger = get_logger(__name__)
@@ -59,7 +59,7 @@ class WeightOnlyKind:
     op: Any  # the canonical op
     decode: Callable[..., torch.Tensor]  # (weight, *args after bias) -> float32 [N, K]
     pack: Callable[..., Any]  # (weight, *args after bias) -> packed tensors (ValueError when refused)
-    packed_call: Callable[[fx.Graph, Any, Any, Any, Any], fx.Node]  # (graph, x, packed, bias, owner path)
+    packed_call: Callable[[fx.GraphModule, Any, Any, Any, str], fx.Node]  # (gm, x, packed, bias, owner path)
     group: Callable[..., int]  # (*args after bias) -> group size (0 for int8)
 
 
@@ -71,24 +71,10 @@ def _choose(kind: WeightOnlyKind, backend: str, device: torch.device, n: int, k:
     return "packed" if cpu_kernels.measure_weight_only_speedup(kind.name, n, k, group) > 1.0 else "dequantized"
 
 
-def _register(owner: torch.nn.Module, base: str, tensor: torch.Tensor, parameter: bool = False) -> str:
-    """``tensor`` on ``owner`` under a free name starting with ``base``."""
-    name, i = base, 0
-    while hasattr(owner, name):
-        i += 1
-        name = f"{base}_{i}"
-    if parameter:
-        owner.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
-    else:
-        owner.register_buffer(name, tensor, persistent=False)
-    return name
-
-
 def _drop_unused(gm: fx.GraphModule, attrs) -> None:
     for a in attrs:
         if isinstance(a, fx.Node) and a.op == "get_attr" and not a.users:
-            path, _, leaf = str(a.target).rpartition(".")
-            owner = gm.get_submodule(path) if path else gm
+            owner, leaf = owner_of(gm, str(a.target))
             owner._buffers.pop(leaf, None)
             owner._parameters.pop(leaf, None)
             gm.graph.erase_node(a)
@@ -110,7 +96,6 @@ def select_weight_only_backend(gm: fx.GraphModule, ctx: PipelineContext, kind: W
         k = values[0].shape[1] * (2 if kind.name == "int4" else 1)
         how = _choose(kind, backend, device, n, k, kind.group(*values[1:]))
         path = str(weight.target).rpartition(".")[0]
-        owner = gm.get_submodule(path) if path else gm
         new = None
         with gm.graph.inserting_before(node):
             if how == "packed":
@@ -120,10 +105,10 @@ def select_weight_only_backend(gm: fx.GraphModule, ctx: PipelineContext, kind: W
                     logger.info("%s: %s; decoding it to float instead", path, exc)
                     how = "dequantized"
                 else:
-                    new = kind.packed_call(gm.graph, x, packed, bias, (owner, path))
+                    new = kind.packed_call(gm, x, packed, bias, path)
             if how == "dequantized":
                 decoded = kind.decode(*values).to(ctx.dtype)
-                w = gm.graph.get_attr(_join(path, _register(owner, "weight", decoded, parameter=True)))
+                w = gm.graph.get_attr(add_tensor(gm, path, "weight", decoded, parameter=True))
                 new = gm.graph.call_function(torch.ops.aten.linear.default, (x, w, bias))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
@@ -138,23 +123,17 @@ def select_weight_only_backend(gm: fx.GraphModule, ctx: PipelineContext, kind: W
     return sum(chosen.values())
 
 
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
+def _int4_call(gm: fx.GraphModule, x: Any, packed: cpu_kernels.Int4Packed, bias: Any, path: str) -> fx.Node:
+    w = gm.graph.get_attr(add_tensor(gm, path, "int4_packed", packed.weight))
+    sz = gm.graph.get_attr(add_tensor(gm, path, "int4_scales_and_zeros", packed.scales_and_zeros))
+    return gm.graph.call_function(torch.ops.autodeploy.cpu_int4pack_linear.default,
+                                  (x, w, sz, packed.group_size, packed.out_features, bias))
 
 
-def _int4_call(graph: fx.Graph, x: Any, packed: cpu_kernels.Int4Packed, bias: Any, where: Any) -> fx.Node:
-    owner, path = where
-    w = graph.get_attr(_join(path, _register(owner, "int4_packed", packed.weight)))
-    sz = graph.get_attr(_join(path, _register(owner, "int4_scales_and_zeros", packed.scales_and_zeros)))
-    return graph.call_function(torch.ops.autodeploy.cpu_int4pack_linear.default,
-                               (x, w, sz, packed.group_size, packed.out_features, bias))
-
-
-def _int8_call(graph: fx.Graph, x: Any, packed: cpu_kernels.Int8Packed, bias: Any, where: Any) -> fx.Node:
-    owner, path = where
-    w = graph.get_attr(_join(path, _register(owner, "int8_packed", packed.weight)))
-    s = graph.get_attr(_join(path, _register(owner, "int8_scales_bf16", packed.scales)))
-    return graph.call_function(torch.ops.autodeploy.cpu_int8pack_linear.default, (x, w, s, bias))
+def _int8_call(gm: fx.GraphModule, x: Any, packed: cpu_kernels.Int8Packed, bias: Any, path: str) -> fx.Node:
+    w = gm.graph.get_attr(add_tensor(gm, path, "int8_packed", packed.weight))
+    s = gm.graph.get_attr(add_tensor(gm, path, "int8_scales_bf16", packed.scales))
+    return gm.graph.call_function(torch.ops.autodeploy.cpu_int8pack_linear.default, (x, w, s, bias))
 
 
 INT4 = WeightOnlyKind(

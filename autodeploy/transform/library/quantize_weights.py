@@ -80,11 +80,11 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
 from pydantic import Field, field_validator
-from torch import fx, nn
+from torch import fx
 
 from ...ops.quant import formats
 from ...utils.logging import get_logger
-from ..graph_utils import arg, get_attr_value
+from ..graph_utils import add_tensor, arg, get_attr_value, owner_of
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from .select_linear_backend import _copy_out_of_checkpoint_mapping
 
@@ -215,12 +215,8 @@ class _Quantizer:
                              self.group_size)
             tensors = dict(zip(("q", "scales", "zeros"), formats.quantize_int4(value, group)))
             constants = (group,)
-        owner, leaf = _owner(self.gm, target)
-        names = []
-        for suffix, tensor in tensors.items():
-            name = _free_name(owner, f"{leaf}_{suffix}")
-            owner.register_buffer(name, tensor, persistent=False)
-            names.append(target.rpartition(".")[0] + f".{name}" if "." in target else name)
+        path, _, leaf = target.rpartition(".")
+        names = [add_tensor(self.gm, path, f"{leaf}_{suffix}", tensor) for suffix, tensor in tensors.items()]
         self.stats.weights += 1
         self.stats.bytes_before += value.numel() * value.element_size()
         self.stats.bytes_after += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -236,7 +232,7 @@ class _Quantizer:
             self.gm.graph.erase_node(node)
             self.readers[target] -= 1
             if self.readers[target] == 0:
-                owner, leaf = _owner(self.gm, target)
+                owner, leaf = owner_of(self.gm, target)
                 owner._parameters.pop(leaf, None)
                 owner._buffers.pop(leaf, None)
 
@@ -346,15 +342,3 @@ def _split_fused(joined: str, names: Sequence[str]) -> Optional[List[str]]:
                 return [name] + rest
     return None
 
-
-def _owner(gm: fx.GraphModule, target: str) -> Tuple[nn.Module, str]:
-    path, _, leaf = target.rpartition(".")
-    return (gm.get_submodule(path) if path else gm), leaf
-
-
-def _free_name(owner: nn.Module, name: str) -> str:
-    base, i = name, 0
-    while hasattr(owner, name):
-        i += 1
-        name = f"{base}_{i}"
-    return name
