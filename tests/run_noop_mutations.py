@@ -96,7 +96,8 @@ KEYS: Dict[str, List[str]] = {
         "models/test_quantized_loading.py::test_quantized_checkpoint_loads_into_canonical_ops[llama-ct_int4]",
         "models/test_quantized_loading.py::test_engine_generates_the_reference_tokens[gptq]", "models/test_quantized_loading.py::test_act_order_gptq_is_refused",
         "models/test_quantized_loading.py::test_gptq_desc_act_config_is_refused"],
-    "fuse_fp8_linear": ["models/test_quantized_loading.py::test_fuse_quantized_linear_decodes_once[fp8]"],
+    "fuse_fp8_linear": ["models/test_quantized_loading.py::test_fuse_quantized_linear_decodes_once[fp8]",
+                        "transforms/test_fuse_fp8_linear_scaled_mm.py"],
     "fuse_finegrained_fp8_linear": ["models/test_quantized_loading.py::test_fuse_quantized_linear_decodes_once[fp8_block]"],
     "fuse_nvfp4_linear": ["models/test_quantized_loading.py::test_fuse_quantized_linear_decodes_once[nvfp4]"],
     "quantize_weights": ["transforms/test_quantize_weights.py"],
@@ -136,6 +137,8 @@ KEYS: Dict[str, List[str]] = {
 # Survivors that are meant to survive a no-op of their transform: node-id prefix -> why.
 INTENDED: Dict[str, str] = {
     # quantization (issue 15): near misses and settings that must leave the graph alone
+    "transforms/test_fuse_fp8_linear_scaled_mm.py::test_op_equals_the_canonical_op": "the op, not the transform",
+    "transforms/test_fuse_fp8_linear_scaled_mm.py::test_fake_kernel": "the op, not the transform",
     "transforms/test_quantize_weights.py::test_config_checks_and_the_quantization_shortcut": "config validation",
     "transforms/test_weight_only_backend.py::test_reference_backend_is_a_no_op": "near miss: backend reference asks for no change",
     "transforms/test_quant_gemm_fusion.py::test_different_input_scales_are_left_alone": "near miss",

@@ -140,4 +140,5 @@ def linear_forms() -> Tuple[object, ...]:
     from .quant.linear import quant_linear_ops  # quantized linears (the LM head of a quantized model)
 
     ad = torch.ops.autodeploy
-    return forms + quant_linear_ops() + (ad.cpu_int4pack_linear.default, ad.cpu_int8pack_linear.default)
+    return forms + quant_linear_ops() + (ad.cpu_int4pack_linear.default, ad.cpu_int8pack_linear.default,
+                                         ad.scaled_mm_fp8_linear.default)

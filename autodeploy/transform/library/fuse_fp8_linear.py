@@ -1,29 +1,46 @@
-"""``fuse_fp8_linear`` (post_load_fusion): ``torch_quant_fp8_linear`` -> FP8 activation + float linear.
+"""``fuse_fp8_linear`` (post_load_fusion): ``torch_quant_fp8_linear`` -> an FP8 backend.
 
 Before::
 
     y = autodeploy.torch_quant_fp8_linear(x, P.weight, P.bias, P.input_scale, P.weight_scale)
 
-After::
+After, ``backend: dequantized`` (``auto`` on CPU, and on GPUs without FP8 tensor cores)::
 
     xq = autodeploy.torch_quant_fp8_activation(x, P.input_scale)    # e4m3(x / s) * s
     y = aten.linear(xq, P.weight, P.bias)             # P.weight = e4m3 weight * weight_scale, decoded once
 
-The reference op decodes its e4m3 weight on every call; this decodes it once at load into the
-deployment dtype (exact in float32) and keeps the static activation quantization, so outputs
-equal the reference's up to summation order. See ``_quant_backend`` for why this is the CPU
-backend; the plain linear is then packed by ``select_linear_backend``.
+After, ``backend: scaled_mm`` (``auto`` on CUDA with compute capability 8.9+, K and N multiples of 16)::
+
+    y = autodeploy.scaled_mm_fp8_linear(x, P.weight, P.bias, P.input_scale, P.weight_scale)   # e4m3 weight kept
+
+The reference op decodes its e4m3 weight on every call. ``dequantized`` decodes it once at load
+into the deployment dtype (exact in float32) and keeps the static activation quantization, so
+outputs equal the reference's up to summation order; see ``_quant_backend`` for why that is the
+CPU backend (CPUs have no FP8 GEMM), and the plain linear is then packed by
+``select_linear_backend``. ``scaled_mm`` runs the FP8 GEMM itself through ``torch._scaled_mm``
+(``ops/quant/fp8_gemm.py``), per-tensor or, after ``fuse_fp8_gemms``, per-row weight scales: the
+weight stays one byte per value. On a CPU torch runs it too, exactly but 25-50x slower than the
+decoded path (``ops/quant/fp8_gemm.py``): chosen there only when asked, for the memory. No GPU was available to this work: the CUDA choice is written
+to the kernel's documented constraints and was not run.
 """
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 from torch import fx
 
 from ...ops.quant import formats
+from ...ops.quant.fp8_gemm import scaled_mm_supported
+from ...utils.logging import get_logger
+from ..graph_utils import get_attr_value, nodes_calling
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._quant_backend import DecodeRule, decode_quantized_linears, first_tensor_args
 
+logger = get_logger(__name__)
+CANONICAL = torch.ops.autodeploy.torch_quant_fp8_linear.default
 RULE = DecodeRule(
-    op=torch.ops.autodeploy.torch_quant_fp8_linear.default,
+    op=CANONICAL,
     decode=lambda weight, input_scale, weight_scale: formats.dequantize_fp8(weight, weight_scale),
     activation=torch.ops.autodeploy.torch_quant_fp8_activation.default,
     activation_args=first_tensor_args((0,)),
@@ -33,6 +50,33 @@ RULE = DecodeRule(
 class FuseFP8LinearConfig(TransformConfig):
     stage: Stage = Stage.POST_LOAD_FUSION
     expect_mem_change: bool = True  # the decoded weights are wider than the FP8 ones
+    backend: Literal["auto", "dequantized", "scaled_mm"] = Field(
+        default="auto",
+        description="auto: scaled_mm on CUDA GPUs with FP8 tensor cores (compute capability 8.9+) where the "
+        "shape allows, else dequantized; dequantized: weight decoded once to the deployment dtype, activation "
+        "FP8-rounded, a float GEMM; scaled_mm: the FP8 GEMM (torch._scaled_mm) on the e4m3 weight, which stays "
+        "1 byte per value (on CPU: exact but slow).",
+    )
+
+
+def _to_scaled_mm(gm: fx.GraphModule, ctx: PipelineContext, backend: str) -> int:
+    """Swap canonical ops for ``scaled_mm_fp8_linear`` (same arguments) where chosen; returns how many."""
+    device = torch.device(ctx.device)
+    count = 0
+    for node in nodes_calling(gm, CANONICAL):
+        weight = node.args[1]
+        if not isinstance(weight, fx.Node) or weight.op != "get_attr":
+            continue
+        n, k = get_attr_value(gm, weight).shape
+        why_not = scaled_mm_supported(device, n, k)
+        if why_not is not None:
+            if backend == "scaled_mm":
+                logger.info("%s: %s; decoding it once instead", weight.target, why_not)
+            continue
+        node.target = torch.ops.autodeploy.scaled_mm_fp8_linear.default
+        count += 1
+    gm.recompile()
+    return count
 
 
 @TransformRegistry.register("fuse_fp8_linear")
@@ -41,5 +85,9 @@ class FuseFP8Linear(BaseTransform):
     run_after = ("fuse_fp8_gemms",)
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
-        count = decode_quantized_linears(gm, ctx, RULE)
+        backend = self.config.backend  # type: ignore[attr-defined]
+        count = 0
+        if backend == "scaled_mm" or (backend == "auto" and torch.device(ctx.device).type == "cuda"):
+            count = _to_scaled_mm(gm, ctx, backend)
+        count += decode_quantized_linears(gm, ctx, RULE)
         return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=True)
