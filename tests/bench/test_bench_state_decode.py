@@ -43,6 +43,7 @@ def test_plan_and_profiles():
         bench.parse_args(["--steps", "0"])
 
 
+@pytest.mark.slow  # 17 s: the benchmark script end to end in a subprocess (benchmarks run on their own)
 def test_smoke_run(tmp_path):
     png = tmp_path / "plot.png"
     proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--rounds", "2", "--steps", "3", "--out", str(tmp_path),

@@ -116,6 +116,7 @@ def test_subprocess_timeout_is_reported(tmp_path):
     assert "no result within" in result.error
 
 
+@pytest.mark.slow  # 16 s: the CLI with child processes; run_sweep's children stay covered by test_recipes_and_mutations.py
 def test_cli_runs_children_and_writes_report(tmp_path, capsys):
     out = tmp_path / "coverage.md"
     assert main(["coverage", "--only", "llama", "bert", "--out", str(out), "--cache-dir", CACHE]) == 0
