@@ -38,24 +38,21 @@ class CheckpointIndex:
     def total_bytes(self) -> int:
         return sum(os.path.getsize(f) for f in self.files)
 
-    def dtypes(self) -> Dict[str, str]:
-        """Tensor name -> safetensors dtype name ("BF16", "F8_E4M3", "U8", ...), read from the file
-        headers only (no tensor data); empty for pickled checkpoints."""
+    def headers(self) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+        """Tensor name -> (safetensors dtype name such as "BF16", "F8_E4M3", "U8"; shape), read
+        from the file headers only (no tensor data, each file once); empty for pickled checkpoints."""
         if self.format != "safetensors":
             return {}
-        out: Dict[str, str] = {}
+        out: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
         for path in self.files:
-            out.update(safetensors_header_dtypes(path))
-        return {k: v for k, v in out.items() if k in self.weight_map}
+            for name, entry in _safetensors_header(path).items():
+                if name in self.weight_map:
+                    out[name] = (entry["dtype"], tuple(entry.get("shape", ())))
+        return out
 
-    def shapes(self) -> Dict[str, Tuple[int, ...]]:
-        """Tensor name -> shape, from the safetensors headers (empty for pickled checkpoints)."""
-        if self.format != "safetensors":
-            return {}
-        out: Dict[str, Tuple[int, ...]] = {}
-        for path in self.files:
-            out.update(safetensors_header_shapes(path))
-        return {k: v for k, v in out.items() if k in self.weight_map}
+    def dtypes(self) -> Dict[str, str]:
+        """Tensor name -> safetensors dtype name (see ``headers``)."""
+        return {name: dtype for name, (dtype, _) in self.headers().items()}
 
     def quantized_dtype_tensors(self) -> List[Tuple[str, str]]:
         """(name, dtype) of tensors stored in a floating type that only holds quantized data (FP8, FP4)."""
@@ -65,6 +62,7 @@ class CheckpointIndex:
 
 
 def _safetensors_header(path: str) -> Dict[str, Dict]:
+    """Tensor name -> its header entry (dtype, shape, offsets) of one safetensors file."""
     try:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
@@ -72,16 +70,6 @@ def _safetensors_header(path: str) -> Dict[str, Dict]:
     except (OSError, ValueError, struct.error) as exc:
         raise ModelSourceError(f"cannot read the safetensors header of {path}: {exc}") from None
     return {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict) and "dtype" in v}
-
-
-def safetensors_header_dtypes(path: str) -> Dict[str, str]:
-    """Tensor name -> dtype name from a safetensors file's JSON header."""
-    return {k: v["dtype"] for k, v in _safetensors_header(path).items()}
-
-
-def safetensors_header_shapes(path: str) -> Dict[str, Tuple[int, ...]]:
-    """Tensor name -> shape from a safetensors file's JSON header."""
-    return {k: tuple(v.get("shape", ())) for k, v in _safetensors_header(path).items()}
 
 
 def _unreadable_safetensors(path: str, exc: BaseException) -> ModelSourceError:

@@ -151,7 +151,9 @@ def quantize_linears(gm: fx.GraphModule, ctx: PipelineContext, fmt: LinearFormat
     """
     index = ctx.factory.checkpoint_index()
     names = set(index.weight_map)
-    dtypes, shapes = index.dtypes(), index.shapes()
+    headers = index.headers()  # one read of the safetensors headers for dtypes and shapes
+    dtypes = {name: dtype for name, (dtype, _) in headers.items()}
+    shapes = {name: shape for name, (_, shape) in headers.items()}
     hooks: List[LoadHook] = gm.meta.setdefault(GRAPH_LOAD_HOOKS, [])
     count = 0
     for node in list(gm.graph.nodes):
