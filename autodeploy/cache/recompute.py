@@ -46,7 +46,8 @@ class RecomputeRunner(nn.Module):
     """Runs the uncached graph ``model(input_ids [b, s], position_ids [b, s]) -> [b, s, V]`` over
     each sequence's full history, read back from the token cache.
 
-    Returns one logits row per sequence (its last new token): ``[1, B, V]``.
+    Returns the logits of the rows ``logits_index`` names (``[1, R, V]``): each sequence's last
+    new token, or every new token of a sequence scoring its prompt.
     """
 
     def __init__(self, model: fx.GraphModule, page_size: int, static_seq_len: Optional[int] = None,
@@ -60,7 +61,8 @@ class RecomputeRunner(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch_info: torch.Tensor,
                 seq_len: torch.Tensor, input_pos: torch.Tensor, cu_seqlen: torch.Tensor, page_table: torch.Tensor,
-                slot_idx: torch.Tensor, use_initial_state: torch.Tensor, token_cache: torch.Tensor) -> torch.Tensor:
+                slot_idx: torch.Tensor, use_initial_state: torch.Tensor, logits_index: torch.Tensor,
+                token_cache: torch.Tensor) -> torch.Tensor:
         # slot_idx / use_initial_state: taken (the cached interface is one signature) but unused:
         # recompute keeps no state besides the tokens
         page = self.page_size
@@ -76,32 +78,40 @@ class RecomputeRunner(nn.Module):
         for i, total in enumerate(totals):
             idx = torch.arange(total, device=token_cache.device)
             histories.append(token_cache[page_table[i, idx // page].long(), idx % page])
-        return self.last_logits(histories)
+        # each returned row as (sequence, position in its history)
+        rows = logits_index.long()
+        seq = seq_of_token[rows]
+        return self.logits_at(histories, seq.tolist(), (input_pos.long()[seq] + rows - cu_seqlen.long()[seq]).tolist())
 
     def last_logits(self, histories: List[torch.Tensor]) -> torch.Tensor:
         """Next-token logits after each history: ``[1, len(histories), V]``."""
+        return self.logits_at(histories, list(range(len(histories))), [int(h.numel()) - 1 for h in histories])
+
+    def logits_at(self, histories: List[torch.Tensor], seqs: List[int], positions: List[int]) -> torch.Tensor:
+        """Row ``j``: the logits at position ``positions[j]`` of history ``seqs[j]`` (``[1, R, V]``)."""
         totals = [int(h.numel()) for h in histories]
         if self.static_seq_len is not None:
-            return self._run_padded(histories, totals, self.static_seq_len)
-        rows = []
-        for hist, total in zip(histories, totals):
+            logits = self._run_padded(histories, totals, self.static_seq_len)
+            return logits[torch.tensor(seqs, device=logits.device), torch.tensor(positions, device=logits.device)][None]
+        full = {}
+        for i in sorted(set(seqs)):
+            hist, total = histories[i], totals[i]
             if total < self.min_seq_len:
-                rows.append(self._run_padded([hist], [total], self.min_seq_len))
-                continue
-            pos = torch.arange(total, device=hist.device)[None]
-            rows.append(self.model(hist[None], pos)[:, -1:])
-        return torch.cat(rows, dim=1)
+                full[i] = self._run_padded([hist], [total], self.min_seq_len)[0]
+            else:
+                pos = torch.arange(total, device=hist.device)[None]
+                full[i] = self.model(hist[None], pos)[0]
+        return torch.stack([full[i][p] for i, p in zip(seqs, positions)])[None]
 
     def _run_padded(self, histories: List[torch.Tensor], totals: List[int], width: int) -> torch.Tensor:
+        """The histories right-padded to ``width`` and run as one batch: ``[B, width, V]``."""
         if max(totals) > width:
             raise RuntimeError(f"a sequence of {max(totals)} tokens exceeds the graph's static length {width}")
         batch = torch.full((len(histories), width), self.pad_token_id, dtype=torch.long, device=histories[0].device)
         for row, hist in zip(batch, histories):
             row[: hist.numel()] = hist
         pos = torch.arange(width, device=batch.device).expand(len(histories), width)
-        logits = self.model(batch, pos)
-        last = torch.tensor(totals, device=logits.device) - 1
-        return logits[torch.arange(len(totals), device=logits.device), last][None]
+        return self.model(batch, pos)
 
 
 def build_recompute_graph(inner: fx.GraphModule, page_size: int, static_seq_len: Optional[int],

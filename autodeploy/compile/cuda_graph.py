@@ -99,6 +99,8 @@ class DecodeGraphs(nn.Module):
             "page_table": torch.full((batch, self.width), self.scratch_page, **i32),
             "slot_idx": torch.full((batch,), self.cache.spare_slot, **i32),
             "use_initial_state": torch.ones(batch, dtype=torch.bool, device=dev),  # decodes continue
+            # every row is its sequence's last: a decode step's logits_index is always arange(batch)
+            "logits_index": torch.arange(batch, **i32),
             **self.cache.caches,
         }
         return [step[name] for name in self.cache.input_names]
@@ -115,7 +117,8 @@ class DecodeGraphs(nn.Module):
             return self.model(*args)
         static = self._static[bucket]
         # per-row inputs: the step's rows, then padding rows (token 0 at position 0, scratch
-        # page, spare slot); batch_info, seq_len and cu_seqlen are fixed for an all-decode bucket
+        # page, spare slot); batch_info, seq_len, cu_seqlen and logits_index are fixed for an
+        # all-decode bucket
         for name, pad in (("input_ids", 0), ("position_ids", 0), ("input_pos", 0),
                           ("slot_idx", self.cache.spare_slot), ("use_initial_state", True)):
             dst, src = static[at[name]], args[at[name]]

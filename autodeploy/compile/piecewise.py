@@ -141,6 +141,8 @@ class PiecewiseGraphs(nn.Module):
             "page_table": torch.cat([torch.full((1, page_table.shape[1]), self.scratch_page, **i32), page_table]),
             "slot_idx": torch.cat([torch.tensor([self.cache.spare_slot], **i32), step["slot_idx"]]),
             "use_initial_state": torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), step["use_initial_state"]]),
+            # the padding sequence's last row first (dropped below), then the step's rows shifted
+            "logits_index": torch.cat([torch.full((1,), pad - 1, **i32), step["logits_index"] + pad]),
         }
         return [padded.get(name, step[name]) for name in self.cache.input_names]
 
@@ -156,5 +158,5 @@ class PiecewiseGraphs(nn.Module):
             out = self.split(*self._padded(args, pad))
         finally:
             self.current_bucket = None
-        # drop the padding sequence: its logits row (gathered) or its tokens
+        # drop the padding sequence: its one logits row (gathered: first of logits_index) or its tokens
         return out[:, 1:] if self.cache.gathered_logits else out[:, pad:]

@@ -18,11 +18,11 @@ import torch
 from ..cache.interface import CachedSequenceInterface
 from ..utils.logging import get_logger
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepLogits
 from .outputs import CompletionOutput, RequestOutput
 from .page_pool import PagePool
 from .request_processor import PreparedRequest, TokenizerHandle
-from .sampler import sample, token_logprobs
+from .sampler import prompt_token_logprobs, sample, token_logprobs
 from .sampling_params import InvalidRequestError
 from .scheduler import ScheduledStep, Scheduler
 from .sequence import Sequence
@@ -83,7 +83,12 @@ class _Request:
                 for s in self.sequences
             ],
             finished=self.finished,
+            prompt_logprobs=self._prompt_logprobs(),
         )
+
+    def _prompt_logprobs(self) -> Optional[List[Optional[Dict[int, float]]]]:
+        scored = self.sequences[0].prompt_logprobs
+        return list(scored) if scored is not None else None
 
 
 class Engine:
@@ -139,6 +144,8 @@ class Engine:
                 gen = torch.Generator().manual_seed(seed)
             seq = Sequence(request_id, i, request.prompt_token_ids, params, next(self._arrivals), gen,
                            logprobs=[] if params.logprobs is not None else None,
+                           # the prompt is scored once per request, by its first sequence
+                           prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
                            hidden_states=[] if params.return_hidden_states else None)
             if tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
@@ -190,14 +197,36 @@ class Engine:
         due = scheduled.due
         logits = self.runner.run(scheduled)
         self.scheduler.mark_computed(scheduled)
-        tokens = sample(logits, [s.params for s in due], [s.generator for s in due]) if due else []
-        finished = self._postprocess(due, tokens, logits)
+        self._score_prompts(logits)
+        tokens = sample(logits.next_token, [s.params for s in due], [s.generator for s in due]) if due else []
+        finished = self._postprocess(due, tokens, logits.next_token)
         self.stats.account(scheduled, time.perf_counter() - start, len(due))
         return finished
+
+    @staticmethod
+    def _score_prompts(logits: StepLogits) -> None:
+        """Prompt log-probabilities from the rows of the sequences scoring their prompt: the
+        logits at position ``p`` score prompt token ``p + 1``. A preempted sequence computing its
+        prompt again keeps the entries it has."""
+        for seq, start, rows in logits.prompt:
+            first = len(seq.prompt_logprobs) - 1  # type: ignore[arg-type]  # the first position not scored
+            if first < start:
+                raise RuntimeError(f"prompt scoring skipped positions {first}..{start - 1} of request {seq.request_id}")
+            stop = min(start + rows.shape[0], seq.num_prompt_tokens - 1)  # the last prompt token scores nothing
+            if first >= stop:
+                continue
+            targets = seq.prompt_token_ids[first + 1 : stop + 1]
+            seq.prompt_logprobs.extend(  # type: ignore[union-attr]
+                prompt_token_logprobs(rows[first - start : stop - start], targets, seq.params.prompt_logprobs or 0))
 
     def _postprocess(self, due: List[Sequence], tokens: List[int], logits: torch.Tensor) -> List[RequestOutput]:
         changed: Dict[str, _Request] = {}
         for i, (seq, token) in enumerate(zip(due, tokens)):
+            if seq.params.max_tokens == 0:  # scoring only: the prompt is done, nothing is generated
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+                changed[seq.request_id] = self.requests[seq.request_id]
+                continue
             if seq.logprobs is not None:
                 seq.logprobs.append(dict(token_logprobs(logits[i], token, seq.params.logprobs or 0)))
             self._append_token(seq, token)

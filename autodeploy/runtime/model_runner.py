@@ -2,15 +2,18 @@
 
 It owns everything between the scheduler's decision and the sampler: the step's inputs (the
 flattened tokens and the ``SequenceInfo`` metadata of ``autodeploy.cache``), the graph call,
-and which rows of the output are next-token logits. The graph returns either one row per token
-or, when ``gather_logits_before_lm_head`` ran (``cache.gathered_logits``), one row per
-sequence (its last token); the runner hides that difference. When the build captures hidden
-states (``cache.captured_layers``, filled by the graph into per-step token buffers), it also
-hands each sequence that asked for them (``SamplingParams.return_hidden_states``) its rows of
-this step, before the next step overwrites them.
+and which rows of the output are next-token logits. The step's ``logits_index`` names the rows
+whose logits are needed (each sequence's last token, every token of a sequence scoring its
+prompt); the graph returns either those rows, when ``gather_logits_before_lm_head`` ran
+(``cache.gathered_logits``), or one row per token; the runner hides that difference. When the
+build captures hidden states (``cache.captured_layers``, filled by the graph into per-step
+token buffers), it also hands each sequence that asked for them
+(``SamplingParams.return_hidden_states``) its rows of this step, before the next step
+overwrites them.
 """
 
-from typing import Callable, List
+from dataclasses import dataclass, field
+from typing import Callable, List, Tuple
 
 import torch
 
@@ -20,33 +23,52 @@ from .scheduler import ScheduledStep
 from .sequence import Sequence
 
 
+@dataclass
+class StepLogits:
+    """What one step's forward produced for the sampler and the prompt scorer."""
+
+    next_token: torch.Tensor  # [len(step.due), vocab]: the next-token logits of the due sequences
+    # (sequence, position of its first new token, [new tokens, vocab]): every new token's logits,
+    # for the sequences scoring their prompt (``Sequence.scores_prompt``)
+    prompt: List[Tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
+
+
 class ModelRunner:
     def __init__(self, model: Callable[..., torch.Tensor], cache: CachedSequenceInterface):
         self.model = model
         self.cache = cache
 
     @torch.inference_mode()
-    def run(self, step: ScheduledStep) -> torch.Tensor:
-        """Next-token logits ``[len(step.due), vocab]`` of the sequences ``step.due`` (those whose
-        scheduled tokens complete them), in that order; an empty tensor when none is due."""
+    def run(self, step: ScheduledStep) -> StepLogits:
+        """The step's logits: next-token rows of ``step.due`` in that order (an empty tensor when
+        none is due), and all rows of the sequences scoring their prompt."""
         batch = step.sequences
+        scoring = [s.scores_prompt for s, _ in batch]
         info = build_sequence_info(
             [s.token_ids[s.num_computed : s.num_computed + n] for s, n in batch],
             [s.num_computed for s, _ in batch],
             [s.pages for s, _ in batch],
             device=self.cache.device,
             slots=[s.slot for s, _ in batch],
+            all_logits=scoring if any(scoring) else None,
         )
         logits = self.model(*self.cache.graph_args(info))[0]
         self._hand_out_hidden_states([s for s, _ in batch], info)
+        if not self.cache.gathered_logits:  # every token's row: keep those logits_index names
+            logits = logits.index_select(0, info.logits_index.to(device=logits.device, dtype=torch.long))
+        # row of each sequence's last token in ``logits``, and the scoring sequences' rows
+        last, prompt, row = [], [], 0
+        for (seq, n), scores in zip(batch, scoring):
+            count = n if scores else 1
+            if scores:
+                prompt.append((seq, seq.num_computed, logits[row : row + count]))
+            row += count
+            last.append(row - 1)
         rows = step.due_rows
-        if len(rows) == len(batch):
-            # every sequence is due: one row each, either already (gathered) or at its last token
-            return logits if self.cache.gathered_logits else logits.index_select(
-                0, info.last_token_indices().to(logits.device))
-        index = torch.tensor(rows, dtype=torch.long) if self.cache.gathered_logits else info.last_token_indices()[rows]
-        return logits.index_select(0, index.to(logits.device))
-
+        if not any(scoring) and len(rows) == len(batch):
+            return StepLogits(logits)  # one row per sequence, every sequence due
+        index = torch.tensor([last[i] for i in rows], dtype=torch.long, device=logits.device)
+        return StepLogits(logits.index_select(0, index), prompt)
     def _hand_out_hidden_states(self, sequences: List[Sequence], info: SequenceInfo) -> None:
         """Each asking sequence's rows of the capture buffers, ``[new tokens, layers, hidden]`` on the
         CPU, recorded at the positions they were computed for (before ``mark_computed``)."""

@@ -28,6 +28,10 @@ class RequestOutput:
     prompt_token_ids: List[int]
     outputs: List[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} given the tokens before
+    # it, the prompt's own token first, then the top alternatives; the first entry is None.
+    # Complete once the prompt's prefill finished (a streamed output may hold a prefix).
+    prompt_logprobs: Optional[List[Optional[Dict[int, float]]]] = None
 
     # Shortcuts for the common n=1 case.
     @property

@@ -120,7 +120,14 @@ class RequestProcessor:
         )
 
     def _tokenize(self, text: str) -> List[int]:
-        return list(self.tokenizer.require("a text prompt")(text)["input_ids"])
+        """A text prompt's ids, with the tokenizer's special tokens (e.g. BOS): the rule for text
+        prompts everywhere (token-id prompts are used as sent). An empty text is refused here,
+        before a BOS would make it look like a prompt. ``verbose=False``: a prompt longer than the
+        tokenizer's ``model_max_length`` gets this processor's context error, not transformers'
+        warning first."""
+        if not text:
+            raise InvalidRequestError("the prompt is empty; give at least one character (or token)")
+        return list(self.tokenizer.require("a text prompt")(text, verbose=False)["input_ids"])
 
     def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> Dict[str, Any]:
         """One conversation rendered with the tokenizer's chat template, as a prompt mapping
@@ -131,7 +138,7 @@ class RequestProcessor:
         if getattr(tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("this model's tokenizer has no chat template; send plain prompts instead")
         text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
-        return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+        return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]}
 
     def decode(self, token_ids: Sequence[int]) -> Optional[str]:
         """Text of token ids, or ``None`` without a tokenizer."""

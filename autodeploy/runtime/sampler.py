@@ -1,6 +1,6 @@
 """Turn next-token logits into tokens: greedy, temperature, top-k, top-p, per-request seeds."""
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,4 +47,18 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> List[Tuple[int
     if top > 0:
         values, ids = torch.topk(logp, top)
         out += [(int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist()) if int(t) != token]
+    return out
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], top: int) -> List[Dict[int, float]]:
+    """For each row of ``logits`` ([n, V]), the log probability of ``targets[i]`` first, then the
+    ``top`` most likely tokens (one log-softmax over all rows; computed in fp32)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(targets, dtype=torch.long, device=logp.device)[:, None])[:, 0].tolist()
+    out = [{int(t): v} for t, v in zip(targets, chosen)]
+    if top > 0:
+        values, ids = torch.topk(logp, top, dim=-1)
+        for entry, row_ids, row_values in zip(out, ids.tolist(), values.tolist()):
+            for t, v in zip(row_ids, row_values):
+                entry.setdefault(int(t), float(v))
     return out

@@ -29,7 +29,10 @@ class SamplingParams:
     ``stop`` strings end the output (the text is cut before them); ``stop_token_ids`` and the
     model's EOS token end it too unless ``ignore_eos``. ``seed`` makes sampling reproducible per
     request. ``n`` completions per prompt; ``logprobs`` returns the chosen token's log
-    probability and that many top alternatives per step. ``return_hidden_states`` returns the
+    probability and that many top alternatives per step; ``prompt_logprobs`` (vLLM's name) returns
+    each prompt token's log probability given the tokens before it, and that many top
+    alternatives (``RequestOutput.prompt_logprobs``; the first token has none). ``max_tokens=0``
+    scores the prompt without generating (it needs ``prompt_logprobs``). ``return_hidden_states`` returns the
     hidden states the build captures (``transforms.insert_cached_residual_add.layers``) for every
     token the model ran (``CompletionOutput.hidden_states``); a build that captures none refuses
     the request.
@@ -45,6 +48,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     return_hidden_states: bool = False
     stop_strings: List[str] = field(init=False, default_factory=list, repr=False)
 
@@ -57,8 +61,10 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid sampling parameter: {msg}")
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            raise bad(f"max_tokens must be an integer >= 1 (or 0 with prompt_logprobs), got {self.max_tokens!r}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise bad("max_tokens=0 generates nothing; it is only for scoring a prompt: set prompt_logprobs too")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise bad(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -71,6 +77,10 @@ class SamplingParams:
             raise bad(f"n must be an integer >= 1, got {self.n!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise bad("stop must be a non-empty string or a list of them")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -23,6 +23,9 @@ class Sequence:
     slot: Optional[int] = None  # its state slot while running (per-sequence state caches)
     finish_reason: Optional[str] = None
     logprobs: Optional[List[Dict[int, float]]] = None
+    # SamplingParams.prompt_logprobs: entry j scores prompt token j given the tokens before it
+    # (entry 0 is None: nothing precedes it); filled as prefill chunks run (None: not asked for)
+    prompt_logprobs: Optional[List[Optional[Dict[int, float]]]] = None
     detokenizer: Any = None  # an ``IncrementalDetokenizer`` when the engine has a tokenizer
     cut_text: Optional[str] = None  # the final text when a stop string cut it
     # SamplingParams.return_hidden_states: the captured hidden states of the tokens computed so
@@ -53,6 +56,13 @@ class Sequence:
         if len(self.hidden_states) > 1:
             self.hidden_states = [torch.cat(self.hidden_states)]
         return self.hidden_states[0]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its next step needs the logits of every new token: prompt tokens remain to be scored
+        (entry ``p + 1`` comes from the logits at position ``p``, and positions from
+        ``num_computed`` on run next)."""
+        return self.prompt_logprobs is not None and self.num_computed < len(self.prompt_token_ids) - 1
 
     @property
     def text(self) -> str:

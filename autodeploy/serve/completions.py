@@ -3,15 +3,24 @@ and the legacy completions logprobs format: tokens, token_logprobs, top_logprobs
 
 Every prompt of the request is one engine request of ``n`` choices; choice ``j`` of prompt
 ``i`` is the response's choice ``i * n + j``.
+
+``echo`` with ``logprobs`` scores the prompt, as OpenAI's legacy API does and as evaluation
+harnesses (lm-eval's ``local-completions``) need for loglikelihoods: the logprobs list one entry
+per prompt token the model saw (the first ``null``), then the generated tokens; ``max_tokens: 0``
+with ``echo`` scores without generating. A string prompt is tokenized with the tokenizer's
+special tokens (a BOS token for most models), a token-id prompt is used as sent; either way the
+prompt entries are exactly the tokens scored, a BOS the server added included (its text is not
+part of the echoed prompt, so it takes no room in ``text_offset``).
 """
 
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..runtime.detokenizer import IncrementalDetokenizer
 from ..runtime.request_processor import PreparedRequest
 from .openapi import CompletionChunk, CompletionResponse, api_responses
 from .protocol import APIError, CompletionRequest
@@ -22,19 +31,65 @@ from .streaming import ChoiceDelta, StreamedRequest, stream_sse
 
 # per prompt: (its text, its token ids, the prepared request)
 Plan = Tuple[str, List[int], PreparedRequest]
+LogprobsBlock = Dict[str, List[Any]]
+PromptLogprobs = List[Optional[Dict[int, float]]]
 
 
-def completion_logprobs(tokenizer: Any, steps: List[Dict[int, float]], offset: int) -> Dict[str, Any]:
+def _top_by_text(tokenizer: Any, entry: Dict[int, float]) -> Dict[str, float]:
+    """``{token text: logprob}``: the legacy format keys by text, and two ids can share one (e.g.
+    byte tokens); the first wins - the scored token, then the alternatives, most likely first."""
+    out: Dict[str, float] = {}
+    for t, v in entry.items():
+        out.setdefault(tokenizer.decode([t]), v)
+    return out
+
+
+def completion_logprobs(tokenizer: Any, steps: List[Dict[int, float]], offset: int) -> LogprobsBlock:
     tokens, token_lps, tops, offsets = [], [], [], []
     for step in steps:
         chosen, lp = next(iter(step.items()))
         text = tokenizer.decode([chosen])
         tokens.append(text)
         token_lps.append(lp)
-        tops.append({tokenizer.decode([t]): v for t, v in step.items()})
+        tops.append(_top_by_text(tokenizer, step))
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(tokenizer: Any, ids: List[int], scored: PromptLogprobs, from_text: bool) -> LogprobsBlock:
+    """The prompt's entries: its token ids' texts, each one's log probability given the tokens
+    before it (``None`` for the first) and the top alternatives. ``text_offset`` is where each
+    token's text starts in the echoed prompt, found by detokenizing the prompt incrementally;
+    special tokens take no room when the echo is the user's own text (``from_text``), since the
+    server added them."""
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=from_text)
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    for token, entry in zip(ids, scored):
+        offsets.append(offset)
+        offset += len(detok.add(token))
+        tokens.append(tokenizer.decode([token]))
+        token_lps.append(None if entry is None else entry[token])
+        tops.append(None if entry is None else _top_by_text(tokenizer, entry))
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _joined(first: Optional[LogprobsBlock], second: Optional[LogprobsBlock]) -> Optional[LogprobsBlock]:
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
+
+
+def choice_logprobs(state: ServerState, req: CompletionRequest, plan: Plan, scored: Optional[PromptLogprobs],
+                    steps: Optional[List[Dict[int, float]]], offset: int) -> Optional[LogprobsBlock]:
+    """A choice's logprobs block: the prompt's entries (``scored``: passed when they are due,
+    with ``echo``), then those of the generated ``steps``, whose text starts at ``offset``."""
+    if req.logprobs is None:
+        return None
+    _, ids, prepared = plan
+    prompt = prompt_logprobs(state.tokenizer, ids, scored, prepared.prompt is not None) if scored else None
+    generated = completion_logprobs(state.tokenizer, steps, offset) if steps else None
+    return _joined(prompt, generated) or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
 def router(state: ServerState) -> APIRouter:
@@ -54,7 +109,7 @@ def router(state: ServerState) -> APIRouter:
                 raise APIError(400, "'prompt' must be a string, a list of strings, or token ids", "prompt")
             checked = check_prompt(processor, p, "prompt")
             max_tokens = resolve_max_tokens(state, req.max_tokens, len(checked.prompt_token_ids), 16)
-            params = to_sampling_params(req, max_tokens, req.logprobs)
+            params = to_sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=_prompt_scoring(req))
             text = checked.prompt if checked.prompt is not None else (processor.decode(checked.prompt_token_ids) or "")
             plans.append((text, checked.prompt_token_ids, prepare_request(processor, checked, params, "prompt")))
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
@@ -65,19 +120,27 @@ def router(state: ServerState) -> APIRouter:
     return api
 
 
+def _prompt_scoring(req: CompletionRequest) -> Optional[int]:
+    """``prompt_logprobs`` of the engine request: echo with logprobs scores the prompt (and
+    ``max_tokens: 0``, allowed only with echo, scores it even without ``logprobs``)."""
+    if req.echo and req.logprobs is not None:
+        return req.logprobs
+    return 0 if req.max_tokens == 0 else None
+
+
 async def _complete(state: ServerState, request: Request, req: CompletionRequest, rid: str,
                     plans: List[Plan]) -> JSONResponse:
     choices, prompt_tokens, completion_tokens = [], 0, 0
     finals = await unless_disconnected(request, gather_or_cancel(
         *[final_output(state, f"{rid}-{i}", prepared) for i, (_, _, prepared) in enumerate(plans)]))
-    for i, ((text, ids, _), final) in enumerate(zip(plans, finals)):
+    for i, (plan, final) in enumerate(zip(plans, finals)):
+        text, ids, _ = plan
         prompt_tokens += len(ids)
         for c in final.outputs:
             completion_tokens += len(c.token_ids)
             body = (text if req.echo else "") + c.text
-            logprobs = None
-            if req.logprobs is not None and c.logprobs is not None:
-                logprobs = completion_logprobs(state.tokenizer, c.logprobs, len(text) if req.echo else 0)
+            logprobs = choice_logprobs(state, req, plan, final.prompt_logprobs if req.echo else None, c.logprobs,
+                                       len(text) if req.echo else 0)
             choices.append({"index": i * req.n + c.index, "text": body, "logprobs": logprobs,
                             "finish_reason": c.finish_reason})
     return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
@@ -87,11 +150,15 @@ async def _complete(state: ServerState, request: Request, req: CompletionRequest
 def _stream(state: ServerState, req: CompletionRequest, rid: str, plans: List[Plan]) -> AsyncIterator[str]:
     requests = [StreamedRequest(f"{rid}-{i}", prepared, i * req.n, text if req.echo else None)
                 for i, (text, _, prepared) in enumerate(plans)]
+    plan_of = {r.first_index: plan for r, plan in zip(requests, plans)}
 
     def choice(d: ChoiceDelta) -> Dict[str, Any]:
-        # text_offset counts from the start of the choice's text (the echoed prompt included)
-        lps = completion_logprobs(state.tokenizer, d.logprobs, d.offset) if (req.logprobs is not None and d.logprobs) \
-            else None
+        # text_offset counts from the start of the choice's text (the echoed prompt included);
+        # the prompt's entries (echo) come with the choice's first chunk after the prompt ran
+        lps = None
+        if d.logprobs or d.prompt_logprobs:
+            plan = plan_of[d.index - d.index % req.n]
+            lps = choice_logprobs(state, req, plan, d.prompt_logprobs, d.logprobs, d.offset)
         return {"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
 
     return stream_sse(state, rid, "text_completion", requests, choice, req.include_usage)

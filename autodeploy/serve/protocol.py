@@ -129,8 +129,10 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: Union[str, List[str], List[int], List[List[int]]]
-    max_tokens: Optional[int] = Field(default=16, ge=1)
-    logprobs: Optional[int] = Field(default=None, ge=0, le=5)
+    max_tokens: Optional[int] = Field(default=16, ge=0, description="0 only with 'echo': scores the prompt "
+                                      "without generating (its log-probabilities with 'logprobs').")
+    logprobs: Optional[int] = Field(default=None, ge=0, le=5, description="With 'echo', the prompt's tokens are "
+                                    "scored too: one entry per prompt token (the first null), then the generated ones.")
     echo: bool = False
     best_of: Optional[int] = Field(default=None, description="Not supported beyond n: only null or equal to n.")
     suffix: Optional[str] = Field(default=None, json_schema_extra={"maxLength": 0,
@@ -142,6 +144,9 @@ class CompletionRequest(_Common):
             raise APIError(400, "'suffix' is not supported by this server", "suffix")
         if self.best_of not in (None, self.n):
             raise APIError(400, "'best_of' must equal n (no server-side reranking)", "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "'max_tokens': 0 generates nothing; it is for scoring a prompt: set 'echo': true "
+                                "(and 'logprobs' for the prompt's log-probabilities)", "max_tokens")
 
     def prompts(self) -> List[Union[str, List[int]]]:
         """The prompt(s): one string, a list of strings, one token list, or a list of them."""

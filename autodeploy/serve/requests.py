@@ -53,7 +53,7 @@ def resolve_max_tokens(state: ServerState, requested: Optional[int], prompt_len:
 
 
 def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int,
-                       logprobs: Optional[int]) -> SamplingParams:
+                       logprobs: Optional[int], prompt_logprobs: Optional[int] = None) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -64,6 +64,7 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max
             stop=req.stop,
             n=req.n,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except InvalidRequestError as exc:
         raise APIError(400, str(exc)) from None

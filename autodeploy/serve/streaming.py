@@ -59,6 +59,9 @@ class ChoiceDelta:
     finish_reason: Optional[str] = None
     logprobs: Optional[List[Dict[int, float]]] = None  # the steps not sent before; None: the output has none
     offset: int = 0  # characters of the choice's text (opening included) sent before ``text``
+    # the request's prompt log-probabilities, in the choice's first delta once the prompt ran
+    # (only when the request scores its prompt: SamplingParams.prompt_logprobs)
+    prompt_logprobs: Optional[List[Optional[Dict[int, float]]]] = None
     opening: bool = False  # the choice's first chunk, sent before generation starts
 
 
@@ -85,6 +88,7 @@ class ChoiceStreamer:
         self.base = len(request.opening or "")
         self.texts = [IncrementalText(request.prepared.params.stop_strings) for _ in range(n)]
         self.sent_tokens = [0] * n
+        self.sent_prompt = [False] * n  # the prompt's log-probabilities went out with a delta
         self.finished = [False] * n
         self.completion_tokens = 0  # known once the request finished
 
@@ -105,7 +109,11 @@ class ChoiceStreamer:
                 steps = c.logprobs[self.sent_tokens[c.index]:] if c.logprobs else None
                 self.sent_tokens[c.index] = len(c.token_ids)
                 self.finished[c.index] = c.finish_reason is not None
-                deltas.append(ChoiceDelta(self.request.first_index + c.index, text, c.finish_reason, steps, offset))
+                scored = None
+                if out.prompt_logprobs is not None and not self.sent_prompt[c.index]:
+                    scored, self.sent_prompt[c.index] = out.prompt_logprobs, True  # complete: a token was sampled
+                deltas.append(ChoiceDelta(self.request.first_index + c.index, text, c.finish_reason, steps, offset,
+                                          prompt_logprobs=scored))
         if out.finished:
             self.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return deltas

@@ -20,11 +20,11 @@ def _cache(max_batch_size=4):
 
 def test_metadata_has_slots_and_initial_state_flags():
     info = build_sequence_info([[1, 2, 3], [4, 5], [6]], [0, 5, 9], [[0], [1, 2], [3, 4, 5]], slots=[2, 0, 3])
-    assert METADATA_NAMES[-2:] == ("slot_idx", "use_initial_state")
+    assert METADATA_NAMES[-3:] == ("slot_idx", "use_initial_state", "logits_index")
     assert info.slot_idx.tolist() == [2, 0, 3] and info.slot_idx.dtype == torch.int32
     # a first chunk starts from zeros; a later chunk and a decode continue
     assert info.use_initial_state.tolist() == [False, True, True]
-    assert list(info.as_inputs())[-2:] == ["slot_idx", "use_initial_state"]
+    assert list(info.as_inputs())[-3:] == ["slot_idx", "use_initial_state", "logits_index"]
     with pytest.raises(ValueError, match="2 state slots for 3 sequences"):
         build_sequence_info([[1], [2], [3]], [0, 0, 0], [[0], [1], [2]], slots=[0, 1])
 

@@ -319,6 +319,64 @@ def test_completion_echo(server, llm, stream):
     assert text == prompt + ref.text
 
 
+# ---- echo + logprobs: the prompt scored (legacy completions, what lm-eval's loglikelihoods read) ----
+def _echo_scored(server, prompt, stream=False, **kw):
+    body = {"model": SERVED_NAME, "prompt": prompt, "temperature": 0, "echo": True, "logprobs": 2, **kw}
+    if not stream:
+        r = server.http().post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+    with server.http().stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [c["choices"][0] for c in json_events(sse_events(r.iter_lines())) if c["choices"]]
+    joined = {"text": "".join(c["text"] for c in chunks), "finish_reason": chunks[-1]["finish_reason"],
+              "logprobs": {k: [] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}}
+    for c in chunks:
+        for k, v in (c["logprobs"] or {}).items():
+            joined["logprobs"][k] += v
+    return joined
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("as_ids", [False, True], ids=["text", "token-ids"])
+def test_echo_logprobs_score_the_prompt(server, llm, stream, as_ids):
+    text = PROMPTS[0]
+    ref = llm.generate(text, SamplingParams(max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=2))[0]
+    ids = ref.prompt_token_ids  # a string prompt gets the tokenizer's BOS; token ids are used as sent
+    choice = _echo_scored(server, ids if as_ids else text, stream, max_tokens=3)
+    lps = choice["logprobs"]
+    assert len(lps["tokens"]) == len(ids) + 3  # every prompt token scored, then the generated ones
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    assert lps["tokens"][: len(ids)] == [llm.tokenizer.decode([t]) for t in ids]
+    for j in range(1, len(ids)):
+        assert lps["token_logprobs"][j] == pytest.approx(ref.prompt_logprobs[j][ids[j]], abs=1e-4)
+        assert max(lps["top_logprobs"][j].values()) == pytest.approx(max(ref.prompt_logprobs[j].values()), abs=1e-4)
+    for k, step in enumerate(ref.outputs[0].logprobs):
+        assert lps["token_logprobs"][len(ids) + k] == pytest.approx(step[ref.token_ids[k]], abs=1e-4)
+    echoed = choice["text"][: len(choice["text"]) - len(ref.text)]
+    assert choice["text"] == echoed + ref.text
+    offsets = lps["text_offset"]
+    assert offsets == sorted(offsets) and offsets[len(ids)] == len(echoed)  # generated text starts after the echo
+    if not as_ids:
+        assert echoed == text and offsets[1] == 0  # the BOS the server added takes no room in the text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_max_tokens_zero_with_echo_scores_only(server, llm, stream):
+    text = PROMPTS[1]
+    ref = llm.generate(text, SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+    choice = _echo_scored(server, text, stream, max_tokens=0)
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["tokens"]) == len(ref.prompt_token_ids)
+    got = choice["logprobs"]["token_logprobs"][1:]
+    want = [ref.prompt_logprobs[j][t] for j, t in enumerate(ref.prompt_token_ids) if j > 0]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_max_tokens_zero_needs_echo(server):
+    r = server.http().post("/v1/completions", json={"model": SERVED_NAME, "prompt": "hi", "max_tokens": 0})
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+
+
 def _stop_string(text):
     """A 2-character stop string taken from inside ``text`` (first occurrence at k > 0)."""
     for k in range(1, len(text) - 1):

@@ -180,7 +180,7 @@ def test_piecewise_graphs_prefill_and_mixed_steps(setup):
             assert len(rec.calls) == n_calls  # the recorder wraps neither
         ref, got = results
         assert pw.bucket_for(step.num_tokens) == bucket
-        assert got.shape == ref.shape == (1, step.num_sequences, 512)
+        assert got.shape == ref.shape == (1, step.logits_index.numel(), 512)
         assert rel_rmse(got, ref) < 1e-5
         frozen = [m for m in pw.split.children() if isinstance(m, _FrozenPiece)]
         assert all(bucket in m.runners for m in frozen)
@@ -192,6 +192,11 @@ def test_piecewise_graphs_prefill_and_mixed_steps(setup):
     first = build_sequence_info([a[:9], b, c], [0, 0, 0], [tab["a"], tab["b"], tab["c"]])
     mixed = build_sequence_info([a[9:], [11], [12]], [9, 9, 5], [tab["a"], tab["b"], tab["c"]])
     compare([first], mixed, 32)
+    # the same step scoring the chunk's prompt tokens: 21 + 2 rows of logits (logits_index shifted past the padding)
+    scoring = build_sequence_info([a[9:], [11], [12]], [9, 9, 5], [tab["a"], tab["b"], tab["c"]],
+                                  all_logits=[True, False, False])
+    assert scoring.logits_index.numel() == 23
+    compare([first], scoring, 32)
     # 40 tokens of fresh prefills plus a decode -> bucket 64
     big = build_sequence_info([a, _ids(10, 4), [13]], [0, 0, 5], [tab["d"], tab["e"], tab["c"]])
     compare([build_sequence_info([c], [0], [tab["c"]])], big, 64)

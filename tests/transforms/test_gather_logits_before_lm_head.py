@@ -1,8 +1,9 @@
-"""gather_logits_before_lm_head (cache_init): the LM head runs on each sequence's last token only.
+"""gather_logits_before_lm_head (cache_init): the LM head runs only on the rows ``logits_index`` names.
 
 The tiny llama is built through cache_init with and without the transform; on a mixed step
 (two prefills of different lengths + one decode) the gathered rows equal the last-token rows
-of the full logits. Small hand-made graphs cover what is skipped.
+of the full logits, and with one prefill scoring its prompt (``all_logits``) they equal that
+sequence's every row plus the others' last rows. Small hand-made graphs cover what is skipped.
 """
 
 import random
@@ -51,8 +52,11 @@ def _steps(res):
     random.Random(1).shuffle(free)
     table_a, table_b, table_c = ([free.pop() for _ in range(n)] for n in (3, 2, 2))
     c = _ids(6, 3)
+    a, b = _ids(9, 1), _ids(5, 2)
     steps = [build_sequence_info([c], [0], [table_c]),
-             build_sequence_info([_ids(9, 1), _ids(5, 2), [77]], [0, 0, 6], [table_a, table_b, table_c])]
+             build_sequence_info([a, b, [77]], [0, 0, 6], [table_a, table_b, table_c]),
+             # B again (its pages rewritten with the same tokens), scoring all its rows, and C's next decode
+             build_sequence_info([a, b, [78]], [0, 0, 7], [table_a, table_b, table_c], all_logits=[False, True, False])]
     outs = []
     with torch.no_grad():
         for info in steps:
@@ -71,25 +75,27 @@ def test_graph_structure(gathered, full):
     assert head is not None and head.args[1].target == "lm_head.weight"
     select = head.args[0]
     assert select.target == aten.index_select.default and select.args[1] == 1
-    # the index comes from cu_seqlen
+    # the index is the logits_index step input
     stack, seen = [select.args[2]], set()
     while stack:
         n = stack.pop()
         seen.add(n)
         stack.extend(n.all_input_nodes)
-    assert {n.name for n in seen if n.op == "placeholder"} == {"cu_seqlen"}
+    assert {n.name for n in seen if n.op == "placeholder"} == {"logits_index"}
     # the hidden state it selects from is the final norm's output
     assert "rmsnorm" in str(select.args[0].args[0].target)
 
 
-def test_gathered_rows_equal_last_token_rows(gathered, full):
-    for (info, got), (_, ref) in zip(_steps(gathered), _steps(full)):
-        assert got.shape == (1, info.num_sequences, VOCAB)
+def test_gathered_rows_equal_the_rows_logits_index_names(gathered, full):
+    steps = list(zip(_steps(gathered), _steps(full)))
+    for (info, got), (_, ref) in steps:
+        rows = info.logits_index.tolist()
+        assert got.shape == (1, len(rows), VOCAB)
         assert ref.shape == (1, info.num_tokens, VOCAB)
-        last = info.last_token_indices()
-        for row, idx in enumerate(last.tolist()):
+        for row, idx in enumerate(rows):
             assert rel_rmse(got[0, row], ref[0, idx]) < 1e-5, (row, idx)
-    assert last.tolist() == [8, 13, 14]  # the mixed step: ends of A, B and C's decode
+    assert steps[1][0][0].logits_index.tolist() == [8, 13, 14]  # the mixed step: ends of A, B and C's decode
+    assert steps[2][0][0].logits_index.tolist() == [8, 9, 10, 11, 12, 13, 14]  # A's end, all of B, C
 
 
 # ---- small hand-made graphs -----------------------------------------------------------------------
@@ -103,7 +109,7 @@ class _Head(nn.Module):
         self.w = nn.Parameter(torch.randn(16, 8))
 
     def forward(self, input_ids, position_ids, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_idx,
-                use_initial_state):
+                use_initial_state, logits_index):
         h = aten.embedding.default(self.emb, input_ids)
         if self.kind == "matmul":
             return aten.matmul.default(h, aten.t.default(self.w))

@@ -1,4 +1,4 @@
-"""``gather_logits_before_lm_head`` (cache_init): run the LM head only on each sequence's last token.
+"""``gather_logits_before_lm_head`` (cache_init): run the LM head only on the rows whose logits are used.
 
 Before (``T`` tokens in the step, ``B`` sequences)::
 
@@ -8,13 +8,16 @@ Before (``T`` tokens in the step, ``B`` sequences)::
 
 After::
 
-    idx = sub(cu_seqlen[1:], 1)               # last token of each sequence
-    logits = aten.linear(aten.index_select(h, 1, idx), lm_head_w)   # [1, B, vocab]
+    idx = _to_copy(logits_index, long)        # step metadata: each sequence's last token
+    logits = aten.linear(aten.index_select(h, 1, idx), lm_head_w)   # [1, R, vocab]
 
 A 512-token prefill then computes one row of the 32000-wide head instead of 512. The graph's
-output becomes one row per sequence (``cache.gathered_logits``); only the next-token logits
-are ever sampled. It needs the step metadata, so it runs after ``insert_cached_attention``
-(DESIGN lists it under post_load_fusion, where that metadata does not exist yet).
+output becomes one row per entry of ``logits_index`` (``cache.gathered_logits``): the last
+token of each sequence, plus every prompt token of a request that asked for its prompt's
+log-probabilities (``SamplingParams.prompt_logprobs``) - so scoring a prompt costs the head
+only for that request, not for the others in the step. It needs the step metadata, so it runs
+after ``insert_cached_attention`` (DESIGN lists it under post_load_fusion, where that metadata
+does not exist yet).
 """
 
 from typing import Optional
@@ -59,16 +62,14 @@ class GatherLogitsBeforeLMHead(BaseTransform):
     requires = ("insert_cached_attention",)
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
-        cu_seqlen = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "cu_seqlen"), None)
+        rows = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "logits_index"), None)
         head = find_lm_head(gm)
-        if cu_seqlen is None or head is None or ctx.cache is None:
+        if rows is None or head is None or ctx.cache is None:
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
         graph = gm.graph
         hidden = head.args[0]
         with graph.inserting_before(head):
-            ends = graph.call_function(aten.slice.Tensor, (cu_seqlen, 0, 1))
-            last = graph.call_function(aten.sub.Tensor, (ends, 1))
-            idx = graph.call_function(aten._to_copy.default, (last,), {"dtype": torch.long})
+            idx = graph.call_function(aten._to_copy.default, (rows,), {"dtype": torch.long})
             gathered = graph.call_function(aten.index_select.default, (hidden, 1, idx))
         head.replace_input_with(hidden, gathered)
         ctx.cache.gathered_logits = True
