@@ -96,6 +96,8 @@ KEYS: Dict[str, List[str]] = {
         "models/test_quantized_loading.py::test_quantized_checkpoint_loads_into_canonical_ops[llama-ct_int4]",
         "models/test_quantized_loading.py::test_engine_generates_the_reference_tokens[gptq]", "models/test_quantized_loading.py::test_act_order_gptq_is_refused",
         "models/test_quantized_loading.py::test_gptq_desc_act_config_is_refused"],
+    # quantized MoE (issue 17)
+    "quantize_mxfp4_moe_from_config": ["models/test_mxfp4_moe_loading.py"],
     "fuse_fp8_linear": ["models/test_quantized_loading.py::test_fuse_quantized_linear_decodes_once[fp8]",
                         "transforms/test_fuse_fp8_linear_scaled_mm.py"],
     "fuse_finegrained_fp8_linear": ["models/test_quantized_loading.py::test_fuse_quantized_linear_decodes_once[fp8_block]"],

@@ -36,6 +36,7 @@ SUPPORTED_QUANTIZATION: Dict[str, Optional[FrozenSet[str]]] = {
     "gptq": None,
     "awq": None,
     "compressed-tensors": frozenset({"PACK-QUANTIZED"}),
+    "mxfp4": None,  # GPT-OSS's MXFP4 experts
 }
 QUANTIZATION_TRANSFORMS: Dict[Tuple[str, Optional[str]], str] = {
     ("modelopt", "FP8"): "quantize_fp8_linear_from_config",
@@ -44,6 +45,7 @@ QUANTIZATION_TRANSFORMS: Dict[Tuple[str, Optional[str]], str] = {
     ("gptq", None): "quantize_int4_linear_from_config",
     ("awq", None): "quantize_int4_linear_from_config",
     ("compressed-tensors", "PACK-QUANTIZED"): "quantize_int4_linear_from_config",
+    ("mxfp4", None): "quantize_mxfp4_moe_from_config",
 }
 
 # Floating dtypes a checkpoint tensor may be cast from into a floating parameter.

@@ -262,7 +262,7 @@ def test_declared_format_that_does_not_match_the_tensors_is_an_error(ckpts):
     ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "quant_method 'modelopt', quant_algo W4A8_AWQ"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}},
      "quant_method 'compressed-tensors', quant_algo float-quantized"),
-    ({"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}, "quant_method 'mxfp4'"),
+    ({"quant_method": "mxint8"}, "quant_method 'mxint8'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
      "quant_method 'bitsandbytes', quant_algo nf4"),
     ({"load_in_8bit": True}, "quant_method 'bitsandbytes', quant_algo 8-bit"),
@@ -274,7 +274,7 @@ def test_any_quant_method_is_refused(ckpts, tmp_path, qcfg, named):
         ModelFactory(d).config
     msg = str(err.value)
     assert named in msg and "cannot load this quantization format" in msg
-    assert "supported: awq, compressed-tensors (PACK-QUANTIZED), fp8, gptq, modelopt (FP8, NVFP4)" in msg
+    assert "supported: awq, compressed-tensors (PACK-QUANTIZED), fp8, gptq, modelopt (FP8, NVFP4), mxfp4" in msg
 
 
 def test_float_checkpoint_and_presets_still_read(ckpts):

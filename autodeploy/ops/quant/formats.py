@@ -14,6 +14,10 @@ and the weight-only quantizer cannot disagree on a rounding rule or a nibble ord
   in the high one (NVFP4's checkpoint layout, and autodeploy's canonical int4 layout).
 * **Block scales**: a scale per tile of the weight (fine-grained FP8's 128x128 tiles, partial at
   the edges; NVFP4's and int4's groups along K) expanded to the weight's shape when decoding.
+* **MXFP4** (OCP MX, GPT-OSS's experts): groups of 32 e2m1 values along K sharing one **E8M0**
+  scale, a uint8 biased exponent: ``2 ** (s - 127)`` (255 is NaN). It is decoded explicitly:
+  a float -> e8m0 cast would round to the nearest power of two instead of reading the bits.
+  Every MXFP4 value (an e2m1 value times a power of two) is exact in bfloat16 and float32.
 """
 
 from typing import Tuple
@@ -25,6 +29,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn magnitude
 FP4_MAX = 6.0  # largest e2m1 magnitude
 NVFP4_GROUP = 16
+MXFP4_GROUP = 32
+E8M0_BIAS = 127
+E2M1_EMAX = 2  # exponent of e2m1's largest power of two (4): the MX scale is floor(log2(amax)) - 2
 
 # e2m1 magnitudes of codes 0..7; codes 8..15 are their negatives (bit 3 is the sign)
 _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -169,6 +176,23 @@ def dequantize_int8(weight: Tensor, scales: Tensor) -> Tensor:
     return weight.float() * scales.float()[:, None]
 
 
+def e8m0_decode(scales: Tensor) -> Tensor:
+    """uint8 biased exponents -> float32 ``2 ** (s - 127)`` (255: NaN, as the OCP MX spec says)."""
+    exp = scales.to(torch.int32) - E8M0_BIAS
+    out = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)
+    return out.masked_fill(scales == 255, float("nan"))
+
+
+def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
+    """MXFP4 ``blocks`` uint8 [..., G, 16] (32 nibbles per group, element 2i low) with ``scales``
+    uint8 [..., G] -> float32 [..., G * 32]."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_GROUP // 2:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
+                         f"([..., G, {MXFP4_GROUP // 2}] and [..., G])")
+    values = e2m1_decode(unpack_nibbles(blocks)) * e8m0_decode(scales)[..., None]
+    return values.reshape(*scales.shape[:-1], scales.shape[-1] * MXFP4_GROUP)
+
+
 # ---- weight encoding (weight-only quantization of float checkpoints) -----------------------
 
 
@@ -191,6 +215,20 @@ def quantize_int4(w: Tensor, group_size: int) -> Tuple[Tensor, Tensor, Tensor]:
     zeros = torch.round(-lo / scales).clamp(0, 15)
     q = torch.round(g / scales[..., None] + zeros[..., None]).clamp(0, 15).reshape(n, k)
     return pack_nibbles(q), scales, zeros
+
+
+def quantize_mxfp4(w: Tensor) -> Tuple[Tensor, Tensor]:
+    """OCP MX FP4 along the last dim: (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]);
+    each group's scale is ``2 ** (floor(log2(amax)) - 2)``, its values e2m1-rounded (saturating)."""
+    k = w.shape[-1]
+    if k % MXFP4_GROUP:
+        raise ValueError(f"MXFP4 groups of {MXFP4_GROUP} do not divide the input size {k}")
+    g = w.float().reshape(*w.shape[:-1], k // MXFP4_GROUP, MXFP4_GROUP)
+    amax = g.abs().amax(-1)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0 ** -126))) - E2M1_EMAX,
+                      torch.full_like(amax, -E8M0_BIAS)).clamp(-E8M0_BIAS, E8M0_BIAS)
+    codes = e2m1_encode(g / torch.ldexp(torch.ones_like(exp), exp.to(torch.int32))[..., None])
+    return pack_nibbles(codes).contiguous(), (exp + E8M0_BIAS).to(torch.uint8).contiguous()
 
 
 def quantize_fp8_blocks(w: Tensor, block: Tuple[int, int] = (128, 128)) -> Tuple[Tensor, Tensor]:

@@ -1,0 +1,253 @@
+"""``quantize_mxfp4_moe_from_config`` (pattern_matcher): GPT-OSS's MXFP4 experts, decoded once at load.
+
+Applies when ``config.json`` declares ``quant_method: mxfp4`` (OpenAI's GPT-OSS releases). Such
+a checkpoint stores each MoE layer's stacked expert weights as OCP MXFP4: for the parameter
+``P.gate_up_proj`` (HF's layout ``[E, H, 2I]``, gate and up interleaved) the tensors
+``P.gate_up_proj_blocks`` uint8 ``[E, 2I, H/32, 16]`` (two e2m1 codes per byte, element 2i in
+the low nibble) and ``P.gate_up_proj_scales`` uint8 ``[E, 2I, H/32]`` (E8M0 exponents); the same
+for ``P.down_proj`` (``[E, I, H]``; blocks ``[E, H, I/32, 16]``). Biases, attention, the router,
+embeddings and ``lm_head`` stay float (``modules_to_not_convert``). Which parameters are MXFP4 is
+read from the checkpoint's tensors (a ``_blocks`` next to the parameter's name), as for the
+quantized linears.
+
+Two backends (``backend``; ``auto`` decodes when the decoded experts fit in half the free
+memory, else keeps MXFP4):
+
+``decoded``: the graph does not change::
+
+    W = get_attr P.gate_up_proj            # float [E, H, 2I] on meta, as the export left it
+    ... transpose / de-interleave ... autodeploy.torch_moe_fused(x, ..., W', ...)
+
+but every such parameter gets a load hook that fills it from the blocks and scales: decode
+(:func:`~autodeploy.ops.quant.formats.dequantize_mxfp4`, the E8M0 exponents read bit-exactly),
+then transpose ``[E, out, in]`` to HF's ``[E, in, out]``. It runs once, at load; ``fuse_moe``
+then stacks the experts in its canonical layout as for a float checkpoint. Every MXFP4 value is
+exact in bfloat16 and float32, so this is exactly the dequantized model HF computes with
+``Mxfp4Config(dequantize=True)``; the cost is memory: the experts take the model dtype's size
+(fp32: 4 bytes per weight, 7.5x MXFP4's 0.53).
+
+``mxfp4``: the experts stay MXFP4 (``torch_quant_mxfp4_moe_fused``, which decodes each active
+expert when it runs)::
+
+    y = autodeploy.torch_moe_fused(x, sel, w, <layout ops>(P.gate_up_proj), <layout ops>(P.down_proj), b_gu, b_d, ...)
+  ->
+    y = autodeploy.torch_quant_mxfp4_moe_fused(x, sel, w, P.gate_up_blocks, P.gate_up_scales,
+                                               P.down_blocks, P.down_scales, b_gu, b_d, ...)
+
+The layout ops between a parameter and the MoE op (GPT-OSS's transpose and gate/up
+de-interleave) are read by running them on index probes: they must amount to a transpose and a
+permutation of the output rows, which is then applied to the blocks' and scales' rows once at
+load (rows are whole groups, so this is exact). Anything else is refused with the backend named.
+
+Every MXFP4 parameter is checked against the safetensors headers before anything loads: both
+tensors present, uint8, with the shapes the parameter implies (expert count, block layout).
+"""
+
+import re
+from typing import Any, Dict, List, Literal, Optional, Tuple
+
+import torch
+from pydantic import Field
+from torch import fx
+
+from ...models.load_hooks import LoadHook
+from ...ops.quant.formats import MXFP4_GROUP, dequantize_mxfp4
+from ...utils.errors import ModelSourceError
+from ...utils.logging import get_logger
+from ...utils.memory import free_memory_bytes
+from ..graph_utils import is_op
+from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+from ._quant_from_config import GRAPH_LOAD_HOOKS
+
+logger = get_logger(__name__)
+
+Shape = Tuple[int, ...]
+
+
+def _expected(param: str, shape: Shape) -> Dict[str, Tuple[Shape, str]]:
+    """The checkpoint tensors a stacked expert parameter ``[E, in, out]`` needs, with their shapes."""
+    if len(shape) != 3:
+        raise ModelSourceError(f"'{param}' has shape {list(shape)}; MXFP4 experts are stacked [experts, in, out]")
+    experts, k, n = shape
+    if k % MXFP4_GROUP:
+        raise ModelSourceError(f"'{param}' has {k} inputs per expert; MXFP4 groups of {MXFP4_GROUP} do not divide it")
+    groups = k // MXFP4_GROUP
+    return {
+        f"{param}_blocks": ((experts, n, groups, MXFP4_GROUP // 2), "packed e2m1 blocks"),
+        f"{param}_scales": ((experts, n, groups), "E8M0 scale per group of 32"),
+    }
+
+
+def _validate(param: str, shape: Shape, headers: Dict[str, Tuple[str, Shape]]) -> List[str]:
+    sources = []
+    for key, (want, what) in _expected(param, shape).items():
+        if key not in headers:
+            raise ModelSourceError(f"checkpoint tensor '{key}' is missing: MXFP4 stores {what} (uint8) next to "
+                                   f"'{param}_blocks'. Is the checkpoint complete?")
+        dtype, got = headers[key]
+        if dtype != "U8":
+            raise ModelSourceError(f"checkpoint tensor '{key}' is {dtype}; MXFP4 stores its {what} as uint8")
+        if tuple(got) != want:
+            raise ModelSourceError(
+                f"checkpoint tensor '{key}' has shape {list(got)}; for '{param}' of shape {list(shape)} "
+                f"([experts, in, out]) MXFP4 expects its {what} to have shape {list(want)}"
+            )
+        sources.append(key)
+    return sources
+
+
+def _decode(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """blocks, scales ``[E, out, in/32, (16)]`` -> float32 ``[E, in, out]`` (HF's parameter layout)."""
+    return dequantize_mxfp4(tensors[0], tensors[1]).transpose(1, 2).contiguous()
+
+
+class QuantizeMXFP4MoEFromConfigConfig(TransformConfig):
+    stage: Stage = Stage.PATTERN_MATCHER
+    backend: Literal["auto", "decoded", "mxfp4"] = Field(
+        default="auto",
+        description="decoded: experts decoded once at load into the model dtype (fastest; 4 bytes per weight in "
+        "fp32); mxfp4: experts kept in MXFP4 (0.53 bytes per weight), each active expert decoded when it runs; "
+        "auto: decoded when the decoded experts fit in half the free memory, else mxfp4.",
+    )
+
+
+@TransformRegistry.register("quantize_mxfp4_moe_from_config")
+class QuantizeMXFP4MoEFromConfig(BaseTransform):
+    config_class = QuantizeMXFP4MoEFromConfigConfig
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        info = getattr(ctx.factory, "quantization", None)
+        if info is None or info.transform != "quantize_mxfp4_moe_from_config":
+            return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
+        headers = ctx.factory.checkpoint_index().headers()
+        params = {}
+        for node in gm.graph.nodes:
+            name = str(node.target)
+            if node.op == "get_attr" and f"{name}_blocks" in headers:
+                params[name] = _validate(name, tuple(gm.get_parameter(name).shape), headers)
+        if not params:
+            raise ModelSourceError("the checkpoint declares quant_method 'mxfp4' but no parameter of the model has "
+                                   "'<name>_blocks' / '<name>_scales' tensors in it; is it a GPT-OSS MXFP4 checkpoint?")
+        backend = self._backend(gm, ctx, list(params))
+        hooks: List[LoadHook] = gm.meta.setdefault(GRAPH_LOAD_HOOKS, [])
+        if backend == "decoded":
+            for name, sources in params.items():
+                hooks.append(LoadHook(re.escape(name), sources, _decode, f"MXFP4 {name}_blocks/_scales -> {name}",
+                                      decodes=True))
+            logger.info("MXFP4: %d stacked expert weights are decoded at load into the model dtype", len(params))
+            return TransformInfo(num_matches=len(params), is_clean=True, has_valid_shapes=True)
+        count = sum(_keep_mxfp4(gm, node, params, hooks) for node in list(gm.graph.nodes)
+                    if is_op(node, torch.ops.autodeploy.torch_moe_fused))
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+        for name in params:
+            owner, _, leaf = name.rpartition(".")
+            if not any(n.op == "get_attr" and n.target == name for n in gm.graph.nodes):
+                gm.get_submodule(owner)._parameters.pop(leaf, None)
+        logger.info("MXFP4: %d MoE layers keep their experts in MXFP4 (decoded per active expert)", count)
+        return TransformInfo(num_matches=count, is_clean=False, has_valid_shapes=True)
+
+    def _backend(self, gm: fx.GraphModule, ctx: PipelineContext, names: List[str]) -> str:
+        cfg: QuantizeMXFP4MoEFromConfigConfig = self.config  # type: ignore[assignment]
+        if cfg.backend != "auto":
+            return cfg.backend
+        decoded = sum(gm.get_parameter(n).numel() * gm.get_parameter(n).element_size() for n in names)
+        free = free_memory_bytes(torch.device(ctx.device))
+        backend = "decoded" if decoded <= free // 2 else "mxfp4"
+        logger.info("MXFP4 experts: %.1f GiB decoded, %.1f GiB free -> backend %s", decoded / 2**30, free / 2**30,
+                    backend)
+        return backend
+
+
+def _layout_permutation(gm: fx.GraphModule, param: fx.Node, use: fx.Node) -> Optional[torch.Tensor]:
+    """``perm`` such that ``use`` = ``param.transpose(1, 2)[:, perm]``, read by running the ops from the
+    parameter ``[E, in, out]`` to ``use`` on index probes; None when they are something else."""
+    chain, stack = [], [use]
+    while stack:
+        node = stack.pop()
+        if node is param or node in chain:
+            continue
+        if node.op != "call_function" or not node.all_input_nodes:
+            return None
+        chain.append(node)
+        stack.extend(node.all_input_nodes)
+    shape = tuple(gm.get_parameter(str(param.target)).shape)
+    e, k, n = shape
+    outs = []
+    probes = (torch.arange(n, dtype=torch.float32).expand(e, k, n), torch.arange(k, dtype=torch.float32)[:, None].expand(e, k, n))
+    for probe in probes:
+        env: Dict[fx.Node, Any] = {param: probe.contiguous()}
+        for node in sorted(chain, key=lambda m: list(gm.graph.nodes).index(m)):
+            args = fx.node.map_arg(node.args, lambda a: env[a])
+            kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+            env[node] = node.target(*args, **kwargs)
+        outs.append(env[use])
+    rows, cols = outs
+    if tuple(rows.shape) != (e, n, k):
+        return None
+    perm = rows[0, :, 0].long()
+    if not (torch.equal(rows, perm.float()[None, :, None].expand(e, n, k))
+            and torch.equal(cols, torch.arange(k, dtype=torch.float32).expand(e, n, k))
+            and torch.equal(perm.sort().values, torch.arange(n))):
+        return None
+    return perm
+
+
+def _keep_mxfp4(gm: fx.GraphModule, node: fx.Node, params: Dict[str, List[str]], hooks: List[LoadHook]) -> int:
+    """Rewrite one ``torch_moe_fused`` over MXFP4 parameters into ``torch_quant_mxfp4_moe_fused``."""
+    found = [_param_of(use, params) for use in node.args[3:5]]
+    if any(p is None for p in found):
+        return 0  # a float MoE layer (excluded from the quantization)
+    new_args = []
+    for use, param in zip(node.args[3:5], found):
+        perm = _layout_permutation(gm, param, use)
+        if perm is None:
+            raise ModelSourceError(f"MXFP4 backend 'mxfp4': the ops between '{param.target}' and its MoE op are not a "
+                                   "transpose and a row permutation; use backend 'decoded'")
+        name = str(param.target)
+        owner, _, leaf = name.rpartition(".")
+        stem = leaf[: -len("_proj")] if leaf.endswith("_proj") else leaf
+        for kind, source in zip(("blocks", "scales"), params[name]):
+            buffer = f"{stem}_{kind}"
+            gm.get_submodule(owner).register_buffer(
+                buffer, torch.empty(_shape_of(gm, name, kind), dtype=torch.uint8, device="meta"))
+            hooks.append(LoadHook(re.escape(f"{owner}.{buffer}"), [source], _rows(perm),
+                                  f"MXFP4 {source} -> {owner}.{buffer} (canonical rows)", decodes=True))
+            with gm.graph.inserting_before(node):
+                new_args.append(gm.graph.get_attr(f"{owner}.{buffer}"))
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(torch.ops.autodeploy.torch_quant_mxfp4_moe_fused.default,
+                                     (*node.args[:3], *new_args, *node.args[5:]), dict(node.kwargs))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return 1
+
+
+def _param_of(use: Any, params: Dict[str, List[str]]) -> Optional[fx.Node]:
+    """The MXFP4 parameter ``use`` is computed from (the only get_attr among its ancestors)."""
+    if not isinstance(use, fx.Node):
+        return None
+    found, stack, seen = [], [use], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "get_attr":
+            found.append(node)
+        stack.extend(node.all_input_nodes)
+    return found[0] if len(found) == 1 and str(found[0].target) in params else None
+
+
+def _shape_of(gm: fx.GraphModule, name: str, kind: str) -> Shape:
+    e, k, n = gm.get_parameter(name).shape
+    groups = k // MXFP4_GROUP
+    return (e, n, groups, MXFP4_GROUP // 2) if kind == "blocks" else (e, n, groups)
+
+
+def _rows(perm: torch.Tensor):
+    def take(tensors: List[torch.Tensor]) -> torch.Tensor:
+        return tensors[0][:, perm].contiguous()
+    return take
