@@ -1,6 +1,6 @@
-"""GPT-OSS MXFP4 checkpoints (``quant_method: mxfp4``, ``quantize_mxfp4_moe_from_config``) load
-and run: with either backend (experts decoded at load, or kept in MXFP4 and decoded per active
-expert) the logits at two shapes equal the float reference built from the same decoded tensors
+"""GPT-OSS MXFP4 checkpoints (``quant_method: mxfp4``: ``quantize_mxfp4_moe_from_config``, then
+``fuse_mxfp4_moe``) load and run: with either backend (experts decoded once after loading, or kept
+in MXFP4 and decoded per active expert) the logits at two shapes equal the float reference built from the same decoded tensors
 (``tests/quant_moe_checkpoints.py``, whose HF ``Mxfp4Config(dequantize=True)`` load it equals
 exactly), and greedy tokens through ``LLM`` are the reference's. A layer the checkpoint leaves
 float stays a float MoE op; a missing scale tensor or blocks of the wrong expert count are one
@@ -32,7 +32,7 @@ def _built(backend, checkpoint=None):
     key = (backend, checkpoint)
     if key not in _BUILDS:
         _BUILDS[key] = build(checkpoint or qm.mxfp4_checkpoint(), up_to=Stage.POST_LOAD_FUSION,
-                             overrides={"quantize_mxfp4_moe_from_config": {"backend": backend}}, **LIMITS)
+                             overrides={"fuse_mxfp4_moe": {"backend": backend}}, **LIMITS)
     return _BUILDS[key]
 
 
@@ -52,9 +52,10 @@ def _history(result, key):
 def test_logits_equal_the_dequantized_reference(backend):
     result = _built(backend)
     gm = result.graph
-    record = _history(result, "quantize_mxfp4_moe_from_config")
+    assert _history(result, "quantize_mxfp4_moe_from_config").num_matches == qm.LAYERS  # one MoE op per layer
+    record = _history(result, "fuse_mxfp4_moe")
     if backend == "mxfp4":
-        assert record.num_matches == qm.LAYERS  # one MoE op per layer rewritten
+        assert record.num_matches == 0
         assert count_op(gm, ad.torch_quant_mxfp4_moe_fused) == qm.LAYERS
         assert count_op(gm, ad.torch_moe_fused) == count_op(gm, ad.grouped_moe_fused) == 0
         buffers = dict(gm.named_buffers())
@@ -62,9 +63,10 @@ def test_logits_equal_the_dequantized_reference(backend):
         assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == (4, 256, 2, 16)
         assert not any(n.endswith("experts.gate_up_proj") for n, _ in gm.named_parameters())
     else:
-        assert record.num_matches == 2 * qm.LAYERS  # gate_up and down of every layer decoded at load
+        assert record.num_matches == qm.LAYERS  # every layer's experts decoded once, after loading
         assert count_op(gm, ad.torch_quant_mxfp4_moe_fused) == 0
-        assert count_op(gm, ad.grouped_moe_fused) == qm.LAYERS  # fuse_moe stacked the decoded experts
+        assert count_op(gm, ad.grouped_moe_fused) == qm.LAYERS  # fuse_moe runs them like a float checkpoint's
+        assert not any(n.endswith("_blocks") for n, _ in gm.named_buffers())  # the MXFP4 tensors are freed
     ref = qm.reference_model()
     g = torch.Generator().manual_seed(0)
     for b, s in SHAPES:
@@ -77,7 +79,7 @@ def test_logits_equal_the_dequantized_reference(backend):
 
 @pytest.mark.parametrize("backend", ["decoded", "mxfp4"])
 def test_greedy_tokens_equal_the_reference(backend):
-    llm = LLM(qm.mxfp4_checkpoint(), transforms={"quantize_mxfp4_moe_from_config": {"backend": backend}}, **LIMITS)
+    llm = LLM(qm.mxfp4_checkpoint(), transforms={"fuse_mxfp4_moe": {"backend": backend}}, **LIMITS)
     ids = llm.tokenizer(qm.GREEDY_PROMPT)["input_ids"]
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=qm.GREEDY_TOKENS, temperature=0,
                                                                    ignore_eos=True))[0]

@@ -210,7 +210,7 @@ def _fold_stacked(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[List[Any]
 class FuseMoE(BaseTransform):
     config_class = FuseMoEConfig
     requires = ("load_weights",)
-    run_after = ("match_moe_pattern",)
+    run_after = ("match_moe_pattern", "fuse_mxfp4_moe")
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         cfg: FuseMoEConfig = self.config  # type: ignore[assignment]

@@ -10,51 +10,38 @@ embeddings and ``lm_head`` stay float (``modules_to_not_convert``). Which parame
 read from the checkpoint's tensors (a ``_blocks`` next to the parameter's name), as for the
 quantized linears.
 
-Two backends (``backend``; ``auto`` decodes when the decoded experts fit in half the free
-memory, else keeps MXFP4):
-
-``decoded``: the graph does not change::
-
-    W = get_attr P.gate_up_proj            # float [E, H, 2I] on meta, as the export left it
-    ... transpose / de-interleave ... autodeploy.torch_moe_fused(x, ..., W', ...)
-
-but every such parameter gets a load hook that fills it from the blocks and scales: decode
-(:func:`~autodeploy.ops.quant.formats.dequantize_mxfp4`, the E8M0 exponents read bit-exactly),
-then transpose ``[E, out, in]`` to HF's ``[E, in, out]``. It runs once, at load; ``fuse_moe``
-then stacks the experts in its canonical layout as for a float checkpoint. Every MXFP4 value is
-exact in bfloat16 and float32, so this is exactly the dequantized model HF computes with
-``Mxfp4Config(dequantize=True)``; the cost is memory: the experts take the model dtype's size
-(fp32: 4 bytes per weight, 7.5x MXFP4's 0.53).
-
-``mxfp4``: the experts stay MXFP4 (``torch_quant_mxfp4_moe_fused``, which decodes each active
-expert when it runs)::
+Before::
 
     y = autodeploy.torch_moe_fused(x, sel, w, <layout ops>(P.gate_up_proj), <layout ops>(P.down_proj), b_gu, b_d, ...)
-  ->
+        # P.gate_up_proj: float [E, H, 2I] on meta (HF's layout); the checkpoint has no such tensor
+
+After::
+
     y = autodeploy.torch_quant_mxfp4_moe_fused(x, sel, w, P.gate_up_blocks, P.gate_up_scales,
                                                P.down_blocks, P.down_scales, b_gu, b_d, ...)
+        # uint8 buffers in the canonical layout: gate_up [E, 2I, H/32, (16)] gate rows first; down [E, H, I/32, (16)]
 
 The layout ops between a parameter and the MoE op (GPT-OSS's transpose and gate/up
 de-interleave) are read by running them on index probes: they must amount to a transpose and a
-permutation of the output rows, which is then applied to the blocks' and scales' rows once at
-load (rows are whole groups, so this is exact). Anything else is refused with the backend named.
+permutation of the output rows, which load hooks then apply to the blocks' and scales' rows once
+at load (rows are whole groups, so this is exact). Anything else is one error naming the
+parameter. ``fuse_mxfp4_moe`` (post_load_fusion) then chooses how the op runs: experts decoded
+once into float (``torch_moe_fused`` -> ``fuse_moe``), or kept in MXFP4.
 
 Every MXFP4 parameter is checked against the safetensors headers before anything loads: both
 tensors present, uint8, with the shapes the parameter implies (expert count, block layout).
 """
 
 import re
-from typing import Any, Dict, List, Literal, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from pydantic import Field
 from torch import fx
 
 from ...models.load_hooks import LoadHook
-from ...ops.quant.formats import MXFP4_GROUP, dequantize_mxfp4
+from ...ops.quant.formats import MXFP4_GROUP
 from ...utils.errors import ModelSourceError
 from ...utils.logging import get_logger
-from ...utils.memory import free_memory_bytes
 from ..graph_utils import is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._quant_from_config import GRAPH_LOAD_HOOKS
@@ -96,19 +83,8 @@ def _validate(param: str, shape: Shape, headers: Dict[str, Tuple[str, Shape]]) -
     return sources
 
 
-def _decode(tensors: List[torch.Tensor]) -> torch.Tensor:
-    """blocks, scales ``[E, out, in/32, (16)]`` -> float32 ``[E, in, out]`` (HF's parameter layout)."""
-    return dequantize_mxfp4(tensors[0], tensors[1]).transpose(1, 2).contiguous()
-
-
 class QuantizeMXFP4MoEFromConfigConfig(TransformConfig):
     stage: Stage = Stage.PATTERN_MATCHER
-    backend: Literal["auto", "decoded", "mxfp4"] = Field(
-        default="auto",
-        description="decoded: experts decoded once at load into the model dtype (fastest; 4 bytes per weight in "
-        "fp32); mxfp4: experts kept in MXFP4 (0.53 bytes per weight), each active expert decoded when it runs; "
-        "auto: decoded when the decoded experts fit in half the free memory, else mxfp4.",
-    )
 
 
 @TransformRegistry.register("quantize_mxfp4_moe_from_config")
@@ -128,36 +104,21 @@ class QuantizeMXFP4MoEFromConfig(BaseTransform):
         if not params:
             raise ModelSourceError("the checkpoint declares quant_method 'mxfp4' but no parameter of the model has "
                                    "'<name>_blocks' / '<name>_scales' tensors in it; is it a GPT-OSS MXFP4 checkpoint?")
-        backend = self._backend(gm, ctx, list(params))
         hooks: List[LoadHook] = gm.meta.setdefault(GRAPH_LOAD_HOOKS, [])
-        if backend == "decoded":
-            for name, sources in params.items():
-                hooks.append(LoadHook(re.escape(name), sources, _decode, f"MXFP4 {name}_blocks/_scales -> {name}",
-                                      decodes=True))
-            logger.info("MXFP4: %d stacked expert weights are decoded at load into the model dtype", len(params))
-            return TransformInfo(num_matches=len(params), is_clean=True, has_valid_shapes=True)
         count = sum(_keep_mxfp4(gm, node, params, hooks) for node in list(gm.graph.nodes)
                     if is_op(node, torch.ops.autodeploy.torch_moe_fused))
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
+        gm.graph.eliminate_dead_code()  # the layout ops of the rewritten layers
+        left = sorted({str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and str(n.target) in params})
+        if left:
+            raise ModelSourceError(f"the checkpoint stores '{left[0]}' in MXFP4, but the graph does not use it only as "
+                                   "the weight of a MoE op; autodeploy loads MXFP4 experts of MoE layers only")
         for name in params:
             owner, _, leaf = name.rpartition(".")
-            if not any(n.op == "get_attr" and n.target == name for n in gm.graph.nodes):
-                gm.get_submodule(owner)._parameters.pop(leaf, None)
-        logger.info("MXFP4: %d MoE layers keep their experts in MXFP4 (decoded per active expert)", count)
+            gm.get_submodule(owner)._parameters.pop(leaf, None)
+        gm.graph.lint()
+        gm.recompile()
+        logger.info("MXFP4: %d MoE layers run on MXFP4 experts (torch_quant_mxfp4_moe_fused)", count)
         return TransformInfo(num_matches=count, is_clean=False, has_valid_shapes=True)
-
-    def _backend(self, gm: fx.GraphModule, ctx: PipelineContext, names: List[str]) -> str:
-        cfg: QuantizeMXFP4MoEFromConfigConfig = self.config  # type: ignore[assignment]
-        if cfg.backend != "auto":
-            return cfg.backend
-        decoded = sum(gm.get_parameter(n).numel() * gm.get_parameter(n).element_size() for n in names)
-        free = free_memory_bytes(torch.device(ctx.device))
-        backend = "decoded" if decoded <= free // 2 else "mxfp4"
-        logger.info("MXFP4 experts: %.1f GiB decoded, %.1f GiB free -> backend %s", decoded / 2**30, free / 2**30,
-                    backend)
-        return backend
 
 
 def _layout_permutation(gm: fx.GraphModule, param: fx.Node, use: fx.Node) -> Optional[torch.Tensor]:
@@ -203,8 +164,9 @@ def _keep_mxfp4(gm: fx.GraphModule, node: fx.Node, params: Dict[str, List[str]],
     for use, param in zip(node.args[3:5], found):
         perm = _layout_permutation(gm, param, use)
         if perm is None:
-            raise ModelSourceError(f"MXFP4 backend 'mxfp4': the ops between '{param.target}' and its MoE op are not a "
-                                   "transpose and a row permutation; use backend 'decoded'")
+            raise ModelSourceError(f"MXFP4: the ops between '{param.target}' and its MoE op are not a transpose and a "
+                                   "row permutation of its [experts, in, out] layout; autodeploy cannot lay out its "
+                                   "MXFP4 blocks for the MoE op")
         name = str(param.target)
         owner, _, leaf = name.rpartition(".")
         stem = leaf[: -len("_proj")] if leaf.endswith("_proj") else leaf
