@@ -30,14 +30,16 @@ class LLM:
     ``config`` takes any ``DeployConfig`` setting (``dtype``, ``device``, ``max_seq_len``,
     ``max_batch_size``, ``max_num_tokens``, ``attn_backend``, ``compile_backend``, ``quantization``,
     ``kv_cache_dtype``, ``page_size``, ``skip_tokenizer_init``, ``transforms``, ...); ``yaml`` is one
-    path or a list of YAML files applied first.
+    path or a list of YAML files applied first. ``show_progress`` draws a progress bar over the
+    transforms; ``log_summary=False`` keeps the transform table out of the log (``llm.summary`` has
+    it either way).
     """
 
     def __init__(self, model: Optional[str] = None, *, yaml: Union[str, Sequence[str], None] = None,
-                 show_progress: bool = False, **config: Any):
+                 show_progress: bool = False, log_summary: bool = True, **config: Any):
         yaml_files = [yaml] if isinstance(yaml, str) else list(yaml or [])
         self.config = load_deploy_config(yaml_files, model=model, **config)
-        self.build: BuildResult = build_graph(self.config, show_progress=show_progress)
+        self.build: BuildResult = build_graph(self.config, show_progress=show_progress, log_summary=log_summary)
         cache = self.build.cache
         if cache is None or not cache.caches:
             raise ConfigError("the pipeline made no KV cache; keep insert_cached_attention and initialize_cache enabled")

@@ -40,16 +40,23 @@ class BenchEngine:
 
     # Engines that specialise on exact shapes (static caches) warm up with the measured ones.
     exact_warmup = False
+    warmup_note = ""  # what makes this engine's warm-up slow, said before it starts
 
     def warm_up(self, prompt_len: int, batch_sizes: List[int], new_tokens: int, prefill_lens: List[int]) -> None:
-        start = time.perf_counter()
+        """Run every measured shape once, untimed.
+
+        Why the progress bar and the line before it: HF + torch.compile compiles each (batch,
+        prompt, cache length) shape here, 28 s on the ``small`` preset, which looked like a hang.
+        """
+        from tqdm import tqdm
+
         lengths = (1, new_tokens) if self.exact_warmup else (1, 2)
-        for b in batch_sizes:
-            prompts = [[5] * prompt_len for _ in range(b)]
-            for n in lengths:
-                self.generate(prompts, n)
-        for length in prefill_lens:
-            self.generate([[5] * length], 1)
+        runs = [([[5] * prompt_len for _ in range(b)], n) for b in batch_sizes for n in lengths]
+        runs += [([[5] * length], 1) for length in prefill_lens]
+        logger.info("warming up %s: %d runs, one per measured shape%s ...", self.name, len(runs), self.warmup_note)
+        start = time.perf_counter()
+        for prompts, n in tqdm(runs, desc=f"warming up {self.name}", unit="run", leave=False, disable=None):
+            self.generate(prompts, n)
         self.warmup_s += time.perf_counter() - start
 
     def close(self) -> None:
@@ -104,6 +111,7 @@ class HFEngine(BenchEngine):
             self.model.generation_config.cache_implementation = "static"
             self.model.forward = torch.compile(self.model.forward, fullgraph=True)
             self.exact_warmup = True
+            self.warmup_note = " (torch.compile compiles each shape: tens of seconds)"
         self.build_s = time.perf_counter() - start
 
     def generate(self, prompts: List[List[int]], new_tokens: int) -> float:

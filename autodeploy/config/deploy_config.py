@@ -7,6 +7,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..utils.errors import ConfigError
+from .checks import check_settings, check_shortcut_value
 from .merge import deep_merge, load_yaml_file, parse_dotted_overrides
 
 DEFAULT_YAML = os.path.join(os.path.dirname(__file__), "default.yaml")
@@ -139,6 +140,7 @@ def load_deploy_config(
         raise ConfigError(_format_error(err)) from None
     config = config.model_copy(update={"transforms": _apply_shortcuts(config, user)})
     validate_pipeline(config.transforms)
+    check_settings(config, user)
     return config
 
 
@@ -169,6 +171,7 @@ def _apply_shortcuts(config: DeployConfig, user: Mapping[str, Any]) -> Dict[str,
             )
         if key not in transforms:
             raise ConfigError(f"{setting} is set but the pipeline has no '{key}' transform to apply it to")
+        check_shortcut_value(setting, value, key, field)
         transforms[key][field] = value
     return transforms
 

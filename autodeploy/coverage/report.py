@@ -301,6 +301,22 @@ def merge_results(old: Sequence[CheckResult], new: Sequence[CheckResult]) -> Lis
     return sorted(merged.values(), key=lambda r: (r.model_type, r.recipe))
 
 
+COMMITTED_REPORT = os.path.join("docs", "coverage.md")
+
+
+def default_report_path(cache_dir: Optional[str] = None) -> str:
+    """Where a sweep's report goes when ``--out`` names no file: ``report.md`` (and ``.json``)
+    in the coverage cache, beside the checkpoints and logs.
+
+    Why not the committed ``docs/coverage.md``: a partial sweep (``--only llama``) written there
+    replaced the whole table with one row. The docs are regenerated only on request, by naming
+    them (``--out docs/coverage.md``, with ``--update`` to merge a partial sweep into them).
+    """
+    from .checkpoints import default_cache_dir
+
+    return os.path.join(cache_dir or default_cache_dir(), "report.md")
+
+
 def write_report(results: Sequence[CheckResult], markdown_path: str, meta: Optional[Dict[str, Any]] = None) -> List[str]:
     """Write the markdown table and, beside it, the JSON (same name, ``.json``)."""
     results = sorted(results, key=lambda r: (r.model_type, r.recipe))

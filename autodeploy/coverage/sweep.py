@@ -9,6 +9,7 @@ Each child's stderr is kept in ``<cache_dir>/logs/<model_type>.<recipe>.log``.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import json
 import os
@@ -34,9 +35,10 @@ DEFAULT_TIMEOUT_S = 300.0
 def select_model_types(only: Optional[Sequence[str]] = None, all_types: Optional[Sequence[str]] = None) -> List[str]:
     """The model types to check: all of the causal-LM mapping, or those matching ``only``.
 
-    ``only`` holds names or glob patterns (``qwen*``), comma-separated or not. A name that is
-    no model type is kept (its check reports that at the config stage); a pattern that matches
-    nothing is an error, since it is almost certainly a typo.
+    ``only`` holds names or glob patterns (``qwen*``), comma-separated or not. A name that is no
+    model type of the mapping, or a pattern that matches none, is an error naming the close
+    matches: almost certainly a typo, and better caught before a sweep than reported as one
+    error row of it.
     """
     universe = list(all_types) if all_types is not None else causal_lm_model_types()
     if not only:
@@ -47,11 +49,30 @@ def select_model_types(only: Optional[Sequence[str]] = None, all_types: Optional
         if any(ch in pattern for ch in "*?["):
             matches = fnmatch.filter(universe, pattern)
             if not matches:
-                raise ValueError(f"--only pattern '{pattern}' matches no model type")
-        else:
+                raise ValueError(f"--only pattern '{pattern}' matches no model type{_close_matches(pattern, universe)}")
+        elif pattern in universe:
             matches = [pattern]
+        else:
+            raise ValueError(f"--only: '{pattern}' is no causal-LM model type of transformers "
+                             f"{_transformers_version()}{_close_matches(pattern, universe)}")
         chosen.extend(m for m in matches if m not in chosen)
     return chosen
+
+
+def _close_matches(name: str, universe: Sequence[str]) -> str:
+    """'; did you mean ...?' with the model types spelled most like ``name`` (or ones it starts)."""
+    stem = name.strip("*?[]")
+    close = difflib.get_close_matches(stem, universe, n=5, cutoff=0.6)
+    close += [t for t in universe if stem and t.startswith(stem) and t not in close][: 5 - len(close)]
+    if close:
+        return f"; did you mean {', '.join(close)}?"
+    return " (no close match; the types are the keys of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)"
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _child_env(threads: int) -> dict:

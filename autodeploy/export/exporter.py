@@ -6,6 +6,7 @@ decode). It is returned with plain FX codegen (no pytree specs, no guard module)
 under their checkpoint names, and ``meta['val']`` on every node.
 """
 
+import operator
 import re
 from contextlib import contextmanager
 from typing import Any, Collection, Dict, Iterator, List, Mapping, Optional
@@ -253,6 +254,7 @@ def _plain_graph_module(ep: torch.export.ExportedProgram, check_inputs: bool = T
         first = ph.next if ph is first else first
     # ep.module() checks inputs against its pytree spec in a pre-hook; the plain module has none.
     gm._forward_pre_hooks.clear()
+    _inline_mode_regions(gm)
     output = next(n for n in graph.nodes if n.op == "output")
     result = output.args[0]
     if isinstance(result, (tuple, list)) and len(result) == 1:
@@ -263,6 +265,71 @@ def _plain_graph_module(ep: torch.export.ExportedProgram, check_inputs: bool = T
     gm.meta["autodeploy_export"] = {"dynamic_dims": {"batch": 0, "seq": 1}}
     gm.recompile()
     return gm
+
+
+def _mode_region_operands(node: fx.Node) -> Optional[tuple]:
+    """(subgraph node, operands) of a grad-mode or autocast-off region, else None.
+
+    Exported with grad enabled (the ``no_grad`` patch off), a ``torch.no_grad()`` region of the
+    model (HF's rotary embedding) becomes ``wrap_with_set_grad_enabled(False, submod, *args)``,
+    and an ``autocast(enabled=False)`` region ``wrap_with_autocast(..., False, ..., submod, *args)``.
+    Both are no-ops for inference outside autocast, which is the only way graphs run here.
+    """
+    hop = torch.ops.higher_order
+    if node.op != "call_function":
+        return None
+    if node.target is getattr(hop, "wrap_with_set_grad_enabled", None):
+        return node.args[1], node.args[2:]
+    if node.target is getattr(hop, "wrap_with_autocast", None) and node.args[2] is False:
+        return node.args[4], node.args[5:]
+    return None
+
+
+def _inline_mode_regions(gm: fx.GraphModule) -> None:
+    """Copy the body of every grad-mode / autocast-off region into the graph itself.
+
+    Why: every later step (cleanups, pattern matchers, shape propagation, weight loading)
+    walks one flat graph. Left as a subgraph, the region keeps what they would have rewritten:
+    its ``_assert_tensor_metadata(device=meta)`` checks, kept from tracing on the meta device,
+    then fail the first run on CPU ("Tensor device mismatch! Expected: meta, Got: cpu"), and
+    its RoPE is never matched.
+    """
+    graph = gm.graph
+    while True:
+        found = next(((n, r) for n in graph.nodes if (r := _mode_region_operands(n)) is not None), None)
+        if found is None:
+            break
+        node, (sub_node, operands) = found
+        sub: fx.GraphModule = getattr(gm, str(sub_node.target))
+        env: Dict[fx.Node, Any] = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], operands))
+        result: Any = None
+        with graph.inserting_before(node):
+            for inner in sub.graph.nodes:
+                if inner.op == "output":
+                    result = fx.map_arg(inner.args[0], env.__getitem__)
+                elif inner.op == "get_attr":
+                    name = _free_attr_name(gm, f"{sub_node.target}_{inner.target}")
+                    setattr(gm, name, getattr(sub, str(inner.target)))
+                    env[inner] = graph.get_attr(name)
+                elif inner.op != "placeholder":
+                    env[inner] = graph.node_copy(inner, env.__getitem__)
+        for user in [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]:
+            user.replace_all_uses_with(result[user.args[1]])  # getitem(region, i) -> its i-th output
+            graph.erase_node(user)
+        if node.users:
+            node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        if not sub_node.users:
+            graph.erase_node(sub_node)
+            delattr(gm, str(sub_node.target))
+
+
+def _free_attr_name(gm: fx.GraphModule, base: str) -> str:
+    name, i = base.replace(".", "_"), 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base.replace('.', '_')}_{i}"
+    return name
 
 
 def graph_input_values(gm: fx.GraphModule) -> Dict[str, Any]:

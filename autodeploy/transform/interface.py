@@ -93,11 +93,13 @@ class TransformInfo:
     num_matches: int = 0
     is_clean: bool = False
     has_valid_shapes: bool = False
+    reason: Optional[str] = None  # why it was skipped: shown in the pipeline summary
 
     def merge(self, other: "TransformInfo") -> "TransformInfo":
         """Combine the infos of several GraphModules of one model."""
         return TransformInfo(
             skipped=self.skipped and other.skipped,
+            reason=self.reason or other.reason,
             num_matches=self.num_matches + other.num_matches,
             is_clean=self.is_clean and other.is_clean,
             has_valid_shapes=self.has_valid_shapes and other.has_valid_shapes,
@@ -114,7 +116,7 @@ class TransformRecord:
     num_matches: int = 0
     time_s: float = 0.0
     mem_delta_mb: float = 0.0
-    error: Optional[str] = None
+    error: Optional[str] = None  # why it failed, or why it was skipped
 
 
 CacheMode = Literal["paged_kv", "state", "paged_kv+state", "recompute"]
@@ -284,6 +286,7 @@ class BaseTransform(ABC):
             num_matches=info.num_matches,
             time_s=elapsed,
             mem_delta_mb=mem_delta / 2**20,
+            error=info.reason if info.skipped else None,
         )
         ctx.history.append(record)
         for gm in graph_modules(mod) if mod is not None else []:

@@ -10,8 +10,9 @@ decompositions, so a call to a canonical op stays one node.
 Inductor treats int/float/dtype/device literals in patterns as wildcards (except a few ints
 it keeps, such as ``pow`` exponents); checks the pattern cannot express go in ``extra_check``.
 
-Tracing a search function with ``torch.export`` takes 0.1-0.5 s, and the RoPE, RMSNorm and
-SwiGLU sets trace ~40 variants: ~7 s of every first build in a process. So traced search
+Tracing a search function with ``torch.export`` takes 0.1-0.5 s, and the RoPE, RMSNorm, L2Norm
+and SwiGLU sets trace 29 variants for ``demo``: 4-6.5 s of its first build in a process
+(measured with the build ~5 s faster from a warm cache). So traced search
 patterns are kept on disk (``$AUTODEPLOY_CACHE/patterns``) as Python source in inductor's
 pattern syntax (the form inductor ships its own serialized patterns in). The key covers
 the torch version, the source of every module under ``autodeploy/transform`` and
@@ -26,6 +27,7 @@ import math
 import operator
 import os
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
@@ -267,8 +269,10 @@ def _store_pattern(path: str, pattern: ipm.PatternExpr) -> None:
 
 
 def traced_pattern(set_name: str, search_fn: Callable, example_inputs: Sequence[Any], trace_fn: Callable,
-                   scalar_workaround: Dict[str, Any], options: Sequence[Any]) -> ipm.PatternExpr:
-    """``ipm.gen_pattern`` through the on-disk cache (see the module docstring)."""
+                   scalar_workaround: Dict[str, Any], options: Sequence[Any],
+                   on_trace: Callable[[], None] = lambda: None) -> ipm.PatternExpr:
+    """``ipm.gen_pattern`` through the on-disk cache (see the module docstring); ``on_trace`` is
+    called before a pattern is actually traced (a cache miss, the slow case)."""
     folder = pattern_cache_dir()
     path = None
     if folder is not None:
@@ -277,6 +281,7 @@ def traced_pattern(set_name: str, search_fn: Callable, example_inputs: Sequence[
         cached = _load_pattern(path)
         if cached is not None:
             return cached
+    on_trace()
     pattern = ipm.gen_pattern(search_fn, list(example_inputs), trace_fn, scalar_workaround)
     if path is not None:
         _store_pattern(path, pattern)
@@ -299,6 +304,7 @@ class PatternSet:
         self._pass: Optional[ipm.PatternMatcherPass] = None
         self._registrations: List[Callable[[ipm.PatternMatcherPass], None]] = []
         self._seen: set = set()
+        self._traced = 0  # patterns traced (not read from the disk cache) by the current registration
 
     def add(
         self,
@@ -326,7 +332,8 @@ class PatternSet:
             ), f"{self.name}: search and replace functions must take the same arguments"
 
             def register(pass_: ipm.PatternMatcherPass) -> None:
-                pattern = traced_pattern(self.name, search_fn, example_inputs, trace_fn, workaround, options)
+                pattern = traced_pattern(self.name, search_fn, example_inputs, trace_fn, workaround, options,
+                                         self._note_trace)
                 ipm.register_replacement(
                     search_fn, replace_fn, list(example_inputs), trace_fn, [pass_],
                     extra_check=extra_check, scalar_workaround=workaround, skip_duplicates=True,
@@ -336,7 +343,8 @@ class PatternSet:
         else:
 
             def register(pass_: ipm.PatternMatcherPass) -> None:
-                pattern = traced_pattern(self.name, search_fn, example_inputs, trace_fn, workaround, options)
+                pattern = traced_pattern(self.name, search_fn, example_inputs, trace_fn, workaround, options,
+                                         self._note_trace)
                 key = ipm.PatternPrettyPrinter.run(pattern)
                 if key in self._seen:
                     return
@@ -352,9 +360,7 @@ class PatternSet:
     def apply(self, gm: fx.GraphModule) -> int:
         """Rewrite every match in ``gm``; returns the number of replacements."""
         if self._pass is None:
-            self._pass = ipm.PatternMatcherPass(pass_name=self.name)
-            for register in self._registrations:
-                register(self._pass)
+            self._pass = self._register_all()
         with _match_any_device():
             count = self._pass.apply(gm.graph)
         if count:
@@ -362,3 +368,33 @@ class PatternSet:
             eliminate_dead_code(gm)
             gm.recompile()
         return count
+
+    def _register_all(self) -> ipm.PatternMatcherPass:
+        """Register every pattern into a new pass, with a sign of life.
+
+        Why: each pattern missing from the disk cache is traced with ``torch.export`` (0.1-0.5 s;
+        ~40 across the sets, seconds of a first build), silently. A progress bar counts the
+        patterns (on a terminal, once registering takes over half a second), a line says when
+        tracing starts, and one gives the count and time after.
+        """
+        from tqdm import tqdm
+
+        pass_ = ipm.PatternMatcherPass(pass_name=self.name)
+        self._traced, start = 0, time.perf_counter()
+        with tqdm(total=len(self._registrations), desc=f"patterns {self.name}", unit="pattern", leave=False,
+                  delay=0.5, disable=None) as progress:
+            for register in self._registrations:
+                register(pass_)
+                progress.update(1)
+        if self._traced:
+            logger.info("pattern set %s: traced %d of %d patterns in %.1f s (%s)", self.name, self._traced,
+                        len(self._registrations), time.perf_counter() - start,
+                        f"kept in {pattern_cache_dir()} for later builds" if pattern_cache_dir() else "cache off")
+        return pass_
+
+    def _note_trace(self) -> None:
+        """The first cache miss of a registration says that tracing, the slow part, starts."""
+        if self._traced == 0:
+            logger.info("pattern set %s: tracing the patterns not in the pattern cache yet (0.1-0.5 s each) ...",
+                        self.name)
+        self._traced += 1

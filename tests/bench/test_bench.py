@@ -96,3 +96,32 @@ def test_cli_rejects_unknown_engine(capsys):
         main(["bench", "--engines", "vllm"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_warm_up_says_what_it_runs_before_it_starts(caplog, monkeypatch):
+    """HF + torch.compile compiles each shape in the warm-up (28 s on ``small``): a line before
+    it names the engine, the number of runs and why it is slow; then every shape runs once."""
+    import logging
+
+    from autodeploy.bench.engines import BenchEngine
+
+    class Recorder(BenchEngine):
+        name = "recorder"
+        exact_warmup = True
+        warmup_note = " (compiles)"
+
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, new_tokens):
+            self.calls.append((len(prompts), len(prompts[0]), new_tokens))
+            return 0.0
+
+    monkeypatch.setattr(logging.getLogger("autodeploy"), "propagate", True)
+    engine = Recorder()
+    with caplog.at_level(logging.INFO, logger="autodeploy"):
+        engine.warm_up(prompt_len=3, batch_sizes=[1, 4], new_tokens=6, prefill_lens=[16])
+    assert engine.calls == [(1, 3, 1), (1, 3, 6), (4, 3, 1), (4, 3, 6), (1, 16, 1)]
+    lines = [r.getMessage() for r in caplog.records]
+    assert "warming up recorder: 5 runs, one per measured shape (compiles) ..." in lines
+    assert engine.warmup_s >= 0.0

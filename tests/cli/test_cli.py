@@ -80,6 +80,9 @@ def test_export_prints_summary_and_writes_artifacts(tmp_path, capsys):
     assert main(["export", "--model", "tiny-llama", "--out", str(out), "--max_seq_len", "64"]) == 0
     stdout = capsys.readouterr().out
     assert "match_rope_pattern" in stdout and "total" in stdout
+    # each skipped row says why
+    assert any(line.startswith("recompute_fallback ") and line.endswith("skipped: not needed: the caches serve this model")
+               for line in stdout.splitlines())
     assert "autodeploy.sdpa_cached_attention_with_cache" in stdout  # the default pipeline caches attention
     for name in ("graph.dot", "graph.txt", "graph.py", "summary.txt", "config.json"):
         assert (out / name).exists(), name
@@ -94,6 +97,8 @@ def test_run_generates_and_reports_throughput(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "load_weights" in out and "insert_cached_attention" in out  # the summary table
+    table_rows = [line for line in (out + proc.stderr).splitlines() if line.startswith("load_weights ")]
+    assert len(table_rows) == 1, "the transform table is printed once (stdout), not logged again"
     for prompt in ("x", "The for statement", "Hello"):
         assert f"--- prompt: {prompt!r}  [length, 5 tokens]" in out
     assert "prefill" in out and "decode" in out and "tok/s" in out
@@ -106,3 +111,120 @@ def test_run_rejects_bad_sampling_flags():
         "autodeploy: error: invalid sampling parameter: top_p must be in (0, 1], got 2.0"]
     missing = run_cli("run", "--model", "tiny-llama", "--prompts-file", "/no/such/file")
     assert missing.returncode == 2 and "cannot read prompts file" in missing.stderr
+
+
+# ---- transforms: order, descriptions, why a transform is off, export patches ---------------------
+def _json_rows(*args):
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["transforms", "--json", *args]) == 0
+    return json.loads(buf.getvalue())
+
+
+def test_transforms_are_listed_in_run_order():
+    from autodeploy.cli_listing import STAGES_HELP, stage_names
+    from autodeploy.config import load_deploy_config
+    from autodeploy.transform.interface import Stage
+    from autodeploy.transform.optimizer import InferenceOptimizer
+
+    assert stage_names()[:3] == ["factory", "export", "post_export"] and stage_names()[-1] == "compile"
+    assert ", ".join(stage_names()) in STAGES_HELP  # the help text names the stages in run order
+    rows = _json_rows()
+    orders = [Stage(r["stage"]).order for r in rows]
+    assert orders == sorted(orders)
+    # within a stage, the order the default pipeline runs them in
+    ran = [t.get_transform_key() for t in InferenceOptimizer(load_deploy_config().transforms).transforms]
+    listed = [r["key"] for r in rows if r["in_default_pipeline"]]
+    assert listed == ran
+
+
+def test_transform_descriptions_are_whole_paragraphs():
+    rows = {r["key"]: r for r in _json_rows()}
+    assert rows["recompute_fallback"]["summary"] == (
+        "check the KV-cached graph, and run the model in recompute mode when a KV cache cannot serve it.")
+    for key, row in rows.items():  # the lead "``key`` (stage):" dropped, the sentence kept whole
+        assert not row["summary"].startswith(f"``{key}``") and row["summary"].endswith("."), (key, row["summary"])
+
+
+def test_transforms_say_why_one_is_off(capsys):
+    assert main(["transforms", "--stage", "pattern_matcher"]) == 0
+    out = capsys.readouterr().out
+    assert ("match_linear_simple  [stage pattern_matcher, default off by default (switch on with "
+            "--transforms.match_linear_simple.enabled true)]") in out
+    assert "[stage export" not in out  # only the stage asked for
+
+
+def test_export_to_gm_lists_the_export_patches(capsys):
+    from autodeploy.export.patch_registry import export_patches
+
+    names = [p.name for p in export_patches()]
+    assert {"no_grad", "list_index_constants", "meta_tensor_constants", "state_kernels"} <= set(names)
+    assert main(["transforms", "--key", "export_to_gm"]) == 0
+    out = capsys.readouterr().out
+    assert "export patches (all on; switch one off with --transforms.export_to_gm.patches.<name> false):" in out
+    for name in names:
+        assert f"      {name}: " in out, name
+    row = _json_rows("--key", "export_to_gm")[0]
+    assert [p["name"] for p in row["export_patches"]] == names
+
+
+def test_unknown_stage_is_exit_code_2_with_the_stages_in_run_order(capsys):
+    assert main(["transforms", "--stage", "compil"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("autodeploy: error: --stage: unknown stage 'compil' (did you mean: compile?); stages in run "
+                   "order: factory, export, post_export, pattern_matcher, sharding, weight_load, post_load_fusion, "
+                   "cache_init, visualize, compile")
+
+
+# ---- version and help ----------------------------------------------------------------------------
+def test_version(capsys):
+    import autodeploy
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"autodeploy {autodeploy.__version__}"
+
+
+def _help(*args):
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit) as exc:
+        main([*args, "--help"])
+    assert exc.value.code == 0
+    return " ".join(buf.getvalue().split())  # argparse wraps lines
+
+
+def test_help_explains_every_flag():
+    top = _help()
+    assert "--version" in top and "--debug" in top and "--transforms.<key>.<field> VALUE" in top
+    listing = _help("transforms")
+    assert "--json print JSON" in listing and "stages in run order: factory, export," in listing
+    assert "--debug debug logging" in listing
+    for command in ("run", "export", "serve"):
+        text = _help(command)
+        assert "--<setting> VALUE" in text and "--transforms.<key>.<field> VALUE" in text, command
+        assert "max_seq_len" in text and "attn_backend" in text and "--debug" in text, command
+
+
+def test_bench_help_shows_the_defaults():
+    text = _help("bench")
+    for flag, default in (("--batch-sizes", "1 8 32"), ("--new-tokens", "128"), ("--prefill-lens", "128 512"),
+                          ("--rounds", "3"), ("--model", "small"), ("--accuracy-tokens", "32")):
+        after = text.split(f" {flag} ", 1)[1]
+        assert f"(default: {default})" in after.split(" --", 1)[0], flag
+
+
+def test_serve_prints_the_table_once(capsys, monkeypatch):
+    import autodeploy.serve.server
+
+    monkeypatch.setattr(autodeploy.serve.server, "serve", lambda llm, **kwargs: None)
+    assert main(["serve", "--model", "tiny-llama", "--max_seq_len", "64", "--port", "0"]) == 0
+    captured = capsys.readouterr()
+    rows = [line for line in (captured.out + captured.err).splitlines() if line.startswith("load_weights ")]
+    assert len(rows) == 1 and "serving 'tiny-llama'" in captured.out

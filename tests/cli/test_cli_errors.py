@@ -140,6 +140,109 @@ def test_bad_setting_is_a_user_error(case, capsys):
     _assert_one_line_error(capsys.readouterr().err, expected)
 
 
+# Caught from the settings alone, before anything is built, naming the flag the user typed (not
+# the transform field behind a shortcut) with the allowed values.
+PRE_BUILD_CASES = {
+    "attn_backend_unknown": (["run", "--attn_backend", "flash"],
+                             ["--attn_backend: 'flash' is not an attention backend", "choose one of: sdpa, torch"]),
+    "attn_backend_field_unknown": (["export", "--transforms.insert_cached_attention.backend", "flash"],
+                                   ["--transforms.insert_cached_attention.backend: 'flash'", "sdpa, torch"]),
+    "compile_backend_unknown": (["serve", "--compile_backend", "fast"],
+                                ["--compile_backend: Input should be 'torch-simple', 'torch-compile'", "got 'fast'"]),
+    "cuda_graphs_on_cpu": (["run", "--compile_backend", "torch-cudagraph"],
+                           ["--compile_backend: 'torch-cudagraph' captures CUDA graphs and needs device cuda",
+                            "the device is cpu", "torch-simple"]),
+    "cuda_graphs_on_cpu_as_field": (["export", "--transforms.compile_model.backend=torch-opt"],
+                                    ["--transforms.compile_model.backend: 'torch-opt'", "needs device cuda"]),
+    "piecewise_without_cuda_graphs": (["export", "--transforms.compile_model.piecewise_enabled", "true"],
+                                      ["--transforms.compile_model.piecewise_enabled:",
+                                       "torch-cudagraph or torch-opt"]),
+    "kv_cache_dtype_unknown": (["run", "--kv-cache-dtype", "fp4"],
+                               ["--kv-cache-dtype: Input should be 'auto' or 'fp8'"]),
+    "max_batch_size_zero": (["run", "--max_batch_size", "0"], ["--max_batch_size: Input should be greater than"]),
+}
+if not torch.cuda.is_available():
+    PRE_BUILD_CASES["cuda_without_gpu"] = (["run", "--device", "cuda"],
+                                           ["--device: 'cuda' needs a CUDA GPU", "sees none", "use cpu"])
+
+
+@pytest.fixture
+def nothing_is_built(monkeypatch):
+    import autodeploy.llm
+    import autodeploy.pipeline
+
+    def build_graph(*args, **kwargs):
+        raise AssertionError("the model was built before the settings were checked")
+
+    monkeypatch.setattr(autodeploy.pipeline, "build_graph", build_graph)
+    monkeypatch.setattr(autodeploy.llm, "build_graph", build_graph)
+
+
+@pytest.mark.parametrize("case", sorted(PRE_BUILD_CASES))
+def test_bad_setting_fails_before_building_and_names_the_flag(case, capsys, nothing_is_built):
+    args, expected = PRE_BUILD_CASES[case]
+    assert main(args) == 2
+    _assert_one_line_error(capsys.readouterr().err, expected)
+
+
+def test_the_api_names_the_setting_it_was_given():
+    """The same checks run for ``LLM(...)``/``load_deploy_config``, naming the keyword."""
+    from autodeploy.config import load_deploy_config
+    from autodeploy.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^attn_backend: 'flash' is not an attention backend"):
+        load_deploy_config(attn_backend="flash")
+    with pytest.raises(ConfigError, match=r"^transforms.compile_model.backend: 'torch-cudagraph' captures CUDA"):
+        load_deploy_config(transforms={"compile_model": {"backend": "torch-cudagraph"}})
+    # a config for a CUDA machine still loads here: only a build needs the GPU
+    assert load_deploy_config(device="cuda", compile_backend="torch-cudagraph").device == "cuda"
+
+
+def test_max_seq_len_above_the_models_limit_names_both_numbers(capsys):
+    """The demo model has 512 positions; an explicit larger value is refused (the API does too)."""
+    assert main(["run", "--max_seq_len", "1024", "--prompt", "x", "--max-tokens", "1"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, ["--max_seq_len 1024 is larger than the model's limit of 512",
+                                                     "at most 512"])
+
+
+@pytest.mark.parametrize("args", [["--debug", "run", "--attn_backend", "flash"],
+                                  ["run", "--attn_backend", "flash", "--debug"],
+                                  ["transforms", "--debug", "--stage", "compil"]])
+def test_debug_in_either_position_keeps_exit_code_2(args, capsys, nothing_is_built):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "override '--debug'" not in err
+    assert err.strip().splitlines()[-1].startswith("autodeploy: error: --")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--batch-sizes", "8", "0"], "argument --batch-sizes: 0 is too small: it must be at least 1"),
+    (["--new-tokens", "0"], "argument --new-tokens: 0 is too small"),
+    (["--prefill-lens", "x"], "argument --prefill-lens: 'x' is not a whole number"),
+    (["--accuracy-prompts", "-1"], "argument --accuracy-prompts: -1 is too small: it must be at least 0"),
+])
+def test_bench_flags_are_checked_before_measuring(flags, expected, capsys, monkeypatch):
+    import autodeploy.bench.runner
+
+    monkeypatch.setattr(autodeploy.bench.runner, "run", lambda cfg: pytest.fail("bench ran"))
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *flags])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"autodeploy: error: {expected}"), lines
+    assert "max_batch_size" not in lines[0]
+
+
+def test_bench_device_without_gpu_fails_before_measuring(capsys, monkeypatch, tmp_path):
+    import autodeploy.bench.runner
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setattr(autodeploy.bench.runner, "run", lambda cfg: pytest.fail("bench ran"))
+    assert main(["bench", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    _assert_one_line_error(capsys.readouterr().err, ["--device: 'cuda' needs a CUDA GPU"])
+
+
 def test_serve_on_a_port_in_use_fails_before_building(capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

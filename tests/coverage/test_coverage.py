@@ -105,9 +105,69 @@ def test_select_model_types():
     assert select_model_types(None, universe) == universe
     assert select_model_types(["qwen2*", "llama"], universe) == ["qwen2", "qwen2_moe", "llama"]
     assert select_model_types(["llama,qwen3"], universe) == ["llama", "qwen3"]
-    assert select_model_types(["not_a_type"], universe) == ["not_a_type"]  # reported by its check
     with pytest.raises(ValueError, match="matches no model type"):
         select_model_types(["zzz*"], universe)
+
+
+def test_unknown_model_type_names_close_matches():
+    """A typo is an error before the sweep (it used to run and report one error row, exit 0)."""
+    universe = ["llama", "llama4", "qwen2", "qwen3"]
+    with pytest.raises(ValueError, match=r"'llam' is no causal-LM model type.*did you mean llama, llama4\?"):
+        select_model_types(["llam"], universe)
+    with pytest.raises(ValueError, match="no close match"):
+        select_model_types(["llama,zzzzzz"], universe)
+
+
+@pytest.fixture
+def fake_sweep(monkeypatch):
+    """``run_sweep`` replaced by one that passes every type at once and records what it was asked."""
+    import autodeploy.coverage.sweep as sweep_mod
+
+    calls = []
+
+    def run_sweep(model_types, *, recipes, on_result=None, **kwargs):
+        calls.append(list(model_types))
+        results = [CheckResult(t, recipe=r, status="pass", stage="compare", cache_mode="paged_kv",
+                               logits_rel_rmse=1e-7, tokens_match=True) for t in model_types for r in recipes]
+        for r in results:
+            if on_result is not None:
+                on_result(r)
+        return results
+
+    monkeypatch.setattr(sweep_mod, "run_sweep", run_sweep)
+    return calls
+
+
+def test_cli_unknown_model_type_exits_2_before_running(fake_sweep, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # were it to run anyway, its report lands here, not in the repository
+    assert main(["coverage", "--only", "llam", "--out", str(tmp_path / "report.md")]) == 2
+    err = capsys.readouterr().err
+    assert "'llam' is no causal-LM model type" in err and "did you mean llama" in err
+    assert fake_sweep == []  # nothing ran
+
+
+def test_cli_partial_sweep_leaves_the_committed_docs_alone(fake_sweep, tmp_path, monkeypatch, capsys):
+    """``--only llama`` without ``--out`` used to replace docs/coverage.md with a one-row table."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    committed = tmp_path / "docs" / "coverage.md"
+    committed.write_text("the committed table\n")
+    cache = tmp_path / "cache"
+    assert main(["coverage", "--only", "llama", "--cache-dir", str(cache)]) == 0
+    assert fake_sweep == [["llama"]]
+    assert committed.read_text() == "the committed table\n"
+    report = cache / "report.md"
+    assert "| llama | pass |" in report.read_text() and (cache / "report.json").exists()
+    assert str(report) in capsys.readouterr().out  # the path is printed at the end
+
+
+def test_default_report_path_is_in_the_cache(tmp_path, monkeypatch):
+    from autodeploy.coverage.report import COMMITTED_REPORT, default_report_path
+
+    assert default_report_path(str(tmp_path)) == str(tmp_path / "report.md")
+    monkeypatch.chdir(tmp_path)
+    assert default_report_path() == str(tmp_path / ".cache" / "coverage" / "report.md")
+    assert not default_report_path().endswith(COMMITTED_REPORT)
 
 
 def test_subprocess_timeout_is_reported(tmp_path):

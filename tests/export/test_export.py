@@ -153,6 +153,36 @@ def test_export_to_graph_module_dynamic_dims():
     assert {n for n, _ in gm.named_parameters()} == {"proj.weight", "proj.bias"}
 
 
+class ModeRegions(nn.Module):
+    """A no_grad region (as HF's rotary embedding has) and an autocast-off region, nested too."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("c", torch.randn(8))
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = x @ self.w + self.c
+            with torch.autocast("cpu", enabled=False):
+                y = torch.cos(y).float()
+        with torch.autocast("cpu", enabled=False):
+            z = (y * 2).float()
+        return z + x
+
+
+def test_grad_mode_and_autocast_off_regions_are_inlined():
+    """Without the no_grad patch export wraps such regions in higher-order ops with subgraphs,
+    which the flat-graph passes never enter: they are inlined into one graph."""
+    module = ModeRegions().eval()
+    x = torch.randn(3, 8)
+    gm = export_to_graph_module(module, (x,), patches={"no_grad": False})
+    assert not [n for n in gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)]
+    assert not [name for name, m in gm.named_children() if isinstance(m, fx.GraphModule)]
+    assert gm.graph.find_nodes(op="call_function", target=torch.ops.aten.cos.default)
+    torch.testing.assert_close(gm(x), module(x))
+
+
 def test_export_to_graph_module_unknown_patch():
     with pytest.raises(ValueError, match="nope"):
         export_to_graph_module(TwoInputs(), (torch.randn(2, 5, 8), torch.randn(2, 5, 3)), patches={"nope": True})

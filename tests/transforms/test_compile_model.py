@@ -1,5 +1,7 @@
 """compile_model (compile): torch-simple hands back the module it got; unknown backends are config errors."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -48,7 +50,8 @@ def test_default_backend_is_torch_simple():
 
 
 def test_unknown_backend_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"compile_model\.backend.*'nope'") as err:
+    # the error names the setting the user wrote (the shortcut), not the transform field behind it
+    with pytest.raises(ConfigError, match=r"^compile_backend: .*'nope'") as err:
         load_deploy_config(compile_backend="nope")
     assert "torch-simple" in str(err.value)
 
@@ -56,3 +59,29 @@ def test_unknown_backend_is_a_config_error():
 def test_unknown_backend_in_transform_config_is_a_config_error():
     with pytest.raises(ConfigError, match=r"transforms\.compile_model\.backend"):
         build_transform("compile_model", {"backend": "inductor-max"})
+
+
+def test_slow_backends_log_before_and_after_with_the_time(monkeypatch, caplog):
+    """torch-compile spends seconds in inductor inside this one transform: a line says so before,
+    and one gives the time after (inductor itself is replaced here: the lines are the subject)."""
+    import logging
+
+    import autodeploy.transform.library.compile_model as compile_model
+
+    calls = []
+
+    def fake_compile_graph(gm, cache, backend, **kwargs):
+        calls.append(backend)
+        return gm
+
+    monkeypatch.setattr(compile_model, "compile_graph", fake_compile_graph)
+    monkeypatch.setattr(logging.getLogger("autodeploy"), "propagate", True)
+    x = torch.randn(3, 8)
+    with caplog.at_level(logging.INFO, logger="autodeploy"):
+        build_transform("compile_model", {"backend": "torch-compile"})(export_gm(_Small(), x), PipelineContext())
+    # by identity: after an in-process CLI run pytest's handlers also sit on the autodeploy logger (each record twice)
+    records = {id(r): r for r in caplog.records}.values()
+    lines = [r.getMessage() for r in records if r.name.endswith("compile_model")]
+    assert calls == ["torch-compile"]
+    assert len(lines) == 2 and "torch-compile: inductor compiles" in lines[0]
+    assert re.search(r"torch-compile done in \d+\.\d s", lines[1])

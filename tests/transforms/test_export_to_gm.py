@@ -101,6 +101,23 @@ def test_known_patch_can_be_switched_off():
     assert [n.name for n in result.graph.graph.nodes if n.op == "placeholder"] == ["input_ids", "position_ids"]
 
 
+def test_without_the_no_grad_patch_the_graph_is_flat_and_runs():
+    """Exported with grad enabled, HF's ``@torch.no_grad`` rotary embedding is a
+    ``wrap_with_set_grad_enabled`` region; export inlines it, so the cleanups remove its
+    meta-device asserts (which failed the first CPU run) and RoPE is matched as without the switch."""
+    overrides = {"export_to_gm": {"patches": {"no_grad": False}}}
+    raw = build(family_checkpoint("llama"), up_to=Stage.EXPORT, overrides=overrides).graph
+    assert not [n for n in raw.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)]
+    assert not [name for name, m in raw.named_children() if isinstance(m, fx.GraphModule)]
+    gm = build(family_checkpoint("llama"), up_to=Stage.WEIGHT_LOAD, overrides=overrides).graph
+    default = build(family_checkpoint("llama"), up_to=Stage.WEIGHT_LOAD).graph
+    rope = ad.torch_rope_with_explicit_cos_sin
+    assert count_op(gm, rope) == count_op(default, rope) > 0
+    ids, pos = _inputs(2, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(ids, pos), default(ids, pos))
+
+
 def test_bad_attn_implementation_rejected_by_config():
     with pytest.raises(ConfigError) as exc:
         load_deploy_config(model="tiny-llama",

@@ -90,6 +90,30 @@ def test_cache_can_be_switched_off(cache_dir, monkeypatch):
     assert result["norm"][0] == 2 and result["rope"][0] == 1  # the patterns still work, just uncached
 
 
+def test_tracing_says_when_it_starts_and_how_long_it_took(cache_dir, monkeypatch, caplog):
+    """Tracing a cold set takes seconds: one line before, one with the count and time after;
+    a warm cache says nothing (nothing slow happens)."""
+    import logging
+    import re
+
+    monkeypatch.setattr(logging.getLogger("autodeploy"), "propagate", True)
+
+    def pattern_lines():
+        with caplog.at_level(logging.INFO, logger="autodeploy"):
+            caplog.clear()
+            _fresh_pattern_sets(monkeypatch)
+            _apply_both()
+        records = {id(r): r for r in caplog.records}.values()  # after an in-process CLI run, each is seen twice
+        return [r.getMessage() for r in records if r.getMessage().startswith("pattern set")]
+
+    cold = pattern_lines()
+    sets = [line.split(":")[0].split()[-1] for line in cold]
+    assert sets == ["match_rmsnorm_pattern"] * 2 + ["match_rope_pattern"] * 2, cold
+    assert "tracing the patterns not in the pattern cache yet" in cold[0]
+    assert re.search(r"traced \d+ of \d+ patterns in \d+\.\d s \(kept in .*patterns for later builds\)", cold[1])
+    assert pattern_lines() == []
+
+
 def test_key_depends_on_function_and_inputs():
     fn_a, fn_b = match_rope_pattern._explicit, match_rope_pattern._interleaved
     x = torch.randn(2, 3, 8)

@@ -11,7 +11,8 @@ from torch import nn
 
 from autodeploy.transform.interface import PipelineContext, Stage
 from autodeploy.transform.optimizer import build_transform
-from helpers import apply_transform, assert_same_outputs, build, count_op, export_gm, family_checkpoint, rel_rmse
+from helpers import (FAMILIES, _cached_checkpoint, apply_transform, assert_same_outputs, build, count_op, export_gm,
+                     family_checkpoint, rel_rmse)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -142,11 +143,28 @@ def test_onednn_with_non_contiguous_input():
             torch.testing.assert_close(gm(x), reference(x), rtol=1e-5, atol=1e-5)
 
 
-def test_onednn_tied_weight_gets_a_packed_copy():
+def test_onednn_tied_weight_stays_shared():
+    """The embedding gathers rows of the plain table, so packing the tied head would keep a second
+    copy: by default the head's linear keeps the one shared tensor (torch's GEMM)."""
+    gm = export_gm(TiedHead().eval(), torch.randint(0, 40, (2, 5)))
+    reference = copy.deepcopy(gm)
+    gm, record = apply_transform("select_linear_backend", gm, backend="onednn")
+    assert record.num_matches == 1 and count_op(gm, ONEDNN) == 1 and count_op(gm, aten.linear) == 1
+    assert set(_packed_attrs(gm)) == {"proj.weight"}
+    assert not any(name.endswith("_onednn") for name, _ in gm.named_buffers())
+    head = gm.graph.find_nodes(op="call_function", target=aten.linear.default)[0]
+    assert str(head.args[1].target) == "emb.weight"
+    assert record.mem_delta_mb == 0.0
+    assert_same_outputs(reference, gm, [(torch.randint(0, 40, (2, 5)),), (torch.randint(0, 40, (1, 9)),)])
+
+
+def test_onednn_pack_shared_weights_packs_a_declared_copy(caplog, propagate_autodeploy_logs):
     gm = export_gm(TiedHead().eval(), torch.randint(0, 40, (2, 5)))
     reference = copy.deepcopy(gm)
     loaded_ptr = dict(gm.named_parameters())["emb.weight"].data_ptr()
-    gm, record = apply_transform("select_linear_backend", gm, backend="onednn")
+    config = build_transform("select_linear_backend", {"backend": "onednn", "pack_shared_weights": True}).config
+    assert config.expect_mem_change  # the copy is the point: no "two copies" warning
+    gm, record = apply_transform("select_linear_backend", gm, backend="onednn", pack_shared_weights=True)
     assert record.num_matches == 2 and count_op(gm, ONEDNN) == 2
     assert set(_packed_attrs(gm)) == {"proj.weight", "emb.weight_onednn"}
     emb = dict(gm.named_parameters())["emb.weight"]
@@ -154,6 +172,27 @@ def test_onednn_tied_weight_gets_a_packed_copy():
     # copied out of the (checkpoint) memory it was loaded into, so that memory can be released
     assert emb.data_ptr() != loaded_ptr and torch.equal(emb, reference.emb.weight)
     assert_same_outputs(reference, gm, [(torch.randint(0, 40, (2, 5)),), (torch.randint(0, 40, (1, 9)),)])
+
+
+# a tied Llama whose embedding table (4096 x 128 float32, 2 MiB) is over the 1 MiB threshold of
+# the memory check, as demo's (4 MiB) is: the tiny families' tables (128 KiB) are under it
+TIED_LLAMA = {**FAMILIES["llama"], "hidden_size": 128, "head_dim": 32, "vocab_size": 4096,
+              "tie_word_embeddings": True}
+
+
+def test_tied_model_build_keeps_one_table(caplog, propagate_autodeploy_logs):
+    """Building a tied model (as ``LLM("demo")`` does) packs the other linears but neither grows
+    the model's memory nor warns that a fusion keeps two copies."""
+    with caplog.at_level(logging.WARNING, logger="autodeploy"):
+        result = build(_cached_checkpoint("llama-tied-4k-vocab", TIED_LLAMA), up_to=Stage.POST_LOAD_FUSION)
+    record = next(r for r in result.context.history if r.key == "select_linear_backend")
+    assert record.status == "ok" and record.num_matches == 3 * 2  # qkv, o_proj, MLP per layer
+    assert record.mem_delta_mb <= 0.0
+    assert not [r.getMessage() for r in caplog.records if "without expect_mem_change" in r.getMessage()]
+    gm = result.graph
+    assert count_op(gm, aten.linear) == 1 and count_op(gm, ONEDNN) == 2 * 2
+    tables = {t.untyped_storage().data_ptr() for t in gm.parameters() if t.shape == (4096, 128)}
+    assert len(tables) == 1 and not any(n.endswith("_onednn") for n, _ in gm.named_buffers())
 
 
 def test_onednn_packs_fused_swiglu_weights():

@@ -9,6 +9,10 @@ from ..interface import PipelineContext
 
 logger = get_logger(__name__)
 
+# why a norm fusion leaves the reference ops (backend torch, chosen or resolved from auto)
+TORCH_REASON = ("backend torch (auto picks native on CPU when autodeploy's C kernels build and torch-compile does "
+                "not compile the graph)")
+
 
 def resolve_native_backend(backend: str, ctx: PipelineContext, key: str) -> str:
     """``auto`` -> ``native`` on CPU when the C kernels build (and ``torch-compile`` does not

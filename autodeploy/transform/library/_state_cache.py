@@ -71,7 +71,8 @@ def insert_state_caches(gm: fx.GraphModule, ctx: PipelineContext, ops: Sequence[
     if not found or problem is not None or ctx.uncached_reason:
         if problem is not None:
             ctx.uncached_reason = ctx.uncached_reason or problem
-        return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+        why = "no such state op in the model" if not found else "the model runs in recompute mode"
+        return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason=why)
     meta = step_inputs(gm, ctx)
     for node, op in found:
         index = sum(name.startswith(op.prefix + "_") for name in ctx.cache.handlers)  # type: ignore[union-attr]

@@ -9,6 +9,7 @@ prefill/mixed steps per token bucket, split at the cached attention ops; CUDA on
 error elsewhere).
 """
 
+import time
 from typing import List, Literal, Optional, Tuple
 
 from pydantic import Field
@@ -16,8 +17,18 @@ from torch import nn
 
 from ...compile import compile_graph
 from ...utils.errors import ConfigError
+from ...utils.logging import get_logger
 from ..graph_utils import graph_modules
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+
+logger = get_logger(__name__)
+# what the slow backends spend their build time on, said before it starts
+_SLOW_WORK = {
+    "torch-compile": "inductor compiles and warms up every step shape class (seconds; a later build of the same "
+                     "graph reads the on-disk cache)",
+    "torch-cudagraph": "capturing CUDA graphs for the decode batch sizes",
+    "torch-opt": "compiling and capturing CUDA graphs",
+}
 
 
 class CompileModelConfig(TransformConfig):
@@ -56,15 +67,20 @@ class CompileModel(BaseTransform):
         if cfg.backend == "torch-simple":
             compiled = compile_graph(gm, ctx.cache, cfg.backend, direct_kernels=cfg.direct_kernels)
             if compiled is gm:
-                return mod, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+                return mod, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
+                                          reason="torch-simple: the graph runs as it is")
             return compiled, TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
         if "autodeploy_recompute" in gm.meta:
             raise ConfigError(
                 f"compile backend '{cfg.backend}' needs the KV-cached graph, but this model runs in recompute mode "
                 f"({ctx.recompute_reason or 'see the warning above'}); use compile_backend: torch-simple"
             )
+        # the one step of a build that can take many seconds without a sign of life: say so
+        logger.info("compile_model: %s: %s ...", cfg.backend, _SLOW_WORK[cfg.backend])
+        start = time.perf_counter()
         compiled = compile_graph(
             gm, ctx.cache, cfg.backend, cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes, cache_dir=cfg.cache_dir,
             piecewise_enabled=cfg.piecewise_enabled, piecewise_num_tokens=cfg.piecewise_num_tokens,
         )
+        logger.info("compile_model: %s done in %.1f s", cfg.backend, time.perf_counter() - start)
         return compiled, TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)

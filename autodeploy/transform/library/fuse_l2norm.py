@@ -36,7 +36,7 @@ from ...ops import l2norm as _l2norm_ops  # noqa: F401  (registers autodeploy::n
 from ...ops import native  # noqa: F401  (registers the native_* ops)
 from ..graph_utils import is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._native_backend import resolve_native_backend
+from ._native_backend import TORCH_REASON, resolve_native_backend
 
 ad = torch.ops.autodeploy
 _BACKEND_OPS = {"native": ad.native_l2norm}
@@ -59,7 +59,7 @@ class FuseL2Norm(BaseTransform):
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         backend = self._resolve(ctx)
         if backend == "torch":
-            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason=TORCH_REASON)
         target = _BACKEND_OPS[backend].default
         count = 0
         for node in gm.graph.nodes:

@@ -33,7 +33,7 @@ from torch import fx
 from ...ops import native  # noqa: F401  (registers the native_* ops)
 from ..graph_utils import is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._native_backend import resolve_native_backend
+from ._native_backend import TORCH_REASON, resolve_native_backend
 
 ad = torch.ops.autodeploy
 # backend -> (plain norm, fused add+norm)
@@ -59,7 +59,7 @@ class FuseRMSNorm(BaseTransform):
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         backend = self._resolve(ctx)
         if backend == "torch":
-            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason=TORCH_REASON)
         swap = {ad.torch_rmsnorm.default: _BACKEND_OPS[backend][0].default,
                 ad.torch_fused_add_rmsnorm.default: _BACKEND_OPS[backend][1].default}
         count = 0

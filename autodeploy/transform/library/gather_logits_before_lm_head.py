@@ -65,7 +65,8 @@ class GatherLogitsBeforeLMHead(BaseTransform):
         rows = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "logits_index"), None)
         head = find_lm_head(gm)
         if rows is None or head is None or ctx.cache is None:
-            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            why = "no LM head feeds the output through token-wise ops" if head is None else "the graph is not cached"
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason=why)
         graph = gm.graph
         hidden = head.args[0]
         with graph.inserting_before(head):

@@ -58,7 +58,7 @@ class InitializeCache(BaseTransform):
         cfg: InitializeCacheConfig = self.config  # type: ignore[assignment]
         cache = ctx.cache
         if cache is None or not cache.handlers:
-            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason="no cache inputs")
         if cfg.num_pages is not None and cfg.num_pages < cache.min_pages:
             raise too_few_pages_error(cfg.num_pages, cache)
         pages = cfg.num_pages if cfg.num_pages is not None else sizing_pages(cache)

@@ -200,7 +200,7 @@ class InitializeMropeDeltaCache(BaseTransform):
                  "insert_cached_delta_rule", "insert_cached_gated_delta_rule")
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
-        skip = TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+        skip = TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason="no multimodal RoPE")
         graph = gm.graph
         position_ids = next((n for n in graph.nodes if n.op == "placeholder" and n.name == "position_ids"), None)
         ropes = [n for n in graph.nodes if is_op(n, _rope_ops())]

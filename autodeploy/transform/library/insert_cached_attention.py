@@ -97,7 +97,8 @@ class InsertCachedAttention(BaseTransform):
         if not attn_nodes or problem is not None and cfg.on_uncacheable == "recompute":
             if problem is not None:
                 ctx.uncached_reason = problem
-            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
+                                 reason=problem or "no canonical attention in the model")
         try:
             for node in attn_nodes:
                 self._check_cacheable(node)
@@ -107,7 +108,7 @@ class InsertCachedAttention(BaseTransform):
             if cfg.on_uncacheable == "error":
                 raise RuntimeError(problem)
             ctx.uncached_reason = problem
-            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason=problem)
         if cfg.kv_cache_dtype not in backend.kv_cache_dtypes:
             raise ConfigError(f"attention backend '{backend.name}' has no {cfg.kv_cache_dtype} KV cache "
                               f"(it has: {', '.join(backend.kv_cache_dtypes)})")

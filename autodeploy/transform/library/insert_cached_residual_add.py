@@ -298,7 +298,8 @@ class InsertCachedResidualAdd(BaseTransform):
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         cfg: InsertCachedResidualAddConfig = self.config  # type: ignore[assignment]
         if not cfg.layers:
-            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
+                                 reason="opt-in: no layers to capture (layers: [...])")
         num_layers, ends = residual_stream(gm)
         if num_layers == 0:
             raise RuntimeError("insert_cached_residual_add: no decoder layer list (modules named <prefix>.<i>) "
@@ -307,7 +308,7 @@ class InsertCachedResidualAdd(BaseTransform):
         if ctx.cache is None or ctx.uncached_reason or not _takes_the_step(gm):
             logger.warning("insert_cached_residual_add: the graph was not cached (%s), so no hidden states are "
                            "captured", ctx.uncached_reason or "no insert_cached_* transform changed it")
-            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason="the graph is not cached")
         missing = [i for i in layers if i not in ends]
         if missing:
             raise RuntimeError(

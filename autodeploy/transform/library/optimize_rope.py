@@ -90,7 +90,7 @@ class OptimizeRope(BaseTransform):
         position_ids = next((n for n in graph.nodes if n.op == "placeholder" and n.name == "position_ids"), None)
         ropes = [n for n in graph.nodes if is_op(n, ROPE)]
         if position_ids is None or not ropes:
-            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason="no RoPE op in the model")
         count = self._cache_tables(gm, ropes, position_ids, cfg.max_position or ctx.max_seq_len)
         count += sum(self._to_bsnd(graph, node) for node in ropes)
         return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=count == 0)

@@ -271,7 +271,8 @@ class QuantizeWeights(BaseTransform):
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         cfg: QuantizeWeightsConfig = self.config  # type: ignore[assignment]
         if cfg.method is None:
-            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
+                                 reason="opt-in: quantization is not set")
         q = _Quantizer(gm, cfg.method, cfg.group_size, cfg.exclude)
         for node in list(gm.graph.nodes):
             if node.op != "call_function":

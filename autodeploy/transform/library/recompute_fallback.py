@@ -97,7 +97,8 @@ class RecomputeFallback(BaseTransform):
         if reason is None:
             ctx.cache_mode = cached_mode(ctx.cache)
             ctx.uncached_graph = None
-            return mod, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return mod, TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
+                                      reason="not needed: the caches serve this model")
         if cfg.mode == "never":
             raise ConfigError(
                 f"this model cannot run with a KV cache: {reason}. Set transforms.recompute_fallback.mode to "

@@ -68,7 +68,7 @@ class ResizeKVCache(BaseTransform):
         cfg: ResizeKVCacheConfig = self.config  # type: ignore[assignment]
         cache = ctx.cache
         if cache is None or not cache.caches:
-            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason="no caches allocated")
         info = sizing_step(cache)
         with torch.inference_mode(), measure_peak(cache.device) as peak:
             gm(*cache.graph_args(info))

@@ -20,11 +20,17 @@ slow generic path for fp32 GEMMs: 10-12 GB/s of weight bandwidth for matrix-vect
 JIT kernels over weights packed once at load run the same GEMMs 1.3-3.4x faster at every batch
 size (numbers in benchmarks/RESULTS.md). The packed tensor is opaque (``torch._mkldnn`` layout),
 so nothing else may read it: a weight that another node also uses (a head tied to the embedding)
-gets a packed copy and keeps its original. Inductor cannot lower the mkldnn op, so graphs for
-``torch-compile`` call it through the opaque ``autodeploy.onednn_linear`` custom op (inductor
-runs it as an external kernel); torch-simple graphs call it directly, without the custom-op
-dispatch cost. After packing, the tensors left unpacked are copied out of the memory-mapped
-checkpoint so the mapping (and every page the packing read) can be released.
+stays one shared, unpacked tensor and its linear keeps torch's GEMM. Packing it anyway keeps two
+copies (the embedding must gather rows of the plain table): one more embedding table of memory
+(+4 MiB on ``demo``, a quarter of its float32 weights; ~1 GiB on a float32 Llama-3.2-1B) for a
+faster head (``demo`` batch-1 decode 2.13 vs 2.55 ms/step, one thread, 7 interleaved rounds).
+A silent second copy is what the build's memory check exists to catch, so the copy is opt-in
+(``pack_shared_weights: true``, which declares the memory change). Inductor cannot
+lower the mkldnn op, so graphs for ``torch-compile`` call it through the opaque
+``autodeploy.onednn_linear`` custom op (inductor runs it as an external kernel); torch-simple
+graphs call it directly, without the custom-op dispatch cost. After packing, the tensors left
+unpacked are copied out of the memory-mapped checkpoint so the mapping (and every page the
+packing read) can be released.
 
 Why ``blas`` stays opt-in: two thread pools then share the cores: with the default OpenMP wait
 policy torch's threads spin while OpenBLAS works (3.7x slower); with ``OMP_WAIT_POLICY=PASSIVE``
@@ -94,6 +100,13 @@ class SelectLinearBackendConfig(TransformConfig):
         "1.5x the weight memory; those rows' activations and outputs are rounded to it (float16: 11 bits, "
         "bfloat16: 8 bits but float32's range). Not with backend blas.",
     )
+    pack_shared_weights: bool = Field(
+        default=False,
+        description="onednn: also pack a weight that other ops read too (a head tied to the embedding), "
+        "as a second copy beside the one they read: a faster head (demo batch-1 decode measured 2.13 vs 2.55 "
+        "ms/step) for one more copy of that tensor (the embedding table: +4 MiB on demo, ~1 GiB on a float32 "
+        "Llama-3.2-1B). Off: the tied weight stays one shared tensor and its linear keeps torch's GEMM.",
+    )
     gemv_max_rows: int = Field(
         default=1, ge=1,
         description="largest row count (tokens in a step) served from the gemv_dtype copy; from two rows on "
@@ -104,8 +117,10 @@ class SelectLinearBackendConfig(TransformConfig):
     def _gemv_needs_a_torch_linear(self) -> "SelectLinearBackendConfig":
         if self.gemv_dtype is not None and self.backend == "blas":
             raise ValueError("gemv_dtype works with backend auto, onednn or torch, not blas: drop one of the two")
-        if self.gemv_dtype is not None and "expect_mem_change" not in self.model_fields_set:
-            object.__setattr__(self, "expect_mem_change", True)  # the copies: half the linear weights again
+        # the gemv copies (half the linear weights again) and packed copies of shared weights
+        copies = self.gemv_dtype is not None or self.pack_shared_weights
+        if copies and "expect_mem_change" not in self.model_fields_set:
+            object.__setattr__(self, "expect_mem_change", True)
         return self
 
 
@@ -124,13 +139,15 @@ class SelectLinearBackend(BaseTransform):
         backend = self._resolve(ctx)
         gemv_dtype = self._gemv_dtype(ctx)
         if backend == "torch" and gemv_dtype is None:
-            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True)
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
+                                 reason="backend torch, no narrow GEMV: linears stay as they are")
         count = 0
         if gemv_dtype is not None:
             count = _use_gemv_copies(gm, gemv_dtype, self.config.gemv_max_rows)  # type: ignore[attr-defined]
         if backend == "onednn":
             retraced = ctx.compile_backend in _RETRACING_BACKENDS
-            count = _use_onednn(gm, as_custom_op=retraced)
+            count = _use_onednn(gm, as_custom_op=retraced,
+                                pack_shared=self.config.pack_shared_weights)  # type: ignore[attr-defined]
         elif backend == "blas":
             count = _use_blas(gm)
         gm.recompile()
@@ -237,38 +254,26 @@ def _packable(gm: fx.GraphModule, node: object) -> bool:
             and value.device.type == "cpu" and not value.is_mkldnn)
 
 
-def _use_onednn(gm: fx.GraphModule, as_custom_op: bool = False) -> int:
-    """Pack every float32 weight that only linears read, once per tensor; rewrite aten.linear."""
-    slots: Dict[str, List[Tuple[fx.Node, int]]] = {}  # weight target -> (user, arg index)
-    linears: List[fx.Node] = []
-    others: Set[fx.Node] = set()  # MLPs and dual linears: their op reads the packed weights itself
-    for node in gm.graph.nodes:
-        for op, positions in _WEIGHT_SLOTS:
-            if node.op != "call_function" or node.target != op:
-                continue
-            packable = [i for i in positions if i < len(node.args) and _packable(gm, node.args[i])]
-            if packable:
-                (linears.append(node) if op is aten.linear.default else others.add(node))
-            for i in packable:
-                slots.setdefault(str(node.args[i].target), []).append((node, i))
-
+def _use_onednn(gm: fx.GraphModule, as_custom_op: bool = False, pack_shared: bool = False) -> int:
+    """Pack every float32 weight that only linears read, once per tensor; rewrite the linears
+    over packed weights. A weight that other ops read too (a tied head's embedding table) stays
+    shared and unpacked unless ``pack_shared``: packing it would keep a second copy."""
+    slots = _weight_slots(gm)
     slot_users: Set[Tuple[fx.Node, int]] = {s for uses in slots.values() for s in uses}
-    packed_names: Dict[str, str] = {}
     readers_of: Dict[str, List[fx.Node]] = {}  # one walk, not one per weight
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             readers_of.setdefault(str(n.target), []).append(n)
+    packed_names: Dict[str, str] = {}
     for target, uses in slots.items():
-        readers = readers_of.get(target, [])
-        exclusive = all(_only_weight_slots(r, slot_users) for r in readers)
+        exclusive = all(_only_weight_slots(r, slot_users) for r in readers_of.get(target, []))
+        if not exclusive and not pack_shared:
+            logger.debug("onednn: %s is also read by other ops; left unpacked and shared", target)
+            continue
         packed_names[target] = _pack(gm, target, in_place=exclusive)
-        for user, i in uses:
-            old = user.args[i]
-            if str(old.target) != packed_names[target]:
-                with gm.graph.inserting_before(user):
-                    new = gm.graph.get_attr(packed_names[target])
-                new.meta.update(old.meta)
-                user.update_arg(i, new)
+        _point_uses_at(gm, uses, packed_names[target])
+    users = {user for target in packed_names for user, _ in slots[target]}
+    linears = [n for n in gm.graph.nodes if n in users and n.target == aten.linear.default]
     for node in linears:
         x, w = node.args[0], node.args[1]
         b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
@@ -283,8 +288,33 @@ def _use_onednn(gm: fx.GraphModule, as_custom_op: bool = False) -> int:
     _drop_unread(gm, [t for t, name in packed_names.items() if name != t])
     if packed_names:
         _copy_out_of_checkpoint_mapping(gm)
-    logger.debug("onednn: packed %d weights for %d linears and %d other ops", len(packed_names), len(linears), len(others))
-    return len(linears) + len(others)
+    logger.debug("onednn: packed %d weights for %d linears and %d other ops",
+                 len(packed_names), len(linears), len(users) - len(linears))
+    return len(users)
+
+
+def _weight_slots(gm: fx.GraphModule) -> Dict[str, List[Tuple[fx.Node, int]]]:
+    """Weight target -> every (op node, argument index) where a packed tensor may replace it."""
+    slots: Dict[str, List[Tuple[fx.Node, int]]] = {}
+    for node in gm.graph.nodes:
+        for op, positions in _WEIGHT_SLOTS:
+            if node.op != "call_function" or node.target != op:
+                continue
+            for i in positions:
+                if i < len(node.args) and _packable(gm, node.args[i]):
+                    slots.setdefault(str(node.args[i].target), []).append((node, i))
+    return slots
+
+
+def _point_uses_at(gm: fx.GraphModule, uses: List[Tuple[fx.Node, int]], name: str) -> None:
+    """Make each (user, argument index) read the attribute ``name`` (the packed tensor)."""
+    for user, i in uses:
+        old = user.args[i]
+        if str(old.target) != name:
+            with gm.graph.inserting_before(user):
+                new = gm.graph.get_attr(name)
+            new.meta.update(old.meta)
+            user.update_arg(i, new)
 
 
 def _only_weight_slots(reader: fx.Node, slot_users: Set[Tuple[fx.Node, int]]) -> bool:

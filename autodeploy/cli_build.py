@@ -1,0 +1,248 @@
+"""The commands that build a model: ``export``, ``run`` and ``serve``.
+
+Each one loads and checks every setting (``autodeploy.config``: values, contradictions, the
+device) before anything is built, so bad input fails in a second, not after the build.
+"""
+
+import argparse
+import os
+import sys
+import textwrap
+import time
+from collections import Counter
+from typing import Any, Dict, List, Sequence
+
+from .utils.errors import AutoDeployError
+
+DEFAULT_PROMPTS = ("The for statement", "A class definition", "The import statement", "Exceptions are")
+
+
+def settings_epilog() -> str:
+    """Help text for the settings a build command takes beyond its named flags."""
+    from .config.deploy_config import DeployConfig
+
+    names = textwrap.fill("Settings: " + ", ".join(DeployConfig.model_fields) + ".", width=96,
+                          initial_indent="  ", subsequent_indent="    ")
+    return (
+        "settings:\n"
+        "  Any deployment setting is a flag: --<setting> VALUE or --<setting>=VALUE (the value is read as YAML).\n"
+        f"{names}\n"
+        "  A transform's field: --transforms.<key>.<field> VALUE ('autodeploy transforms' lists keys and fields).\n"
+        "  Example: --max_seq_len 256 --attn_backend torch --transforms.match_rope_pattern.enabled false\n"
+        "  Order: default.yaml, then each --yaml file, then these flags."
+    )
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="preset name, HF checkpoint directory or hub id (default: demo, from default.yaml)")
+    p.add_argument("--yaml", action="append", metavar="FILE", help="YAML config layered over the defaults (repeatable)")
+    p.add_argument("--device", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): float32 on CPU, the checkpoint's dtype on CUDA")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint repo")
+    p.add_argument("--allow-pickle", action="store_true", help="allow pickled .bin/.pt weights")
+
+
+def config_from_args(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
+    """The deployment config of a build command, checked whole (values, contradictions, this
+    machine's devices) before anything is built."""
+    from .config import load_deploy_config
+    from .config.checks import check_device_available
+
+    settings = {
+        "model": getattr(args, "model", None),
+        "device": getattr(args, "device", None),
+        "dtype": getattr(args, "dtype", None),
+        "trust_remote_code": True if getattr(args, "trust_remote_code", False) else None,
+        "allow_pickle": True if getattr(args, "allow_pickle", False) else None,
+    }
+    config = load_deploy_config(getattr(args, "yaml", None) or [], overrides=list(overrides), **settings)
+    check_device_available(config.device)
+    return config
+
+
+def print_summary(summary: str) -> None:
+    """The transform table (each ``skipped`` row says why)."""
+    print(summary)
+
+
+def build_llm(config: Any) -> Any:
+    from .llm import LLM
+
+    # the table goes to stdout once, not also to the log
+    llm = LLM(**config.model_dump(exclude_none=True), show_progress=sys.stderr.isatty(), log_summary=False)
+    print_summary(llm.summary)
+    return llm
+
+
+def writable_dir(path: str, flag: str) -> None:
+    """Create ``path`` if needed and make sure files can be written there, before minutes of work
+    are spent on what would then be lost; a user error (exit 2) naming the flag otherwise."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".autodeploy-write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise AutoDeployError(f"{flag} {path}: cannot write there ({exc.strerror}); pick a directory you can "
+                              "write to") from None
+
+
+# ---- export ------------------------------------------------------------------------------------
+def _op_histogram(gm: Any) -> Dict[str, int]:
+    counts: Counter = Counter()
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            name = str(getattr(node.target, "__name__", node.target))
+            if hasattr(node.target, "namespace"):
+                name = f"{node.target.namespace}.{name}"
+            counts[name] += 1
+    return dict(counts.most_common())
+
+
+def _write_artifacts(out: str, gm: Any, summary: str, config: Any) -> List[str]:
+    from .transform.visualize import write_graph
+
+    written = write_graph(gm, os.path.join(out, "graph"))
+    for name, text in (("graph.py", gm.code), ("summary.txt", summary + "\n"),
+                       ("config.json", config.model_dump_json(indent=2))):
+        with open(os.path.join(out, name), "w") as f:
+            f.write(text)
+        written.append(os.path.join(out, name))
+    return written
+
+
+def cmd_export(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .pipeline import build_graph
+
+    config = config_from_args(args, overrides)
+    if args.out:
+        writable_dir(args.out, "--out")
+    result = build_graph(config, log_summary=False)
+    gm = result.graph_module
+    print_summary(result.summary)
+    print("\nops in the transformed graph:")
+    for name, n in _op_histogram(gm).items():
+        print(f"  {n:5d}  {name}")
+    if args.print_graph:
+        print("\n" + gm.code)
+    if args.out:
+        print(f"\nwrote {', '.join(_write_artifacts(args.out, gm, result.summary, config))}")
+    return 0
+
+
+# ---- run ---------------------------------------------------------------------------------------
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from .runtime.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+    )
+
+
+def _read_prompts(args: argparse.Namespace) -> List[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file) as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as exc:
+            raise AutoDeployError(f"cannot read prompts file '{args.prompts_file}': {exc.strerror}") from None
+    return prompts or list(DEFAULT_PROMPTS)
+
+
+def cmd_run(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    prompts = _read_prompts(args)
+    params = _sampling_params(args)
+    config = config_from_args(args, overrides)
+    start = time.perf_counter()
+    llm = build_llm(config)
+    build_s = time.perf_counter() - start
+    print(f"\nbuilt {config.model} in {build_s:.1f} s "
+          f"(KV cache: {llm.build.cache.num_pages} pages x {llm.build.cache.page_size} tokens)\n")
+    start = time.perf_counter()
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    gen_s = time.perf_counter() - start
+    for prompt, out in zip(prompts, outputs):
+        for completion in out.outputs:
+            print(f"--- prompt: {prompt!r}  [{completion.finish_reason}, {len(completion.token_ids)} tokens]")
+            print(f"{prompt}{completion.text}" if not args.chat else completion.text)
+    st = llm.engine.stats
+    print(f"\n{len(prompts)} prompts in {gen_s:.2f} s: prefill {st.prefill_tokens} tokens at "
+          f"{st.prefill_tokens_per_s:.0f} tok/s, decode {st.decode_tokens} tokens at "
+          f"{st.decode_tokens_per_s:.0f} tok/s, {st.steps} steps")
+    return 0
+
+
+# ---- serve -------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .serve.server import bind_socket, check_settings, serve
+
+    limits = dict(max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
+                  max_choices_per_request=args.max_choices_per_request)
+    check_settings(shutdown_timeout=args.shutdown_timeout, **limits)
+    config = config_from_args(args, overrides)
+    # The port first: a port in use is reported now, not after the model is built.
+    sock = bind_socket(args.host, args.port)
+    try:
+        llm = build_llm(config)
+        sys.stdout.flush()
+        name = args.served_model_name or config.model
+        auth = " (API key required)" if args.api_key else ""
+        print(f"\nserving '{name}' at http://{args.host}:{sock.getsockname()[1]}/v1{auth}", flush=True)
+        serve(llm, host=args.host, port=args.port, sock=sock, model_name=name, api_key=args.api_key,
+              shutdown_timeout=args.shutdown_timeout, **limits)
+    finally:
+        sock.close()
+    return 0
+
+
+# ---- parsers -----------------------------------------------------------------------------------
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    epilog = settings_epilog()
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("export", parents=[common], epilog=epilog, formatter_class=fmt,
+                       help="build the model, run the pipeline, print the summary and graph")
+    add_model_args(p)
+    p.add_argument("--print-graph", action="store_true", help="print the transformed graph's code")
+    p.add_argument("--out", metavar="DIR", help="write graph (DOT/SVG, text, code), summary and config here")
+    p.set_defaults(func=cmd_export, accepts_overrides=True)
+
+    p = sub.add_parser("run", parents=[common], help="build the model and generate for some prompts",
+                       epilog=epilog, formatter_class=fmt)
+    add_model_args(p)
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: a few built-in prompts)")
+    p.add_argument("--prompts-file", metavar="FILE", help="a file with one prompt per line")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    p.add_argument("--max-tokens", type=int, default=48, metavar="N", help="tokens to generate per prompt (default 48)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the k most likely tokens (default 0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1: off)")
+    p.add_argument("--seed", type=int, default=None, metavar="N", help="seed for sampling (default: none)")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating after the EOS token")
+    p.set_defaults(func=cmd_run, accepts_overrides=True)
+    _add_serve_parser(sub, common, epilog)
+
+
+def _add_serve_parser(sub: Any, common: argparse.ArgumentParser, epilog: str) -> None:
+    p = sub.add_parser("serve", parents=[common], help="serve the model behind an OpenAI-compatible HTTP API",
+                       epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 endpoints")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-choices-per-request", type=int, default=128,
+                   help="most sequences one request may ask for, prompts x n (default 128); more is a 400")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on shutdown (default 30; then they are cut with "
+                        "a 503 or a final error event)")
+    p.set_defaults(func=cmd_serve, accepts_overrides=True)
