@@ -16,6 +16,24 @@ from ..utils.logging import get_logger
 logger = get_logger(__name__)
 
 
+def _hf_load_kwargs(checkpoint: str) -> Dict[str, Any]:
+    """What HF needs to load ``checkpoint`` on this machine: an MXFP4 checkpoint (GPT-OSS) loads
+    on CPU only dequantized (``Mxfp4Config(dequantize=True)``; its kernels need triton)."""
+    import json
+    import os
+
+    path = os.path.join(checkpoint, "config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        method = (json.load(f).get("quantization_config") or {}).get("quant_method")
+    if method == "mxfp4":
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    return {}
+
+
 class BenchEngine:
     name: str = ""
     build_s: float = 0.0  # model creation (and for autodeploy: export, transforms, cache init)
@@ -100,7 +118,8 @@ class HFEngine(BenchEngine):
         self.name = "hf+torch.compile" if compile else "hf-eager"
         self.device = device
         start = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, **_hf_load_kwargs(checkpoint))
+        self.model = self.model.to(device).eval()
         self.model.generation_config.eos_token_id = None
         self.model.generation_config.pad_token_id = 0
         if compile:

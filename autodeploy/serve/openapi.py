@@ -43,9 +43,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Per token; with ``echo`` the prompt's tokens come first, the first one's entries null
+    (nothing precedes it to score it by)."""
+
     tokens: List[str]
-    token_logprobs: List[float]
-    top_logprobs: List[Dict[str, float]]
+    token_logprobs: List[Optional[float]]
+    top_logprobs: List[Optional[Dict[str, float]]]
     text_offset: List[int]
 
 

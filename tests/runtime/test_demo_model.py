@@ -31,3 +31,25 @@ def test_demo_greedy_output_matches_hf_and_reads_as_english():
     # English about Python: mostly plain words, and the vocabulary of the language reference
     assert sum(w.strip('".,()').isalpha() for w in words) / len(words) > 0.7
     assert any(w.strip('".,') in {"statement", "class", "function", "clause", "expression", "exception"} for w in words)
+
+
+def test_a_too_long_text_prompt_gets_one_error_and_no_transformers_warning(capfd, caplog):
+    """The demo tokenizer's model_max_length is 512: tokenizing a longer prompt used to print
+    transformers' own "Token indices sequence length is longer ..." warning before ours."""
+    from autodeploy import InvalidRequestError
+
+    llm = LLM("demo", max_seq_len=128)
+    assert llm.tokenizer.model_max_length <= 2048  # the warning's precondition: a finite limit
+    prompt = "word " * (llm.tokenizer.model_max_length + 50)
+    capfd.readouterr()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        try:
+            llm.generate([prompt], SamplingParams(max_tokens=2))
+        except InvalidRequestError as exc:
+            assert exc.code == "context_length_exceeded"
+        else:
+            raise AssertionError("a prompt longer than max_seq_len must be refused")
+    # transformers logs through its own stderr handler (not propagated): look at both
+    assert not [r for r in caplog.records if "Token indices sequence length" in r.getMessage()]
+    assert "Token indices sequence length" not in capfd.readouterr().err

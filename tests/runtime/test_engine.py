@@ -188,6 +188,8 @@ def test_bad_requests_raise_and_leave_running_requests_alone(llm, ref):
         llm.generate(["x", PROMPTS[2] * 8], ok)  # the second prompt is too long
     with pytest.raises(InvalidRequestError, match="prompt 1.*empty"):
         llm.generate(["x", {"prompt_token_ids": []}], ok)
+    with pytest.raises(InvalidRequestError, match="prompt 1.*empty"):
+        llm.generate(["x", ""], ok)  # empty text: refused before the tokenizer's BOS makes it one token
     with pytest.raises(InvalidRequestError, match="prompt 0"):
         llm.generate([42], ok)
     assert set(eng.requests) == in_flight

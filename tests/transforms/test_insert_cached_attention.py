@@ -82,7 +82,7 @@ def test_graph_structure(cached):
     assert count_op(gm, ad.torch_cached_attention_prepare_metadata) == 1
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     expected = ["input_ids", "position_ids", "batch_info", "seq_len", "input_pos", "cu_seqlen", "page_table",
-                "slot_idx", "use_initial_state"]
+                "slot_idx", "use_initial_state", "logits_index"]
     for layer in range(NUM_LAYERS):
         expected += [f"k_cache_{layer}", f"v_cache_{layer}"]
     assert names == expected
