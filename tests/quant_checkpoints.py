@@ -489,28 +489,29 @@ def _write_quantized(model: str, fmt: str, directory: str) -> None:
             json.dump(hf_quant, f, indent=2)
 
 
-def _valid(path: str) -> bool:
+def _valid(path: str, version: str) -> bool:
     try:
         with open(os.path.join(path, ".writer-version")) as f:
-            version = f.read().strip()
+            written = f.read().strip()
     except OSError:
         return False
-    return version == WRITER_VERSION and os.path.exists(os.path.join(path, "model.safetensors"))
+    return written == version and os.path.exists(os.path.join(path, "model.safetensors"))
 
 
-def _cached(name: str, write: Callable[[str], None]) -> str:
-    """``CKPT_CACHE/name``, written by ``write`` once per ``WRITER_VERSION``; atomic (a tmp dir,
-    then ``os.replace``), so parallel test processes never see half a checkpoint."""
+def cached_checkpoint(name: str, write: Callable[[str], None], version: str = WRITER_VERSION) -> str:
+    """``CKPT_CACHE/name``, written by ``write`` once per writer ``version``; atomic (a tmp dir,
+    then ``os.replace``), so parallel test processes never see half a checkpoint. Shared by the
+    test-checkpoint writers (``quant_moe_checkpoints`` has its own version)."""
     path = os.path.join(CKPT_CACHE, name)
-    if _valid(path):
+    if _valid(path, version):
         return path
     os.makedirs(CKPT_CACHE, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
     with open(os.path.join(tmp, ".writer-version"), "w") as f:
-        f.write(WRITER_VERSION)
-    if os.path.exists(path) and not _valid(path):  # stale (older writer): move it out of the way
+        f.write(version)
+    if os.path.exists(path) and not _valid(path, version):  # stale (older writer): move it out of the way
         stale = f"{path}.stale{os.getpid()}"
         try:
             os.replace(path, stale)
@@ -521,9 +522,12 @@ def _cached(name: str, write: Callable[[str], None]) -> str:
         os.replace(tmp, path)
     except OSError:  # another process put a checkpoint there first
         shutil.rmtree(tmp, ignore_errors=True)
-        if not _valid(path):
+        if not _valid(path, version):
             raise
     return path
+
+
+_cached = cached_checkpoint
 
 
 def float_checkpoint(model: str) -> str:

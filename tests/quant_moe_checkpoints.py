@@ -40,8 +40,6 @@ from typing import Callable, Dict, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CKPT_CACHE = os.path.join(REPO, ".cache", "test-checkpoints")
 # Part of every cached directory's validity: a checkpoint written by an older writer is rewritten.
 WRITER_VERSION = "1"
 
@@ -246,41 +244,12 @@ def _write_mxfp4(directory: str) -> None:
 # ---- cache -------------------------------------------------------------------------------------
 
 
-def _valid(path: str) -> bool:
-    try:
-        with open(os.path.join(path, ".writer-version")) as f:
-            version = f.read().strip()
-    except OSError:
-        return False
-    return version == WRITER_VERSION and os.path.exists(os.path.join(path, "model.safetensors"))
-
-
 def _cached(name: str, write: Callable[[str], None]) -> str:
-    """``CKPT_CACHE/name``, written by ``write`` once per ``WRITER_VERSION``; atomic (a tmp dir,
-    then ``os.replace``), so parallel test processes never see half a checkpoint."""
-    path = os.path.join(CKPT_CACHE, name)
-    if _valid(path):
-        return path
-    os.makedirs(CKPT_CACHE, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    with open(os.path.join(tmp, ".writer-version"), "w") as f:
-        f.write(WRITER_VERSION)
-    if os.path.exists(path) and not _valid(path):  # stale (older writer): move it out of the way
-        stale = f"{path}.stale{os.getpid()}"
-        try:
-            os.replace(path, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        except OSError:
-            pass
-    try:
-        os.replace(tmp, path)
-    except OSError:  # another process put a checkpoint there first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not _valid(path):
-            raise
-    return path
+    """``.cache/test-checkpoints/name`` written once per this writer's ``WRITER_VERSION`` (atomically; the
+    cache logic is the dense writer's, which shares no numerics with this module)."""
+    from quant_checkpoints import cached_checkpoint
+
+    return cached_checkpoint(name, write, WRITER_VERSION)
 
 
 # ---- public API --------------------------------------------------------------------------------
