@@ -86,6 +86,7 @@ def test_fast_families_pass_at_the_odd_recipe(model_type):
 ROPE_FAMILIES = ["llama", "qwen2", "gemma", "phi3"]
 
 
+@pytest.mark.slow  # 22 s: four families through the sweep's child processes (the suite's 15-minute budget)
 def test_sweep_reports_every_type_when_rope_rotates_the_wrong_way():
     """The mutation test of the sweep: RoPE with the wrong sign must fail every RoPE model, as
     wrong output (not a crash), and the child's log shows the mutation ran. The logits catch it
