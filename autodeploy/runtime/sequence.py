@@ -61,8 +61,11 @@ class Sequence:
     def scores_prompt(self) -> bool:
         """Its next step needs the logits of every new token: prompt tokens remain to be scored
         (entry ``p + 1`` comes from the logits at position ``p``, and positions from
-        ``num_computed`` on run next)."""
-        return self.prompt_logprobs is not None and self.num_computed < len(self.prompt_token_ids) - 1
+        ``num_computed`` on run next). A preempted sequence computing a prompt it already scored
+        does not ask again."""
+        prompt = len(self.prompt_token_ids)
+        return (self.prompt_logprobs is not None and len(self.prompt_logprobs) < prompt
+                and self.num_computed < prompt - 1)
 
     @property
     def text(self) -> str:
