@@ -239,3 +239,14 @@ def assert_same_outputs(ref: Callable, new: Callable, inputs: Iterable[Tuple[tor
 __all__ = ["coverage_checkpoint", "FAMILIES", "NORMS_PER_LAYER", "MOE_FAMILIES", "MOE_LAYERS", "moe_family_checkpoint", "moe_config",
            "moe_block", "export_moe_block", "family_checkpoint", "build", "rel_rmse", "export_gm", "apply_transform",
            "ops_of", "assert_same_outputs", "count_op", "hf_model", "assert_matches_hf"]
+
+
+def graph_logits(gm: Any, ids: "torch.Tensor") -> "torch.Tensor":
+    """Logits of an uncached graph (or module) called as ``gm(input_ids, position_ids)``."""
+    import torch
+
+    pos = torch.arange(ids.shape[1]).expand(*ids.shape)
+    with torch.no_grad():
+        out = gm(input_ids=ids, position_ids=pos)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return getattr(out, "logits", out)

@@ -30,7 +30,7 @@ token are summed in at least float32, in ``k`` order, and the result is cast to 
 as transformers' ``grouped_mm`` / ``batched_mm`` expert implementations do.
 """
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +75,23 @@ def _per_expert_reference(x: Tensor, selected_experts: Tensor, routing_weights: 
         y = expert_fn(e, x2[token_idx])
         pair_out[token_idx, k_idx] = (y * w[token_idx, k_idx, None]).to(acc)
     return pair_out.sum(dim=1).to(x.dtype).reshape(shape)
+
+
+def stacked_experts_reference(x: Tensor, selected_experts: Tensor, routing_weights: Tensor, num_experts: int,
+                              weights: Callable[[int], Tuple[Tensor, Tensor]], gate_up_bias: Optional[Tensor],
+                              down_bias: Optional[Tensor], act: str, alpha: float, limit: float) -> Tensor:
+    """The reference loop over stacked experts; ``weights(e)`` gives expert ``e``'s gate_up
+    ``[2I, H]`` (gate rows first) and down ``[H, I]`` weights in ``x``'s dtype, so quantized
+    variants decode an expert only when it has tokens."""
+
+    def expert(e: int, rows: Tensor) -> Tensor:
+        gate_up_w, down_w = weights(e)
+        inter = gate_up_w.shape[0] // 2
+        gate_up = F.linear(rows, gate_up_w, None if gate_up_bias is None else gate_up_bias[e].to(rows.dtype))
+        h = expert_activation(gate_up[:, :inter], gate_up[:, inter:], act, alpha, limit)
+        return F.linear(h, down_w, None if down_bias is None else down_bias[e].to(rows.dtype))
+
+    return _per_expert_reference(x, selected_experts, routing_weights, num_experts, expert)
 
 
 def _opt(tensors: List[Tensor], e: int) -> Optional[Tensor]:
@@ -147,14 +164,10 @@ def torch_moe_fused(
     """Reference MoE over stacked weights: ``gate_up_weight`` ``[E, 2I, H]`` (gate rows, then up
     rows), ``down_weight`` ``[E, H, I]``, optional ``gate_up_bias`` ``[E, 2I]``, ``down_bias``
     ``[E, H]``."""
-    inter = _check_stacked(gate_up_weight, down_weight)
-
-    def expert(e: int, rows: Tensor) -> Tensor:
-        gate_up = F.linear(rows, gate_up_weight[e], None if gate_up_bias is None else gate_up_bias[e])
-        h = expert_activation(gate_up[:, :inter], gate_up[:, inter:], act, alpha, limit)
-        return F.linear(h, down_weight[e], None if down_bias is None else down_bias[e])
-
-    return _per_expert_reference(x, selected_experts, routing_weights, gate_up_weight.shape[0], expert)
+    _check_stacked(gate_up_weight, down_weight)
+    return stacked_experts_reference(x, selected_experts, routing_weights, gate_up_weight.shape[0],
+                                     lambda e: (gate_up_weight[e], down_weight[e]), gate_up_bias, down_bias,
+                                     act, alpha, limit)
 
 
 @torch_moe_fused.register_fake

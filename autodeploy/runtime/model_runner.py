@@ -56,6 +56,9 @@ class ModelRunner:
         self._hand_out_hidden_states([s for s, _ in batch], info)
         if not self.cache.gathered_logits:  # every token's row: keep those logits_index names
             logits = logits.index_select(0, info.logits_index.to(device=logits.device, dtype=torch.long))
+        rows = step.due_rows
+        if not any(scoring) and len(rows) == len(batch):
+            return StepLogits(logits)  # one row per sequence, every sequence due: the decode hot path
         # row of each sequence's last token in ``logits``, and the scoring sequences' rows
         last, prompt, row = [], [], 0
         for (seq, n), scores in zip(batch, scoring):
@@ -64,9 +67,6 @@ class ModelRunner:
                 prompt.append((seq, seq.num_computed, logits[row : row + count]))
             row += count
             last.append(row - 1)
-        rows = step.due_rows
-        if not any(scoring) and len(rows) == len(batch):
-            return StepLogits(logits)  # one row per sequence, every sequence due
         index = torch.tensor([last[i] for i in rows], dtype=torch.long, device=logits.device)
         return StepLogits(logits.index_select(0, index), prompt)
     def _hand_out_hidden_states(self, sequences: List[Sequence], info: SequenceInfo) -> None:

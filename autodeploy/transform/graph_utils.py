@@ -1,7 +1,7 @@
 """Small helpers over ``torch.fx`` graphs shared by the transforms."""
 
 import weakref
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import fx
@@ -253,3 +253,24 @@ def add_tensor(gm: torch.nn.Module, path: str, base: str, tensor: torch.Tensor, 
     else:
         owner.register_buffer(name, tensor, persistent=False)
     return f"{path}.{name}" if path else name
+
+
+def weight_expression(node: Any) -> Optional[List[fx.Node]]:
+    """The nodes computing ``node`` from parameters (``get_attr``) alone, in graph order; None when
+    it depends on anything else (an input, a factory op)."""
+    if not isinstance(node, fx.Node):
+        return None
+    found: Dict[fx.Node, None] = {}
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in found:
+            continue
+        if n.op not in ("get_attr", "call_function"):
+            return None
+        if n.op == "call_function" and not n.all_input_nodes:
+            return None  # a factory op (zeros, arange): not a weight
+        found[n] = None
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(found, key=order.__getitem__)

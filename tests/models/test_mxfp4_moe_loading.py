@@ -20,7 +20,7 @@ from autodeploy import LLM, SamplingParams
 from autodeploy.transform.graph_utils import count_op
 from autodeploy.transform.interface import Stage
 from autodeploy.utils.errors import ModelSourceError
-from helpers import build, rel_rmse
+from helpers import build, graph_logits, rel_rmse
 
 ad = torch.ops.autodeploy
 SHAPES = [(1, 7), (2, 12)]
@@ -34,14 +34,6 @@ def _built(backend, checkpoint=None):
         _BUILDS[key] = build(checkpoint or qm.mxfp4_checkpoint(), up_to=Stage.POST_LOAD_FUSION,
                              overrides={"fuse_mxfp4_moe": {"backend": backend}}, **LIMITS)
     return _BUILDS[key]
-
-
-def _logits(gm, ids):
-    pos = torch.arange(ids.shape[1]).expand(*ids.shape)
-    with torch.no_grad():
-        out = gm(input_ids=ids, position_ids=pos)
-    out = out[0] if isinstance(out, (tuple, list)) else out
-    return getattr(out, "logits", out)
 
 
 def _history(result, key):
@@ -73,7 +65,7 @@ def test_logits_equal_the_dequantized_reference(backend):
         ids = torch.randint(0, 512, (b, s), generator=g)
         with torch.no_grad():
             expected = ref(ids).logits
-        err = rel_rmse(_logits(gm, ids), expected)
+        err = rel_rmse(graph_logits(gm, ids), expected)
         assert err < 1e-5, (backend, b, s, err)
 
 
@@ -121,7 +113,7 @@ def test_a_layer_left_float_stays_a_float_moe(tmp_path):
     ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(ids).logits
-    assert rel_rmse(_logits(gm, ids), expected) < 1e-5
+    assert rel_rmse(graph_logits(gm, ids), expected) < 1e-5
 
 
 def test_missing_scales_are_named(tmp_path):

@@ -24,7 +24,7 @@ from autodeploy.transform.interface import Stage
 from autodeploy.utils.errors import ModelSourceError
 
 import quant_checkpoints as qc
-from helpers import apply_transform, build, rel_rmse
+from helpers import apply_transform, build, graph_logits, rel_rmse
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -60,21 +60,13 @@ def _loaded(model: str, fmt: str):
     return _BUILDS[(model, fmt)]
 
 
-def _logits(gm, ids):
-    pos = torch.arange(ids.shape[1]).expand(*ids.shape)
-    with torch.no_grad():
-        out = gm(input_ids=ids, position_ids=pos)
-    out = out[0] if isinstance(out, (tuple, list)) else out
-    return getattr(out, "logits", out)
-
-
 def _assert_matches_reference(gm, model: str, fmt: str, tol: float) -> None:
     ref = qc.reference_model(model, fmt)
     for b, s in SHAPES:
         ids = torch.randint(0, 512, (b, s))
         with torch.no_grad():
             expected = ref(ids).logits
-        err = rel_rmse(_logits(gm, ids), expected)
+        err = rel_rmse(graph_logits(gm, ids), expected)
         assert err < tol, f"{model}/{fmt} at {(b, s)}: rel rmse {err} against the float reference"
 
 

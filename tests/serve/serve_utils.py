@@ -59,12 +59,16 @@ class ServerProcess:
         self._log = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
+    def command(self) -> List[str]:
+        """The ``autodeploy serve`` command line (``self.port`` is set when it is called)."""
+        return [AUTODEPLOY, "serve", "--model", MODEL, "--port", str(self.port),
+                "--max_seq_len", str(MAX_SEQ_LEN), "--max_batch_size", str(MAX_BATCH_SIZE), *self.extra]
+
     def start(self) -> "ServerProcess":
         self.port = free_port()
         fd, self.log_path = tempfile.mkstemp(prefix=f"autodeploy-serve-{self.name}-", suffix=".log")
         self._log = os.fdopen(fd, "wb")
-        cmd = [AUTODEPLOY, "serve", "--model", MODEL, "--port", str(self.port),
-               "--max_seq_len", str(MAX_SEQ_LEN), "--max_batch_size", str(MAX_BATCH_SIZE), *self.extra]
+        cmd = self.command()
         env = dict(os.environ)
         env.setdefault("AUTODEPLOY_CACHE", os.path.join(REPO, ".cache", "autodeploy"))
         env.setdefault("HF_HUB_OFFLINE", "1")

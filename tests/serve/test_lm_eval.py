@@ -24,14 +24,12 @@ import json
 import math
 import os
 import re
-import subprocess
-import tempfile
 from typing import List, Sequence, Tuple
 
 import httpx
 import pytest
 
-from serve_utils import AUTODEPLOY, REPO, ServerProcess, free_port
+from serve_utils import AUTODEPLOY, REPO, ServerProcess
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -52,19 +50,8 @@ class DemoServer(ServerProcess):
     """``autodeploy serve --model demo`` (the other server tests use the random tiny-llama preset;
     scores of a model that knows something make a better check)."""
 
-    def start(self) -> "DemoServer":
-        self.port = free_port()
-        fd, self.log_path = tempfile.mkstemp(prefix=f"autodeploy-serve-{self.name}-", suffix=".log")
-        self._log = os.fdopen(fd, "wb")
-        cmd = [AUTODEPLOY, "serve", "--model", MODEL, "--port", str(self.port), "--max_seq_len", str(MAX_SEQ_LEN)]
-        env = dict(os.environ)
-        env.setdefault("AUTODEPLOY_CACHE", os.path.join(REPO, ".cache", "autodeploy"))
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        env["PYTHONUNBUFFERED"] = "1"
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-        return self
+    def command(self) -> List[str]:
+        return [AUTODEPLOY, "serve", "--model", MODEL, "--port", str(self.port), "--max_seq_len", str(MAX_SEQ_LEN)]
 
     @property
     def model(self) -> str:

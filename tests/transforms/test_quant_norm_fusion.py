@@ -22,7 +22,7 @@ from torch import nn
 
 import quant_checkpoints as qc
 from autodeploy.transform.interface import Stage
-from helpers import apply_transform, build, count_op, export_gm, rel_rmse
+from helpers import apply_transform, build, count_op, export_gm, graph_logits, rel_rmse
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -53,20 +53,13 @@ def _unfused(model: str, fmt: str, norm_backend: str = "native"):
     return gm
 
 
-def _logits(gm, ids):
-    pos = torch.arange(ids.shape[1]).expand(*ids.shape)
-    with torch.no_grad():
-        out = gm(input_ids=ids, position_ids=pos)
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 def _assert_same_as(gm, ref_gm, model: str, fmt: str) -> None:
     """(c) the unfused graph's logits to 1e-6, and the float reference's as the loading tests do."""
     reference = qc.reference_model(model, fmt)
     for b, s in SHAPES:
         ids = torch.randint(0, 512, (b, s))
-        out = _logits(gm, ids)
-        assert rel_rmse(out, _logits(ref_gm, ids)) < 1e-6, f"{model}/{fmt} {(b, s)}: fused != unfused"
+        out = graph_logits(gm, ids)
+        assert rel_rmse(out, graph_logits(ref_gm, ids)) < 1e-6, f"{model}/{fmt} {(b, s)}: fused != unfused"
         with torch.no_grad():
             expected = reference(ids).logits
         assert rel_rmse(out, expected) < 1e-5, f"{model}/{fmt} {(b, s)}: off the float reference"
@@ -128,7 +121,7 @@ def test_differing_scales_leave_that_norm_alone():
     assert count_op(gm, ad.native_rmsnorm) == 1 and count_op(gm, ad.native_rmsnorm_quant_fp8) == 0
     assert count_op(gm, ad.torch_quant_fp8_activation) == 4 + 3
     ids = torch.randint(0, 512, (2, 5))
-    assert rel_rmse(_logits(gm, ids), _logits(ref, ids)) < 1e-6
+    assert rel_rmse(graph_logits(gm, ids), graph_logits(ref, ids)) < 1e-6
 
 
 def test_compiled_norms_are_left_alone():

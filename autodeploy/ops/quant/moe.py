@@ -12,18 +12,17 @@ Routing, the activation (``silu`` or GPT-OSS's ``swiglu_oai``) and the weighted 
 are ``torch_moe_fused``'s.
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ..moe import _per_expert_reference, expert_activation
+from ..moe import stacked_experts_reference
 from .formats import MXFP4_GROUP, dequantize_mxfp4
 
 
 def _check_mxfp4_experts(gate_up_blocks: Tensor, gate_up_scales: Tensor, down_blocks: Tensor,
-                         down_scales: Tensor) -> int:
+                         down_scales: Tensor) -> None:
     ok = (gate_up_blocks.dim() == down_blocks.dim() == 4 and gate_up_blocks.shape[:3] == gate_up_scales.shape
           and down_blocks.shape[:3] == down_scales.shape and gate_up_blocks.shape[1] % 2 == 0
           and gate_up_blocks.shape[0] == down_blocks.shape[0]
@@ -34,7 +33,6 @@ def _check_mxfp4_experts(gate_up_blocks: Tensor, gate_up_scales: Tensor, down_bl
             f"[E, H, I/32, 16] with scales [E, H, I/32]; got {tuple(gate_up_blocks.shape)}, "
             f"{tuple(gate_up_scales.shape)}, {tuple(down_blocks.shape)}, {tuple(down_scales.shape)}"
         )
-    return gate_up_blocks.shape[1] // 2
 
 
 @torch.library.custom_op("autodeploy::torch_quant_mxfp4_moe_fused", mutates_args=())
@@ -53,16 +51,14 @@ def torch_quant_mxfp4_moe_fused(
     limit: float = 0.0,
 ) -> Tensor:
     """``torch_moe_fused`` with MXFP4 expert weights, decoded per active expert (module docstring)."""
-    inter = _check_mxfp4_experts(gate_up_blocks, gate_up_scales, down_blocks, down_scales)
+    _check_mxfp4_experts(gate_up_blocks, gate_up_scales, down_blocks, down_scales)
 
-    def expert(e: int, rows: Tensor) -> Tensor:
-        w_gu = dequantize_mxfp4(gate_up_blocks[e], gate_up_scales[e]).to(rows.dtype)
-        gate_up = F.linear(rows, w_gu, None if gate_up_bias is None else gate_up_bias[e].to(rows.dtype))
-        h = expert_activation(gate_up[:, :inter], gate_up[:, inter:], act, alpha, limit)
-        w_d = dequantize_mxfp4(down_blocks[e], down_scales[e]).to(rows.dtype)
-        return F.linear(h, w_d, None if down_bias is None else down_bias[e].to(rows.dtype))
+    def weights(e: int) -> Tuple[Tensor, Tensor]:
+        return (dequantize_mxfp4(gate_up_blocks[e], gate_up_scales[e]).to(x.dtype),
+                dequantize_mxfp4(down_blocks[e], down_scales[e]).to(x.dtype))
 
-    return _per_expert_reference(x, selected_experts, routing_weights, gate_up_blocks.shape[0], expert)
+    return stacked_experts_reference(x, selected_experts, routing_weights, gate_up_blocks.shape[0], weights,
+                                     gate_up_bias, down_bias, act, alpha, limit)
 
 
 @torch_quant_mxfp4_moe_fused.register_fake

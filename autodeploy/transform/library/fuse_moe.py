@@ -54,7 +54,7 @@ from pydantic import Field
 from torch import fx, nn
 
 from ...utils.logging import get_logger
-from ..graph_utils import arg, get_attr_value, is_op
+from ..graph_utils import arg, get_attr_value, is_op, weight_expression
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._gemm_fusion import release_unused
 
@@ -80,28 +80,8 @@ class FuseMoEConfig(TransformConfig):
     )
 
 
-def _weight_expression(node: Any) -> Optional[List[fx.Node]]:
-    """The nodes computing ``node`` from parameters alone, in graph order (None otherwise)."""
-    if not isinstance(node, fx.Node):
-        return None
-    found: Dict[fx.Node, None] = {}
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in found:
-            continue
-        if n.op not in ("get_attr", "call_function"):
-            return None
-        if n.op == "call_function" and not n.all_input_nodes:
-            return None  # a factory op (zeros, arange): not a weight
-        found[n] = None
-        stack.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return sorted(found, key=order.__getitem__)
-
-
 def _evaluate(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
-    nodes = _weight_expression(node)
+    nodes = weight_expression(node)
     assert nodes is not None
     env: Dict[fx.Node, Any] = {}
     with torch.no_grad():
@@ -137,7 +117,7 @@ def _register(gm: fx.GraphModule, owner_path: str, leaf: str, tensor: torch.Tens
 def _leaves(nodes: Sequence[Optional[fx.Node]]) -> List[fx.Node]:
     out: Dict[fx.Node, None] = {}
     for node in nodes:
-        for n in _weight_expression(node) or []:
+        for n in weight_expression(node) or []:
             if n.op == "get_attr":
                 out[n] = None
     return list(out)
@@ -145,7 +125,7 @@ def _leaves(nodes: Sequence[Optional[fx.Node]]) -> List[fx.Node]:
 
 def _release(gm: fx.GraphModule, roots: Sequence[Optional[fx.Node]]) -> None:
     """Erase the weight expressions nothing reads any more and free their parameters."""
-    exprs = [n for root in roots for n in (_weight_expression(root) or [])]
+    exprs = [n for root in roots for n in (weight_expression(root) or [])]
     leaves = _leaves(roots)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sorted(set(exprs), key=lambda n: -order[n]):
@@ -164,7 +144,7 @@ def _stack_per_expert(gm: fx.GraphModule, node: fx.Node) -> Optional[Stacked]:
     gates, ups, downs = (list(arg(node, i, n)) for i, n in slots)
     biases = [list(arg(node, i, n, []) or []) for i, n in ((6, "gate_biases"), (7, "up_biases"), (8, "down_biases"))]
     everything = gates + ups + downs + [b for bs in biases for b in bs]
-    if any(_weight_expression(n) is None for n in everything):
+    if any(weight_expression(n) is None for n in everything):
         return None
     if bool(biases[0]) != bool(biases[1]):
         return None  # a bias on only one of gate/up has no stacked form
@@ -189,7 +169,7 @@ def _fold_stacked(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[List[Any]
     into new ones when they are ops on parameters. None when one depends on the inputs."""
     slots = [arg(node, 3, "gate_up_weight"), arg(node, 4, "down_weight"), arg(node, 5, "gate_up_bias"),
              arg(node, 6, "down_bias")]
-    if any(s is not None and _weight_expression(s) is None for s in slots):
+    if any(s is not None and weight_expression(s) is None for s in slots):
         return None
     out: List[Any] = []
     folded: List[fx.Node] = []

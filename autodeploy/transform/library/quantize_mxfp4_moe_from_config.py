@@ -42,7 +42,7 @@ from ...models.load_hooks import LoadHook
 from ...ops.quant.formats import MXFP4_GROUP
 from ...utils.errors import ModelSourceError
 from ...utils.logging import get_logger
-from ..graph_utils import is_op
+from ..graph_utils import is_op, weight_expression
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._quant_from_config import GRAPH_LOAD_HOOKS
 
@@ -121,29 +121,20 @@ class QuantizeMXFP4MoEFromConfig(BaseTransform):
         return TransformInfo(num_matches=count, is_clean=False, has_valid_shapes=True)
 
 
-def _layout_permutation(gm: fx.GraphModule, param: fx.Node, use: fx.Node) -> Optional[torch.Tensor]:
-    """``perm`` such that ``use`` = ``param.transpose(1, 2)[:, perm]``, read by running the ops from the
-    parameter ``[E, in, out]`` to ``use`` on index probes; None when they are something else."""
-    chain, stack = [], [use]
-    while stack:
-        node = stack.pop()
-        if node is param or node in chain:
-            continue
-        if node.op != "call_function" or not node.all_input_nodes:
-            return None
-        chain.append(node)
-        stack.extend(node.all_input_nodes)
-    shape = tuple(gm.get_parameter(str(param.target)).shape)
-    e, k, n = shape
+def _layout_permutation(gm: fx.GraphModule, expression: List[fx.Node], param: fx.Node) -> Optional[torch.Tensor]:
+    """``perm`` such that the expression's result is ``param.transpose(1, 2)[:, perm]``, read by
+    running its ops (graph order) from the parameter ``[E, in, out]`` on index probes; None when
+    they are something else."""
+    e, k, n = gm.get_parameter(str(param.target)).shape
     outs = []
-    probes = (torch.arange(n, dtype=torch.float32).expand(e, k, n), torch.arange(k, dtype=torch.float32)[:, None].expand(e, k, n))
-    for probe in probes:
+    for probe in (torch.arange(n, dtype=torch.float32).expand(e, k, n),
+                  torch.arange(k, dtype=torch.float32)[:, None].expand(e, k, n)):
         env: Dict[fx.Node, Any] = {param: probe.contiguous()}
-        for node in sorted(chain, key=lambda m: list(gm.graph.nodes).index(m)):
-            args = fx.node.map_arg(node.args, lambda a: env[a])
-            kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
-            env[node] = node.target(*args, **kwargs)
-        outs.append(env[use])
+        for node in expression:
+            if node.op == "call_function":
+                load = lambda a: fx.node.map_arg(a, env.__getitem__)  # noqa: E731
+                env[node] = node.target(*load(node.args), **load(node.kwargs))
+        outs.append(env[expression[-1]])
     rows, cols = outs
     if tuple(rows.shape) != (e, n, k):
         return None
@@ -157,12 +148,12 @@ def _layout_permutation(gm: fx.GraphModule, param: fx.Node, use: fx.Node) -> Opt
 
 def _keep_mxfp4(gm: fx.GraphModule, node: fx.Node, params: Dict[str, List[str]], hooks: List[LoadHook]) -> int:
     """Rewrite one ``torch_moe_fused`` over MXFP4 parameters into ``torch_quant_mxfp4_moe_fused``."""
-    found = [_param_of(use, params) for use in node.args[3:5]]
-    if any(p is None for p in found):
+    found = [_expression_of(use, params) for use in node.args[3:5]]
+    if any(f is None for f in found):
         return 0  # a float MoE layer (excluded from the quantization)
     new_args = []
-    for use, param in zip(node.args[3:5], found):
-        perm = _layout_permutation(gm, param, use)
+    for expression, param in found:  # type: ignore[misc]
+        perm = _layout_permutation(gm, expression, param)
         if perm is None:
             raise ModelSourceError(f"MXFP4: the ops between '{param.target}' and its MoE op are not a transpose and a "
                                    "row permutation of its [experts, in, out] layout; autodeploy cannot lay out its "
@@ -187,20 +178,14 @@ def _keep_mxfp4(gm: fx.GraphModule, node: fx.Node, params: Dict[str, List[str]],
     return 1
 
 
-def _param_of(use: Any, params: Dict[str, List[str]]) -> Optional[fx.Node]:
-    """The MXFP4 parameter ``use`` is computed from (the only get_attr among its ancestors)."""
-    if not isinstance(use, fx.Node):
+def _expression_of(use: Any, params: Dict[str, List[str]]) -> Optional[Tuple[List[fx.Node], fx.Node]]:
+    """The nodes computing ``use`` from one MXFP4 parameter alone (graph order, ``use`` last) and
+    that parameter's ``get_attr``; None otherwise."""
+    nodes = weight_expression(use)
+    attrs = [n for n in nodes or [] if n.op == "get_attr"]
+    if len(attrs) != 1 or str(attrs[0].target) not in params:
         return None
-    found, stack, seen = [], [use], set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "get_attr":
-            found.append(node)
-        stack.extend(node.all_input_nodes)
-    return found[0] if len(found) == 1 and str(found[0].target) in params else None
+    return nodes, attrs[0]  # type: ignore[return-value]
 
 
 def _shape_of(gm: fx.GraphModule, name: str, kind: str) -> Shape:
