@@ -99,6 +99,17 @@ KEYS: Dict[str, List[str]] = {
     # quantized MoE (issue 17)
     "quantize_mxfp4_moe_from_config": ["models/test_mxfp4_moe_loading.py"],
     "fuse_mxfp4_moe": ["models/test_mxfp4_moe_loading.py::test_logits_equal_the_dequantized_reference[decoded]"],
+    "quantize_fp8_moe_from_config": ["models/test_quant_expert_moe_loading.py::test_logits_equal_the_dequantized_reference[qwen3_moe-fp8-decoded]",
+                                     "models/test_quant_expert_moe_loading.py::test_missing_input_scale_is_named"],
+    "quantize_finegrained_fp8_moe_from_config": [
+        "models/test_quant_expert_moe_loading.py::test_logits_equal_the_dequantized_reference[deepseek_v3-fp8_block-decoded]",
+        "models/test_quant_expert_moe_loading.py::test_a_layer_left_float_stays_a_float_moe[fp8_block]", "models/test_quant_expert_moe_loading.py::test_scale_of_another_block_shape_is_named"],
+    "quantize_nvfp4_moe_from_config": ["models/test_quant_expert_moe_loading.py::test_logits_equal_the_dequantized_reference[qwen3_moe-nvfp4-kept]",
+                                       "models/test_quant_expert_moe_loading.py::test_an_expert_missing_from_a_layer_is_named"],
+    "fuse_fp8_moe": ["models/test_quant_expert_moe_loading.py::test_logits_equal_the_dequantized_reference[qwen3_moe-fp8-decoded]"],
+    "fuse_finegrained_fp8_moe": ["models/test_quant_expert_moe_loading.py::test_logits_equal_the_dequantized_reference[qwen3_moe-fp8_block-decoded]"],
+    "fuse_nvfp4_moe": ["models/test_quant_expert_moe_loading.py::test_logits_equal_the_dequantized_reference[deepseek_v3-nvfp4-decoded]",
+                       "models/test_quant_expert_moe_loading.py::test_a_layer_left_float_stays_a_float_moe[nvfp4]"],
     "fuse_fp8_linear": ["models/test_quantized_loading.py::test_fuse_quantized_linear_decodes_once[fp8]",
                         "transforms/test_fuse_fp8_linear_scaled_mm.py"],
     "fuse_finegrained_fp8_linear": ["models/test_quantized_loading.py::test_fuse_quantized_linear_decodes_once[fp8_block]"],

@@ -18,7 +18,9 @@ logger = get_logger(__name__)
 
 def _hf_load_kwargs(checkpoint: str) -> Dict[str, Any]:
     """What HF needs to load ``checkpoint`` on this machine: an MXFP4 checkpoint (GPT-OSS) loads
-    on CPU only dequantized (``Mxfp4Config(dequantize=True)``; its kernels need triton)."""
+    on CPU only dequantized (``Mxfp4Config(dequantize=True)``; its kernels need triton), a
+    fine-grained FP8 one likewise (``FineGrainedFP8Config(dequantize=True)``, which needs
+    ``accelerate``: weights decoded at load, activations not quantized)."""
     import json
     import os
 
@@ -31,6 +33,10 @@ def _hf_load_kwargs(checkpoint: str) -> Dict[str, Any]:
         from transformers import Mxfp4Config
 
         return {"quantization_config": Mxfp4Config(dequantize=True)}
+    if method == "fp8" and not torch.cuda.is_available():
+        from transformers import FineGrainedFP8Config
+
+        return {"quantization_config": FineGrainedFP8Config(dequantize=True)}
     return {}
 
 

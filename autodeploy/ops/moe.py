@@ -30,7 +30,7 @@ token are summed in at least float32, in ``k`` order, and the result is cast to 
 as transformers' ``grouped_mm`` / ``batched_mm`` expert implementations do.
 """
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +60,7 @@ def _acc_dtype(x: Tensor, routing_weights: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x.dtype, routing_weights.dtype), torch.float32)
 
 
-def _per_expert_reference(x: Tensor, selected_experts: Tensor, routing_weights: Tensor, num_experts: int,
+def per_expert_reference(x: Tensor, selected_experts: Tensor, routing_weights: Tensor, num_experts: int,
                           expert_fn) -> Tensor:
     """Loop over experts; ``expert_fn(e, rows)`` computes expert ``e`` on the rows routed to it."""
     shape = x.shape
@@ -91,7 +91,7 @@ def stacked_experts_reference(x: Tensor, selected_experts: Tensor, routing_weigh
         h = expert_activation(gate_up[:, :inter], gate_up[:, inter:], act, alpha, limit)
         return F.linear(h, down_w, None if down_bias is None else down_bias[e].to(rows.dtype))
 
-    return _per_expert_reference(x, selected_experts, routing_weights, num_experts, expert)
+    return per_expert_reference(x, selected_experts, routing_weights, num_experts, expert)
 
 
 def _opt(tensors: List[Tensor], e: int) -> Optional[Tensor]:
@@ -130,7 +130,7 @@ def torch_moe(
         up = F.linear(rows, up_weights[e], _opt(up_biases, e))
         return F.linear(expert_activation(gate, up, act, alpha, limit), down_weights[e], _opt(down_biases, e))
 
-    return _per_expert_reference(x, selected_experts, routing_weights, num_experts, expert)
+    return per_expert_reference(x, selected_experts, routing_weights, num_experts, expert)
 
 
 @torch_moe.register_fake
@@ -176,10 +176,18 @@ def _torch_moe_fused_fake(x, selected_experts, routing_weights, gate_up_weight, 
     return torch.empty_like(x)
 
 
+# Quantizes a GEMM's input rows the way a quantized checkpoint's runtime does: ``(rows, expert,
+# gemm)`` with ``expert`` the expert index of every row (a tensor) or of all of them (an int) and
+# ``gemm`` 0 for gate/up, 1 for down; returns the rows as that GEMM sees them, in their dtype.
+InputQuantizer = Callable[[Tensor, Union[int, Tensor], int], Tensor]
+
+
 def grouped_moe(x: Tensor, selected_experts: Tensor, routing_weights: Tensor, gate_up_weight: Tensor,
                 down_weight: Tensor, gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], act: str,
-                alpha: float, limit: float, bmm_max_pairs: int) -> Tensor:
-    """The fused path (see ``grouped_moe_fused``)."""
+                alpha: float, limit: float, bmm_max_pairs: int, quantize: Optional[InputQuantizer] = None) -> Tensor:
+    """The fused path (see ``grouped_moe_fused``); ``quantize``, when given, rounds each GEMM's
+    input rows per expert (``autodeploy.ops.quant.moe``'s decoded quantized experts)."""
+    quant = quantize or (lambda rows, expert, gemm: rows)
     inter = _check_stacked(gate_up_weight, down_weight)
     shape = x.shape
     x2, sel, w = _flatten(x, selected_experts, routing_weights)
@@ -189,11 +197,11 @@ def grouped_moe(x: Tensor, selected_experts: Tensor, routing_weights: Tensor, ga
     flat = sel.reshape(-1)
     if pairs <= bmm_max_pairs:
         # Few (token, expert) pairs (decode): gather each pair's weights and run one batched GEMM.
-        rows = x2.repeat_interleave(k, dim=0).unsqueeze(-1)  # [P, H, 1]
+        rows = quant(x2.repeat_interleave(k, dim=0), flat, 0).unsqueeze(-1)  # [P, H, 1]
         gate_up = torch.bmm(gate_up_weight[flat], rows).squeeze(-1)  # [P, 2I]
         if gate_up_bias is not None:
             gate_up = gate_up + gate_up_bias[flat]
-        h = expert_activation(gate_up[:, :inter], gate_up[:, inter:], act, alpha, limit)
+        h = quant(expert_activation(gate_up[:, :inter], gate_up[:, inter:], act, alpha, limit), flat, 1)
         out = torch.bmm(down_weight[flat], h.unsqueeze(-1)).squeeze(-1)  # [P, H]
         if down_bias is not None:
             out = out + down_bias[flat]
@@ -208,9 +216,9 @@ def grouped_moe(x: Tensor, selected_experts: Tensor, routing_weights: Tensor, ga
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        seg = rows[start:start + n]
+        seg = quant(rows[start:start + n], e, 0)
         gate_up = F.linear(seg, gate_up_weight[e], None if gate_up_bias is None else gate_up_bias[e])
-        h = expert_activation(gate_up[:, :inter], gate_up[:, inter:], act, alpha, limit)
+        h = quant(expert_activation(gate_up[:, :inter], gate_up[:, inter:], act, alpha, limit), e, 1)
         out[start:start + n] = F.linear(h, down_weight[e], None if down_bias is None else down_bias[e])
         start += n
     weighted = torch.empty(pairs, out.shape[1], dtype=acc, device=x.device)

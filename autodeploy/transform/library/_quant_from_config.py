@@ -20,7 +20,7 @@ tensors (GPTQ's ``qweight`` -> canonical nibbles), once, never per step.
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import fx
@@ -29,7 +29,7 @@ from ...models.load_hooks import LoadHook
 from ...models.quantization import SAFETENSORS_DTYPE_NAMES
 from ...utils.errors import ModelSourceError
 from ...utils.logging import get_logger
-from ..graph_utils import is_op
+from ..graph_utils import arg, is_op
 from ..interface import PipelineContext
 
 aten = torch.ops.aten
@@ -169,17 +169,8 @@ def quantize_linears(gm: fx.GraphModule, ctx: PipelineContext, fmt: LinearFormat
                 f"'{prefix}.weight' is quantized ({fmt.name}) but the graph also uses it outside the linear "
                 f"(e.g. an embedding tied to it); autodeploy cannot share a quantized weight"
             )
-        owner = gm.get_submodule(prefix)
-        n, k = owner.weight.shape
-        validate_linear(fmt, prefix, n, k, names, dtypes, shapes)
-        del owner._parameters["weight"]
-        args = []
+        args, constants = _quantized_weight(gm, fmt, prefix, node, names, dtypes, shapes)
         with gm.graph.inserting_before(node):
-            for buf in fmt.buffers:
-                shape = buf.shape(n, k) if buf.shape is not None else shapes.get(f"{prefix}.{buf.name}", ())
-                owner.register_buffer(buf.name, torch.empty(shape, dtype=buf.dtype, device="meta"))
-                args.append(gm.graph.get_attr(f"{prefix}.{buf.name}"))
-            constants = fmt.constants(n, k) if callable(fmt.constants) else fmt.constants
             new = gm.graph.call_function(fmt.op, (node.args[0], args[0], bias, *args[1:], *constants))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
@@ -187,14 +178,119 @@ def quantize_linears(gm: fx.GraphModule, ctx: PipelineContext, fmt: LinearFormat
         gm.graph.erase_node(weight)
         count += 1
     if count:
-        registered = {h.description for h in hooks}
-        for buf in fmt.buffers:
-            if buf.sources and _load_hook(fmt, buf).description not in registered:
-                hooks.append(_load_hook(fmt, buf))
+        _register_load_hooks(fmt, hooks)
         logger.info("%s: %d linears quantized (the rest stay float)", fmt.name, count)
     gm.graph.lint()
     gm.recompile()
     return count
+
+
+def _quantized_weight(gm: fx.GraphModule, fmt: LinearFormat, prefix: str, before: fx.Node, names: Sequence[str],
+                      dtypes: Dict[str, str], shapes: Dict[str, Shape]) -> Tuple[List[fx.Node], Tuple[Any, ...]]:
+    """Replace the float parameter ``prefix.weight`` by the format's buffers (checked against the
+    headers first); returns their ``get_attr`` nodes (inserted before ``before``) and the op's
+    constants."""
+    owner = gm.get_submodule(prefix)
+    n, k = owner.weight.shape
+    validate_linear(fmt, prefix, n, k, names, dtypes, shapes)
+    del owner._parameters["weight"]
+    args = []
+    with gm.graph.inserting_before(before):
+        for buf in fmt.buffers:
+            shape = buf.shape(n, k) if buf.shape is not None else shapes.get(f"{prefix}.{buf.name}", ())
+            owner.register_buffer(buf.name, torch.empty(shape, dtype=buf.dtype, device="meta"))
+            args.append(gm.graph.get_attr(f"{prefix}.{buf.name}"))
+    return args, fmt.constants(n, k) if callable(fmt.constants) else fmt.constants
+
+
+def _register_load_hooks(fmt: LinearFormat, hooks: List[LoadHook]) -> None:
+    registered = {h.description for h in hooks}
+    for buf in fmt.buffers:
+        if buf.sources and _load_hook(fmt, buf).description not in registered:
+            hooks.append(_load_hook(fmt, buf))
+
+
+def quantize_moe_experts(gm: fx.GraphModule, ctx: PipelineContext, fmt: LinearFormat, op: Any) -> int:
+    """Rewrite every ``torch_moe`` whose experts the checkpoint stores in ``fmt`` into ``op``, the
+    per-expert quantized MoE op (``autodeploy.ops.quant.moe``): each expert projection is ``fmt``'s
+    quantized linear, with the same per-linear checkpoint tensors and checks.
+
+    Before::
+
+        y = autodeploy.torch_moe(x, sel, w, [E.0.gate_proj.weight, ..], [E.0.up_proj.weight, ..],
+                                 [E.0.down_proj.weight, ..], [], [], [], act, alpha, limit)
+
+    After::
+
+        y = op(x, sel, w, [gate <buffer 0>s], [up <buffer 0>s], [down <buffer 0>s], [gate <buffer 1>s], ...,
+               *fmt.constants, act, alpha, limit)
+
+    A layer none of whose experts has the format's marker stays float. A layer quantized only in
+    part, or with expert biases, is refused (no checkpoint of these formats has either).
+    """
+    index = ctx.factory.checkpoint_index()
+    names = set(index.weight_map)
+    headers = index.headers()
+    dtypes = {name: dtype for name, (dtype, _) in headers.items()}
+    shapes = {name: shape for name, (_, shape) in headers.items()}
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not is_op(node, torch.ops.autodeploy.torch_moe):
+            continue
+        weights = [list(node.args[i]) for i in (3, 4, 5)]
+        prefixes = [[_expert_prefix(w) for w in projection] for projection in weights]
+        if not _quantized_layer(fmt, node, prefixes, names):
+            continue  # a float MoE layer
+        lists: List[List[List[fx.Node]]] = [[[] for _ in fmt.buffers] for _ in weights]
+        constants: Tuple[Any, ...] = ()
+        for j, projection in enumerate(weights):
+            for w, prefix in zip(projection, prefixes[j]):
+                if len(w.users) > 1:
+                    raise ModelSourceError(f"'{prefix}.weight' is quantized ({fmt.name}) but the graph also uses it "
+                                           "outside its MoE layer; autodeploy cannot share a quantized weight")
+                args, constants = _quantized_weight(gm, fmt, prefix, node, names, dtypes, shapes)
+                for b, a in enumerate(args):
+                    lists[j][b].append(a)
+        tail = [arg(node, 9, "act", "silu"), arg(node, 10, "alpha", 1.0), arg(node, 11, "limit", 0.0)]
+        per_buffer = [lists[j][b] for b in range(len(fmt.buffers)) for j in range(len(weights))]
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(op, (*node.args[:3], *per_buffer, *constants, *tail))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        for w in (w for projection in weights for w in projection):
+            gm.graph.erase_node(w)
+        count += 1
+    if count:
+        _register_load_hooks(fmt, gm.meta.setdefault(GRAPH_LOAD_HOOKS, []))
+        logger.info("%s: %d MoE layers run on %s experts", fmt.name, count, fmt.name)
+    gm.graph.lint()
+    gm.recompile()
+    return count
+
+
+def _quantized_layer(fmt: LinearFormat, node: fx.Node, prefixes: List[List[Optional[str]]], names: Set[str]) -> bool:
+    """Whether the checkpoint stores this MoE layer's experts in ``fmt`` (every one of them, or none)."""
+    marked = [(p, p is not None and f"{p}.{fmt.marker}" in names) for projection in prefixes for p in projection]
+    if not any(m for _, m in marked):
+        return False
+    unmarked = next((p or "an expert weight computed in the graph" for p, m in marked if not m), None)
+    if unmarked is not None and f"{unmarked}.weight" not in names:
+        raise ModelSourceError(f"checkpoint tensor '{unmarked}.weight' is missing (nor has it {fmt.name} scales), "
+                               f"while other experts of its layer are {fmt.name}: the model's config declares more "
+                               f"experts than the checkpoint stores. Does the checkpoint match its config.json?")
+    if unmarked is not None or any(node.args[i] for i in (6, 7, 8)):
+        what = (f"'{unmarked}' has no '{fmt.marker}' while other experts of its layer are {fmt.name}"
+                if unmarked is not None else "its experts have biases")
+        raise ModelSourceError(f"autodeploy cannot load this {fmt.name} MoE layer: {what}")
+    return True
+
+
+def _expert_prefix(weight: Any) -> Optional[str]:
+    """``P`` for an expert weight read as ``get_attr P.weight``; None otherwise."""
+    if isinstance(weight, fx.Node) and weight.op == "get_attr" and str(weight.target).endswith(".weight"):
+        return str(weight.target)[: -len(".weight")]
+    return None
 
 
 def ignore_checkpoint_tensors(gm: fx.GraphModule, names: Sequence[str]) -> None:
@@ -205,7 +301,7 @@ def ignore_checkpoint_tensors(gm: fx.GraphModule, names: Sequence[str]) -> None:
 
 __all__ = [
     "Buffer", "CheckpointTensor", "GRAPH_IGNORED_TENSORS", "GRAPH_LOAD_HOOKS", "LinearFormat",
-    "ignore_checkpoint_tensors", "quantize_linears", "skip_kv_cache_scales", "validate_linear",
+    "ignore_checkpoint_tensors", "quantize_linears", "quantize_moe_experts", "skip_kv_cache_scales", "validate_linear",
     "warn_unused_kv_cache_scales", "GRAPH_KV_CACHE_SCALES", "KV_SCALE_LEAVES",
 ]
 

@@ -20,7 +20,7 @@ Static activation scales (``activation_scheme: static``) are refused: that varia
 ``activation_scale`` tensors this op does not read, and running without them would change the numerics.
 """
 
-from typing import Tuple
+from typing import Any, Tuple
 
 import torch
 from torch import fx
@@ -64,15 +64,21 @@ class QuantizeFinegrainedFP8LinearFromConfig(BaseTransform):
         info = getattr(ctx.factory, "quantization", None)
         if info is None or info.transform != "quantize_finegrained_fp8_linear_from_config":
             return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
-        scheme = info.config.get("activation_scheme", "dynamic")
-        if scheme != "dynamic":
-            raise ModelSourceError(
-                f"fine-grained FP8 checkpoint declares activation_scheme '{scheme}'; autodeploy runs the dynamic "
-                f"scheme (per-token activation scales computed at run time) only"
-            )
-        block = info.config.get("weight_block_size") or [128, 128]
-        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            raise ModelSourceError(f"fine-grained FP8 checkpoint declares weight_block_size {block!r}; expected two "
-                                   f"positive integers such as [128, 128]")
-        count = quantize_linears(gm, ctx, finegrained_fp8_format((block[0], block[1])))
+        count = quantize_linears(gm, ctx, finegrained_fp8_format(declared_block(info)))
         return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=True)
+
+
+def declared_block(info: Any) -> Tuple[int, int]:
+    """The checkpoint's ``weight_block_size``, after refusing what the ops cannot run (a static
+    activation scheme, a malformed block)."""
+    scheme = info.config.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ModelSourceError(
+            f"fine-grained FP8 checkpoint declares activation_scheme '{scheme}'; autodeploy runs the dynamic "
+            f"scheme (per-token activation scales computed at run time) only"
+        )
+    block = info.config.get("weight_block_size") or [128, 128]
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelSourceError(f"fine-grained FP8 checkpoint declares weight_block_size {block!r}; expected two "
+                               f"positive integers such as [128, 128]")
+    return block[0], block[1]

@@ -1,0 +1,46 @@
+"""``quantize_fp8_moe_from_config`` (pattern_matcher): ModelOpt FP8 experts -> ``torch_quant_fp8_moe``.
+
+Applies with ``quantize_fp8_linear_from_config`` (``quant_method: modelopt``, ``quant_algo:
+FP8``). ModelOpt stores every routed expert's projections as ordinary FP8 linears
+(``...mlp.experts.<e>.gate_proj.weight`` e4m3 with ``weight_scale`` and its own calibrated
+``input_scale``), so a MoE layer whose expert weights have a ``weight_scale`` becomes the
+per-expert FP8 MoE op; the others (and the router) stay float.
+
+Before::
+
+    y = autodeploy.torch_moe(x, sel, w, [E.0.gate_proj.weight, ..], [E.0.up_proj.weight, ..],
+                             [E.0.down_proj.weight, ..], [], [], [], "silu", 1.0, 0.0)
+
+After::
+
+    y = autodeploy.torch_quant_fp8_moe(x, sel, w, [gate weights], [up ..], [down ..],
+                                       [gate input_scales], [up ..], [down ..],
+                                       [gate weight_scales], [up ..], [down ..], "silu", 1.0, 0.0)
+        # weights float8_e4m3fn [I, H] / [H, I]; scales float32 scalars: the checkpoint's tensors, by name
+
+Each expert tensor is checked against the safetensors headers as a linear's would be (present,
+dtype, shape) before anything loads. ``fuse_fp8_moe`` then chooses how the experts run.
+"""
+
+import torch
+from torch import fx
+
+from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+from ._quant_from_config import quantize_moe_experts
+from .quantize_fp8_linear_from_config import FP8_LINEAR
+
+
+class QuantizeFP8MoEFromConfigConfig(TransformConfig):
+    stage: Stage = Stage.PATTERN_MATCHER
+
+
+@TransformRegistry.register("quantize_fp8_moe_from_config")
+class QuantizeFP8MoEFromConfig(BaseTransform):
+    config_class = QuantizeFP8MoEFromConfigConfig
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        info = getattr(ctx.factory, "quantization", None)
+        if info is None or info.transform != "quantize_fp8_linear_from_config":
+            return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
+        count = quantize_moe_experts(gm, ctx, FP8_LINEAR, torch.ops.autodeploy.torch_quant_fp8_moe.default)
+        return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=True)
