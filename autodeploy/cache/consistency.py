@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..ops.linear import exact_linears
+from ..ops.quant.formats import exact_activations
 from .interface import CachedSequenceInterface
 from .sequence_info import build_sequence_info
 
@@ -76,8 +77,9 @@ def check_cache_consistency(model: nn.Module, cache: CachedSequenceInterface, vo
         return out[0, rows.to(out.device)].float().cpu()
 
     # exact_linears: a lossy narrow-weight GEMV (select_linear_backend.gemv_dtype) would make the
-    # one-row step of schedule B differ by its rounding; the check is about where state lives
-    with torch.inference_mode(), exact_linears():
+    # one-row step of schedule B differ by its rounding; exact_activations: FP8/FP4 activation
+    # rounding turns reduction-order noise into flipped codes. The check is about where state lives
+    with torch.inference_mode(), exact_linears(), exact_activations():
         together = run([long_ids, short_ids], [0, 0], [long_pages, short_pages])
         short_alone = run([short_ids], [0], [short_pages])
         run([long_ids[:-1]], [0], [long_pages])

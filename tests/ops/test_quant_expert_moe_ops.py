@@ -124,3 +124,20 @@ def test_lists_of_different_lengths_are_refused():
     x, sel, w = _routing(2, 0)
     with pytest.raises(ValueError, match="one tensor per expert"):
         ad.torch_quant_fp8_moe(x, sel, w, *args)
+
+
+def test_exact_activations_turns_the_rounding_off_and_back_on():
+    """The KV-cache consistency check runs under ``exact_activations``: every activation
+    quantization returns its input there (the check compares schedules, and FP8/FP4 rounding
+    would turn reduction-order noise into flipped codes), and rounds again after it."""
+    from autodeploy.ops.quant.formats import exact_activations
+
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    scale = torch.tensor(0.01)
+    ops = [lambda: ad.torch_quant_fp8_activation(x, scale), lambda: ad.torch_quant_fp8_group_activation(x, 128),
+           lambda: ad.torch_quant_nvfp4_activation(x, scale)]
+    rounded = [op() for op in ops]
+    assert all(not torch.equal(r, x) for r in rounded)
+    with exact_activations():
+        assert all(torch.equal(op(), x) for op in ops)
+    assert all(torch.equal(op(), r) for op, r in zip(ops, rounded))

@@ -274,7 +274,10 @@ def _quantized_layer(fmt: LinearFormat, node: fx.Node, prefixes: List[List[Optio
     marked = [(p, p is not None and f"{p}.{fmt.marker}" in names) for projection in prefixes for p in projection]
     if not any(m for _, m in marked):
         return False
-    unmarked = next((p or "an expert weight computed in the graph" for p, m in marked if not m), None)
+    if any(p is None for p, _ in marked):
+        raise ModelSourceError(f"a {fmt.name} MoE layer computes an expert weight in the graph instead of reading "
+                               "it as a parameter; autodeploy loads quantized experts only as stored")
+    unmarked = next((p for p, m in marked if not m), None)
     if unmarked is not None and f"{unmarked}.weight" not in names:
         raise ModelSourceError(f"checkpoint tensor '{unmarked}.weight' is missing (nor has it {fmt.name} scales), "
                                f"while other experts of its layer are {fmt.name}: the model's config declares more "
