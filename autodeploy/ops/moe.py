@@ -208,20 +208,35 @@ def grouped_moe(x: Tensor, selected_experts: Tensor, routing_weights: Tensor, ga
         weighted = (out * w.reshape(-1, 1)).to(acc)
         return weighted.view(tokens, k, -1).sum(dim=1).to(x.dtype).reshape(shape)
     # Many pairs (prefill): sort pairs by expert, one GEMM per expert on a contiguous slice.
+    def expert(e: int, seg: Tensor) -> Tensor:
+        gate_up = F.linear(quant(seg, e, 0), gate_up_weight[e], None if gate_up_bias is None else gate_up_bias[e])
+        h = quant(expert_activation(gate_up[:, :inter], gate_up[:, inter:], act, alpha, limit), e, 1)
+        return F.linear(h, down_weight[e], None if down_bias is None else down_bias[e])
+
+    return sorted_experts(x, selected_experts, routing_weights, gate_up_weight.shape[0], down_weight.shape[1], expert)
+
+
+def sorted_experts(x: Tensor, selected_experts: Tensor, routing_weights: Tensor, num_experts: int, hidden: int,
+                   expert: Callable[[int, Tensor], Tensor]) -> Tensor:
+    """The sorted strategy over any expert implementation: (token, expert) pairs sorted by expert,
+    ``expert(e, rows)`` once per expert that has rows (a contiguous slice), the weighted outputs
+    summed per token in ``k`` order. One host sync, for the per-expert counts."""
+    shape = x.shape
+    x2, sel, w = _flatten(x, selected_experts, routing_weights)
+    tokens, k = sel.shape
+    acc = _acc_dtype(x, routing_weights)
+    flat = sel.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up_weight.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     rows = x2[order // k]
-    out = torch.empty(pairs, down_weight.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.empty(tokens * k, hidden, dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        seg = quant(rows[start:start + n], e, 0)
-        gate_up = F.linear(seg, gate_up_weight[e], None if gate_up_bias is None else gate_up_bias[e])
-        h = quant(expert_activation(gate_up[:, :inter], gate_up[:, inter:], act, alpha, limit), e, 1)
-        out[start:start + n] = F.linear(h, down_weight[e], None if down_bias is None else down_bias[e])
+        out[start:start + n] = expert(e, rows[start:start + n])
         start += n
-    weighted = torch.empty(pairs, out.shape[1], dtype=acc, device=x.device)
+    weighted = torch.empty(tokens * k, hidden, dtype=acc, device=x.device)
     weighted[order] = (out * w.reshape(-1)[order, None]).to(acc)
     return weighted.view(tokens, k, -1).sum(dim=1).to(x.dtype).reshape(shape)
 

@@ -57,7 +57,8 @@ def test_logits_equal_the_dequantized_reference(backend):
     else:
         assert record.num_matches == qm.LAYERS  # every layer's experts decoded once, after loading
         assert count_op(gm, ad.torch_quant_mxfp4_moe_fused) == 0
-        assert count_op(gm, ad.grouped_moe_fused) == qm.LAYERS  # fuse_moe runs them like a float checkpoint's
+        # fuse_moe runs them like a float checkpoint's (select_moe_backend: experts packed for oneDNN)
+        assert count_op(gm, ad.onednn_grouped_moe_fused) == qm.LAYERS
         assert not any(n.endswith("_blocks") for n, _ in gm.named_buffers())  # the MXFP4 tensors are freed
     ref = qm.reference_model()
     g = torch.Generator().manual_seed(0)
@@ -107,7 +108,7 @@ def test_a_layer_left_float_stays_a_float_moe(tmp_path):
     gm = result.graph
     assert _history(result, "quantize_mxfp4_moe_from_config").num_matches == 1
     assert count_op(gm, ad.torch_quant_mxfp4_moe_fused) == 1
-    assert count_op(gm, ad.grouped_moe_fused) == 1  # layer 1 as a float checkpoint's, fused by fuse_moe
+    assert count_op(gm, ad.onednn_grouped_moe_fused) == 1  # layer 1 as a float checkpoint's (fuse_moe, then packed)
     ref = qm.reference_model()
     ref.load_state_dict({f"{prefix}{p}": floats[f"{prefix}{p}"] for p in qm.EXPERT_PROJS}, strict=False)
     ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(1))

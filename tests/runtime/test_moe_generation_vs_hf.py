@@ -53,8 +53,9 @@ def _first_diff(a, b):
 def test_logits_match_hf(family, hf_model):
     result = build(moe_family_checkpoint(family), up_to=Stage.POST_LOAD_FUSION, max_seq_len=64, max_batch_size=4)
     gm = result.graph
-    assert count_op(gm, ad.grouped_moe_fused) == MOE_LAYERS[family]
-    assert count_op(gm, [ad.torch_moe, ad.torch_moe_fused]) == 0
+    # the default CPU path: fuse_moe's grouped op, its experts packed for oneDNN by select_moe_backend
+    assert count_op(gm, ad.onednn_grouped_moe_fused) == MOE_LAYERS[family]
+    assert count_op(gm, [ad.torch_moe, ad.torch_moe_fused, ad.grouped_moe_fused]) == 0
     hf = hf_model(family)
     for batch, seq in SHAPES:
         ids = torch.randint(0, MOE_FAMILIES[family]["vocab_size"], (batch, seq))

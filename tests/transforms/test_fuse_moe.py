@@ -145,7 +145,9 @@ def test_input_dependent_weights_left_alone():
 
 @pytest.mark.parametrize("family", ["mixtral", pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_pipeline_fuses_every_moe_layer(family):
-    result = build(moe_family_checkpoint(family), up_to=Stage.POST_LOAD_FUSION)
+    # select_moe_backend off: this checks fuse_moe's own result (test_select_moe_backend.py the packing)
+    result = build(moe_family_checkpoint(family), up_to=Stage.POST_LOAD_FUSION,
+                   overrides={"select_moe_backend": {"backend": "torch"}})
     record = next(r for r in result.context.history if r.key == "fuse_moe")
     assert record.status == "ok" and record.num_matches == MOE_LAYERS[family]
     gm = result.graph
@@ -166,7 +168,8 @@ def test_stacked_checkpoint_is_loaded_as_stacked(tmp_path):
     for name in os.listdir(source):
         if name.startswith("tokenizer") or name == "generation_config.json":
             shutil.copy(os.path.join(source, name), tmp_path / name)
-    result = build(str(tmp_path), up_to=Stage.POST_LOAD_FUSION, max_seq_len=64, max_batch_size=4)
+    result = build(str(tmp_path), up_to=Stage.POST_LOAD_FUSION, max_seq_len=64, max_batch_size=4,
+                   overrides={"select_moe_backend": {"backend": "torch"}})
     gm = result.graph
     nodes = gm.graph.find_nodes(op="call_function", target=ad.grouped_moe_fused.default)
     assert len(nodes) == 2
