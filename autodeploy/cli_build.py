@@ -10,7 +10,7 @@ import sys
 import textwrap
 import time
 from collections import Counter
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from .utils.errors import AutoDeployError
 
@@ -29,12 +29,20 @@ def settings_epilog() -> str:
         f"{names}\n"
         "  A transform's field: --transforms.<key>.<field> VALUE ('autodeploy transforms' lists keys and fields).\n"
         "  Example: --max_seq_len 256 --attn_backend torch --transforms.match_rope_pattern.enabled false\n"
-        "  Order: default.yaml, then each --yaml file, then these flags."
+        "  Order: default.yaml, then the registry entry's fragments (--use-registry), then each --yaml file, then "
+        "these flags."
     )
 
 
+USE_REGISTRY_HELP = ("--model names a model-registry entry ('autodeploy models'): compose its YAML fragments before "
+                     "your --yaml files and flags, and use its model and world size. Without it, a --model that "
+                     "is no preset and no existing path but an entry's name uses the entry too")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="preset name, HF checkpoint directory or hub id (default: demo, from default.yaml)")
+    p.add_argument("--model", help="preset name, HF checkpoint directory, hub id or registry entry (default: demo, "
+                   "from default.yaml)")
+    p.add_argument("--use-registry", action="store_true", help=USE_REGISTRY_HELP)
     p.add_argument("--yaml", action="append", metavar="FILE", help="YAML config layered over the defaults (repeatable)")
     p.add_argument("--device", help="cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
@@ -43,20 +51,50 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-pickle", action="store_true", help="allow pickled .bin/.pt weights")
 
 
+def registry_name(args: argparse.Namespace) -> Optional[str]:
+    """The registry entry ``--model`` names, or ``None`` when it names a model source.
+
+    With ``--use-registry``, ``--model`` is an entry (an unknown one is an error listing close
+    names). Without it: a preset, then an existing path (a directory, or a file the factory then
+    refuses), then an entry; anything else is a hub id. A model you have locally is so never
+    shadowed by an entry of the same name, and entry names hold no '/', so no org/name hub id is.
+    """
+    from .models.presets import PRESETS
+    from .models.registry import is_registry_name, registry_entry, registry_suggestions
+
+    model = getattr(args, "model", None)
+    if getattr(args, "use_registry", False):
+        if model is None:
+            raise AutoDeployError("--use-registry needs --model NAME, a registry entry ('autodeploy models' lists them)")
+        return registry_entry(model).name
+    if model is None or model in PRESETS or os.path.exists(os.path.expanduser(model)):
+        return None
+    if is_registry_name(model):
+        return model
+    hint = registry_suggestions(model)
+    if hint and "/" not in model and not model.startswith((".", "~")):  # a bare name: no path, no hub id
+        raise AutoDeployError(f"model '{model}' is not a preset, an existing path, a registry entry or a hub id "
+                              f"(org/name){hint}; 'autodeploy models' lists the presets and registry entries")
+    return None
+
+
 def config_from_args(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     """The deployment config of a build command, checked whole (values, contradictions, this
-    machine's devices) before anything is built."""
+    machine's devices) before anything is built. A registry entry (``registry_name``) is the
+    layer under the user's --yaml files and flags; its model replaces the --model that named it."""
     from .config import load_deploy_config
     from .config.checks import check_device_available
 
+    registry = registry_name(args)
     settings = {
-        "model": getattr(args, "model", None),
+        "model": getattr(args, "model", None) if registry is None else None,
         "device": getattr(args, "device", None),
         "dtype": getattr(args, "dtype", None),
         "trust_remote_code": True if getattr(args, "trust_remote_code", False) else None,
         "allow_pickle": True if getattr(args, "allow_pickle", False) else None,
     }
-    config = load_deploy_config(getattr(args, "yaml", None) or [], overrides=list(overrides), **settings)
+    config = load_deploy_config(getattr(args, "yaml", None) or [], overrides=list(overrides), registry=registry,
+                                **settings)
     check_device_available(config.device)
     return config
 

@@ -28,8 +28,10 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (one object per transform) instead of text")
     p.set_defaults(func=cmd_transforms, accepts_overrides=False)
 
-    p = sub.add_parser("models", parents=[common], help="list the built-in model presets")
-    p.add_argument("--json", action="store_true", help="print JSON (one object per preset) instead of text")
+    p = sub.add_parser("models", parents=[common], help="list the built-in model presets and the model registry")
+    p.add_argument("--json", action="store_true",
+                   help='print JSON instead of text: {"presets": [one object per preset], "registry": [one object '
+                   'per registry entry]}')
     p.set_defaults(func=cmd_models, accepts_overrides=False)
 
 
@@ -159,7 +161,7 @@ def cmd_transforms(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
 
 # ---- models ------------------------------------------------------------------------------------
-def cmd_models(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+def preset_rows() -> List[Dict[str, Any]]:
     from .models.presets import DEFAULT_PRESET, PRESETS
     from .utils.paths import cache_root
 
@@ -168,12 +170,38 @@ def cmd_models(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         cached = preset.bundled_dir is not None or os.path.exists(os.path.join(cache_root(), "presets", name))
         rows.append({"name": name, "description": preset.description, "default": name == DEFAULT_PRESET,
                      "model_type": preset.config.get("model_type"), "materialised": cached})
+    return rows
+
+
+def registry_rows() -> List[Dict[str, Any]]:
+    """One row per registry entry, in the registry file's order."""
+    from .models.registry import load_registry
+
+    return [entry.model_dump() for entry in load_registry().values()]
+
+
+def _print_registry(rows: List[Dict[str, Any]]) -> None:
+    header = {"name": "name", "model": "model", "yaml": "fragments", "world_size": "world_size"}
+    cells = [header] + [{**r, "yaml": ", ".join(r["yaml"]) or "-", "world_size": str(r["world_size"])} for r in rows]
+    widths = {k: max(len(c[k]) for c in cells) for k in header}
+    print("\nModel registry (autodeploy run --model NAME --use-registry; the fragments are in "
+          "autodeploy/models/registry/configs/):")
+    for i, c in enumerate(cells):
+        line = "  ".join(c[k].ljust(widths[k]) for k in header)
+        print(f"{line}  {c.get('description', '') if i else 'description'}".rstrip())
+
+
+def cmd_models(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .utils.paths import cache_root
+
+    rows, registry = preset_rows(), registry_rows()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"presets": rows, "registry": registry}, indent=2))
         return 0
     width = max(len(r["name"]) for r in rows)
     for r in rows:
         mark = " (default)" if r["default"] else ""
         print(f"{r['name'].ljust(width)}  {r['description']}{mark}")
     print(f"\nPresets are written on first use to {os.path.join(cache_root(), 'presets')} (AUTODEPLOY_CACHE).")
+    _print_registry(registry)
     return 0

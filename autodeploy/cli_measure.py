@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any, Callable, List, Sequence, Tuple
 
-from .cli_build import writable_dir
+from .cli_build import registry_name, writable_dir
 from .utils.errors import AutoDeployError
 
 ENGINES = ["autodeploy", "hf-eager", "hf+torch.compile"]
@@ -41,14 +41,17 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
 
 # ---- bench -------------------------------------------------------------------------------------
-def _check_bench_inputs(args: argparse.Namespace) -> None:
-    """What can be checked before minutes of measuring: the device, and each --yaml variant."""
+def _check_bench_inputs(cfg: Any) -> None:
+    """What can be checked before minutes of measuring: the device, the registry entry and each
+    --yaml variant."""
     from .config import load_deploy_config
     from .config.checks import check_device_available
 
-    check_device_available(args.device, setting="--device")
-    for path in args.yaml or []:
-        load_deploy_config([path], model=args.model, device=args.device)
+    check_device_available(cfg.device, setting="--device")
+    if cfg.registry is not None:
+        load_deploy_config(model=cfg.model, device=cfg.device, registry=cfg.registry)
+    for path in cfg.yaml_variants:
+        load_deploy_config([path], model=cfg.model, device=cfg.device, registry=cfg.registry)
 
 
 def cmd_bench(args: argparse.Namespace, overrides: Sequence[str]) -> int:
@@ -57,14 +60,19 @@ def cmd_bench(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
     if overrides:
         raise AutoDeployError(f"bench takes no dotted overrides; put them in a --yaml variant: {' '.join(overrides)}")
+    registry = registry_name(args)
+    if registry is not None:  # the entry's fragments are the base of every autodeploy engine
+        from .models.registry import registry_entry
+
+        args.model = registry_entry(registry).model
     cfg = BenchConfig(
-        model=args.model, dtype=args.dtype, device=args.device, batch_sizes=args.batch_sizes,
+        model=args.model, registry=registry, dtype=args.dtype, device=args.device, batch_sizes=args.batch_sizes,
         new_tokens=args.new_tokens, prefill_lens=args.prefill_lens, rounds=args.rounds, prefill_reps=args.prefill_reps,
         engines=args.engines, yaml_variants=args.yaml or [], threads=args.threads, out_dir=args.out,
         accuracy_prompts=args.accuracy_prompts, accuracy_tokens=args.accuracy_tokens,
     )
     writable_dir(cfg.out_dir, "--out")
-    _check_bench_inputs(args)
+    _check_bench_inputs(cfg)
     data = run(cfg)
     paths = write(data, cfg.out_dir)
     print(markdown(data))
@@ -187,7 +195,12 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 def _add_bench_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("bench", parents=[common], help="measure autodeploy against HF eager and HF + torch.compile",
                        formatter_class=DefaultsFormatter)
-    p.add_argument("--model", default="small", help="preset, checkpoint directory or hub id")
+    p.add_argument("--model", default="small", help="preset, checkpoint directory, hub id or registry entry")
+    p.add_argument("--use-registry", action="store_true",
+                   help="--model names a model-registry entry ('autodeploy models'): measure its model, with its YAML "
+                   "fragments under every autodeploy engine (--dtype, --device and each --yaml variant apply over "
+                   "them). Without it, a --model that is no preset and no existing path but an entry's name uses the "
+                   "entry too")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and compute")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 8, 32], metavar="N",

@@ -30,7 +30,10 @@ class LLM:
     ``config`` takes any ``DeployConfig`` setting (``dtype``, ``device``, ``max_seq_len``,
     ``max_batch_size``, ``max_num_tokens``, ``attn_backend``, ``compile_backend``, ``quantization``,
     ``kv_cache_dtype``, ``page_size``, ``skip_tokenizer_init``, ``transforms``, ...); ``yaml`` is one
-    path or a list of YAML files applied first. ``show_progress`` draws a progress bar over the
+    path or a list of YAML files applied first. ``registry="NAME"`` deploys a model-registry entry
+    (``autodeploy models`` lists them): its model, world size and YAML fragments come first, under
+    ``yaml`` and every keyword (``model`` too, which then replaces the entry's model); a registry
+    name passed as ``model`` is not looked up. ``show_progress`` draws a progress bar over the
     transforms; ``log_summary=False`` keeps the transform table out of the log (``llm.summary`` has
     it either way).
     """

@@ -37,6 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @dataclass
 class BenchConfig:
     model: str = "small"
+    registry: Optional[str] = None  # a model-registry entry: its fragments under every autodeploy engine
     dtype: str = "float32"
     device: str = "cpu"
     batch_sizes: List[int] = field(default_factory=lambda: [1, 8, 32])
@@ -94,7 +95,9 @@ def _build(name: str, cfg: BenchConfig, checkpoint: str) -> BenchEngine:
     dtype = _DTYPES[cfg.dtype]
     # autodeploy runs with its defaults (max_seq_len, max_batch_size and the KV pool chosen from
     # the model and the machine): what a user who names only the model gets is what is measured.
-    settings = dict(dtype=cfg.dtype, device=cfg.device)
+    settings: Dict[str, Any] = dict(dtype=cfg.dtype, device=cfg.device)
+    if cfg.registry is not None:
+        settings["registry"] = cfg.registry
     if name == "autodeploy":
         return AutoDeployEngine(cfg.model, **settings)
     if name.startswith("autodeploy:"):

@@ -7,10 +7,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..utils.errors import ConfigError
+from ..utils.logging import get_logger
 from .checks import check_settings, check_shortcut_value
 from .merge import deep_merge, load_yaml_file, parse_dotted_overrides
 
 DEFAULT_YAML = os.path.join(os.path.dirname(__file__), "default.yaml")
+logger = get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -122,10 +124,20 @@ def _format_error(err: ValidationError) -> str:
 def load_deploy_config(
     yaml_files: Sequence[str] = (),
     overrides: Optional[Mapping[str, Any] | Sequence[str]] = None,
+    registry: Optional[str] = None,
     **settings: Any,
 ) -> DeployConfig:
-    """default.yaml, then each YAML file, then ``settings`` (API keywords), then ``overrides``
-    (a nested mapping or dotted CLI tokens); validates settings and the whole pipeline."""
+    """default.yaml, then the model-registry entry ``registry`` (its fragments in order, its
+    model and world size), then each YAML file, then ``settings`` (API keywords), then
+    ``overrides`` (a nested mapping or dotted CLI tokens); validates settings and the whole
+    pipeline."""
+    base = load_yaml_file(DEFAULT_YAML)
+    entry = None
+    if registry is not None:
+        from ..models.registry import registry_entry
+
+        entry = registry_entry(registry)
+        base = deep_merge(base, registry_layer(entry))
     user: Dict[str, Any] = {}  # what the user set, over the defaults (shortcuts read it)
     for path in yaml_files:
         user = deep_merge(user, load_yaml_file(path))
@@ -133,7 +145,7 @@ def load_deploy_config(
     if overrides:
         parsed = parse_dotted_overrides(overrides) if not isinstance(overrides, Mapping) else dict(overrides)
         user = deep_merge(user, parsed)
-    data = deep_merge(load_yaml_file(DEFAULT_YAML), user)
+    data = deep_merge(base, user)
     try:
         config = DeployConfig.model_validate(data)
     except ValidationError as err:
@@ -141,7 +153,40 @@ def load_deploy_config(
     config = config.model_copy(update={"transforms": _apply_shortcuts(config, user)})
     validate_pipeline(config.transforms)
     check_settings(config, user)
+    if entry is not None:
+        from ..models.registry import check_world_size
+
+        check_world_size(entry, config.world_size)
     return config
+
+
+def registry_layer(entry: Any) -> Dict[str, Any]:
+    """A registry entry as one layer between default.yaml and the user's settings: its fragments
+    merged in order, its model and world size. It is a base, not a user layer: the shortcuts a
+    fragment sets are written into their transform fields here, so a user's shortcut or field
+    overrides them instead of conflicting with them."""
+    from ..models.registry import entry_yaml_files
+
+    layer: Dict[str, Any] = {}
+    for path in entry_yaml_files(entry):
+        layer = deep_merge(layer, load_yaml_file(path))
+    transforms = dict(layer.get("transforms") or {})
+    for setting, (key, field) in SHORTCUTS.items():
+        value = layer.pop(setting, None)
+        if value is None:
+            continue
+        fields = dict(transforms.get(key) or {})
+        if fields.get(field) is not None and fields[field] != value:
+            raise ConfigError(f"registry entry '{entry.name}': {setting} is '{value}' but transforms.{key}.{field} is "
+                              f"'{fields[field]}' in its fragments; they are the same setting: set one of them")
+        check_shortcut_value(setting, value, key, field)
+        fields[field] = value
+        transforms[key] = fields
+    if transforms:
+        layer["transforms"] = transforms
+    logger.info("registry entry '%s': model %s, fragments %s, world_size %d (your --yaml files and settings apply "
+                "over them)", entry.name, entry.model, ", ".join(entry.yaml) or "none", entry.world_size)
+    return deep_merge(layer, {"model": entry.model, "world_size": entry.world_size})
 
 
 # Top-level settings that are the user-facing knob of one transform field.
