@@ -8,6 +8,8 @@ from typing import Iterator, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import native
+
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``x @ weight.T + bias`` for ops that hold weights: ``weight`` may be a oneDNN-packed
@@ -108,6 +110,13 @@ def dual_linear(
     is computed again in float32 rather than returned as ``inf``.
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if gemv_weight.dtype == x.dtype and 0 < rows <= gemv_max_rows:
+        # a float32 copy in the plain layout: exact, so it serves inside exact_linears() too
+        if rows == 1:
+            out = native.gemv(x, gemv_weight, bias)
+            if out is not None:
+                return out
+        return torch.nn.functional.linear(x, gemv_weight, bias)
     if 0 < rows <= gemv_max_rows and not getattr(_exact, "on", False):
         out = torch.nn.functional.linear(x.to(gemv_weight.dtype), gemv_weight).to(x.dtype)
         # one reduction instead of isfinite's three ops: a float32 sum of float16-range values

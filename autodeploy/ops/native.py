@@ -124,6 +124,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ad_paged_decode_attention_f32.restype = ctypes.c_int
     lib.ad_rmsnorm_f32.argtypes = [p, i64, p, i64, p, p, p, i64, i64, f32, n]
     lib.ad_rmsnorm_f32.restype = None
+    lib.ad_gemv_f32.argtypes = [p, p, i64, p, p, i64, i64, n]
+    lib.ad_gemv_f32.restype = None
+    lib.ad_silu_and_mul_f32.argtypes = [p, i64, p, i64, i64, n]
+    lib.ad_silu_and_mul_f32.restype = None
+    lib.ad_rope_f32.argtypes = [p, i64, i64, i64, p, p, p, i64, i64, i64, i64, n]
+    lib.ad_rope_f32.restype = None
 
 
 def _load() -> Tuple[Optional[ctypes.CDLL], str]:
@@ -265,3 +271,57 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Optional[Tensor] = 
                        weight.data_ptr(), out.data_ptr(), summed.data_ptr() if summed is not None else None,
                        x.numel() // hidden if hidden else 0, hidden, eps, torch.get_num_threads())
     return out, summed
+
+
+def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Optional[Tensor]:
+    """``x @ weight.T + bias`` for an ``x`` of one row (any leading shape of one element), read
+    from the plain row-major float32 ``weight [N, K]``; None when the kernel cannot take these
+    inputs (not one row, not contiguous float32 CPU tensors, a packed weight)."""
+    lib = load()
+    if lib is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if weight.is_mkldnn or weight.dim() != 2 or weight.stride(1) != 1 or x.numel() != weight.shape[1]:
+        return None
+    if not x.is_contiguous():
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != weight.shape[0]):
+        return None
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    lib.ad_gemv_f32(x.data_ptr(), weight.data_ptr(), weight.stride(0), bias.data_ptr() if bias is not None else None,
+                    out.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(x: Tensor) -> Optional[Tensor]:
+    """``silu(x[..., :d]) * x[..., d:]`` for float32 CPU rows of width 2d whose last dim is
+    contiguous; None when the kernel cannot take ``x``."""
+    lib = load()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0:
+        return None
+    width = x.shape[-1]
+    if width % 2 or x.numel() == 0:
+        return None
+    rows = x.reshape(-1, width)  # a view for the layouts a graph produces (else a copy, still correct)
+    if rows.stride(1) != 1:
+        return None
+    d = width // 2
+    out = x.new_empty(*x.shape[:-1], d)
+    lib.ad_silu_and_mul_f32(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], d, torch.get_num_threads())
+    return out
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Optional[Tensor]:
+    """Rotate-half RoPE of ``x [B, S, H, D]`` (bsnd; any strides with the last dim contiguous)
+    with ``cos``/``sin [B, S, D]`` (broadcast over heads), as a new contiguous tensor; None when
+    the kernel cannot take these inputs. Equal to torch's ``x * cos + rotate_half(x) * sin``."""
+    lib = load()
+    if lib is None or x.dim() != 4 or not _f32_cpu(x, cos, sin) or x.stride(3) != 1:
+        return None
+    B, S, H, D = x.shape
+    if D % 2 or cos.shape != (B, S, D) or sin.shape != (B, S, D) or x.numel() == 0:
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = x.new_empty(B, S, H, D)
+    lib.ad_rope_f32(x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), cos.data_ptr(), sin.data_ptr(),
+                    out.data_ptr(), B, S, H, D, torch.get_num_threads())
+    return out

@@ -11,6 +11,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from . import native
+
 
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
@@ -21,7 +23,15 @@ def _rotate_half(x: Tensor) -> Tensor:
 def torch_rope_with_explicit_cos_sin(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
 ) -> Tuple[Tensor, Tensor]:
-    """Llama's rotate-half RoPE: ``x * cos + rotate_half(x) * sin``."""
+    """Llama's rotate-half RoPE: ``x * cos + rotate_half(x) * sin``.
+
+    For bsnd float32 CPU tensors autodeploy's kernel (``native.rope``) computes the same values
+    bit for bit in one call per tensor instead of ten torch ops; the expression below is the
+    reference and the fallback."""
+    if unsqueeze_dim == 2:
+        q_out, k_out = native.rope(q, cos, sin), native.rope(k, cos, sin)
+        if q_out is not None and k_out is not None:
+            return q_out, k_out
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -161,3 +161,120 @@ def test_fresh_build_loads_with_torchs_openmp_runtime(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "AUTODEPLOY_CACHE": str(tmp_path)})
     assert done.stdout.strip().splitlines()[-1] == "1", done.stderr  # one OpenMP runtime in the process
+
+
+# ---- one-row GEMV ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("n, k", [(64, 32), (37, 45), (1283, 771), (3, 7)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gemv_matches_a_float64_linear(n, k, with_bias):
+    torch.manual_seed(n + k)
+    w, x = torch.randn(n, k), torch.randn(1, 1, k)
+    bias = torch.randn(n) if with_bias else None
+    out = native.gemv(x, w, bias)
+    ref = F.linear(x.double(), w.double(), bias.double() if with_bias else None)
+    assert out.shape == (1, 1, n) and out.dtype == torch.float32
+    # float32 sums of k products: as close to float64 as torch's own float32 linear
+    own = (F.linear(x, w, bias).double() - ref).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= max(4 * own, 1e-5)
+
+
+def test_gemv_reads_rows_with_a_stride():
+    w_wide = torch.randn(40, 80)
+    w = w_wide[:, :48]  # row stride 80, not contiguous
+    x = torch.randn(48)
+    torch.testing.assert_close(native.gemv(x, w), w @ x, rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_declines_what_it_cannot_take():
+    w = torch.randn(16, 32)
+    assert native.gemv(torch.randn(2, 32), w) is None  # two rows
+    assert native.gemv(torch.randn(1, 32, dtype=torch.bfloat16), w.bfloat16()) is None
+    assert native.gemv(torch.randn(1, 32), w.t().contiguous().t()) is None  # column-major
+    assert native.gemv(torch.randn(1, 32), torch.ops.mkldnn._reorder_linear_weight(w)) is None  # packed
+    assert native.gemv(torch.randn(1, 32), w, torch.randn(8)) is None  # bias of the wrong size
+    with native.disabled():
+        assert native.gemv(torch.randn(1, 32), w) is None
+
+
+# ---- SwiGLU's activation --------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(1, 1, 4096), (32, 4096), (3, 5, 18), (2, 7, 30)])
+def test_silu_and_mul_matches_torch(shape):
+    torch.manual_seed(shape[-1])
+    x = torch.randn(*shape) * 6
+    d = shape[-1] // 2
+    out = native.silu_and_mul(x)
+    ref = (F.silu(x[..., :d].double()) * x[..., d:].double())
+    assert out.shape == (*shape[:-1], d) and out.dtype == torch.float32
+    # a few float32 ulps of the float64 value, as torch's own float32 pair of ops
+    assert ((out.double() - ref).abs() / ref.abs().clamp_min(1e-30)).max().item() < 2e-6
+
+
+def test_silu_and_mul_extremes_and_strided_rows():
+    g = torch.tensor([-1e4, -100.0, -20.0, -1e-8, 0.0, 1e-8, 20.0, 100.0, 1e4])
+    x = torch.cat([g, torch.ones_like(g)]).unsqueeze(0)
+    out = native.silu_and_mul(x)[0]
+    assert torch.isfinite(out).all() and out[-3:].tolist() == [20.0, 100.0, 1e4] and out[4] == 0
+    assert (out[:3].abs() < 1e-6).all()  # silu of a large negative is ~0, never NaN
+    wide = torch.randn(4, 40)
+    rows = wide[:, :20]  # row stride 40
+    torch.testing.assert_close(native.silu_and_mul(rows), F.silu(rows[:, :10]) * rows[:, 10:])
+
+
+def test_silu_and_mul_declines_what_it_cannot_take():
+    assert native.silu_and_mul(torch.randn(2, 7)) is None  # odd width
+    assert native.silu_and_mul(torch.randn(2, 8, dtype=torch.bfloat16)) is None
+    assert native.silu_and_mul(torch.randn(8, 2).t()) is None  # last dim not contiguous
+    with native.disabled():
+        assert native.silu_and_mul(torch.randn(2, 8)) is None
+
+
+def test_swiglu_ops_same_with_and_without_the_kernel():
+    torch.manual_seed(0)
+    x, gate_up, down = torch.randn(3, 5, 32), torch.randn(96, 32) / 6, torch.randn(32, 48) / 7
+    ad = torch.ops.autodeploy
+    with_kernel = ad.torch_fused_swiglu_mlp(x, gate_up, down), ad.torch_silu_and_mul(x @ gate_up.T)
+    with native.disabled():
+        without = ad.torch_fused_swiglu_mlp(x, gate_up, down), ad.torch_silu_and_mul(x @ gate_up.T)
+    for a, b in zip(with_kernel, without):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    h = x @ gate_up.T
+    assert torch.equal(ad.torch_silu_and_mul(h), native.silu_and_mul(h))  # the op took the kernel
+
+
+# ---- rotate-half RoPE -----------------------------------------------------------------------------
+def _rope_reference(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+
+
+@pytest.mark.parametrize("b, s, heads, d", [(1, 1, 12, 64), (2, 5, 4, 64), (3, 7, 2, 18), (1, 300, 12, 64)])
+def test_rope_equals_torch_bit_for_bit_on_strided_views(b, s, heads, d):
+    torch.manual_seed(s)
+    fused = torch.randn(b, s, heads * d + 40)  # q as a view of a wider fused projection
+    x = fused[..., 8:8 + heads * d].reshape(b, s, heads, d)
+    cos, sin = torch.randn(b, s, d), torch.randn(b, s, d)
+    out = native.rope(x, cos, sin)
+    assert out.is_contiguous() and torch.equal(out, _rope_reference(x, cos, sin))
+
+
+def test_rope_op_takes_the_kernel_and_equals_its_reference():
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 5, 1280)
+    q, k = qkv[..., :768].reshape(2, 5, 12, 64), qkv[..., 768:1024].reshape(2, 5, 4, 64)
+    cos, sin = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    op = torch.ops.autodeploy.torch_rope_with_explicit_cos_sin
+    fast = op(q, k, cos, sin, 2)
+    with native.disabled():
+        reference = op(q, k, cos, sin, 2)
+    assert all(torch.equal(a, b) for a, b in zip(fast, reference))
+    assert torch.equal(fast[0], native.rope(q, cos, sin))
+
+
+def test_rope_declines_what_it_cannot_take():
+    x, cs = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 8)
+    assert native.rope(x.transpose(1, 2), cs, cs) is None  # cos/sin not [B, S, D] for this layout
+    assert native.rope(torch.randn(1, 3, 2, 7), torch.randn(1, 3, 7), torch.randn(1, 3, 7)) is None  # odd D
+    assert native.rope(x.double(), cs.double(), cs.double()) is None
+    assert native.rope(x.transpose(2, 3).contiguous().transpose(2, 3), cs, cs) is None  # D not contiguous
+    assert native.rope(x, torch.randn(1, 1, 8), cs) is None  # a broadcast cos is not taken

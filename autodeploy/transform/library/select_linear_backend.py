@@ -36,8 +36,8 @@ Why ``blas`` stays opt-in: two thread pools then share the cores: with the defau
 policy torch's threads spin while OpenBLAS works (3.7x slower); with ``OMP_WAIT_POLICY=PASSIVE``
 set before Python starts it beat MKL at batch 1 but not oneDNN. It warns without that setting.
 
-With ``gemv_dtype: float16`` (or ``bfloat16``), opt-in and lossy, every linear also keeps a
-half-width copy of its weight for the rows of decode at batch 1 (before the backend rewrite)::
+With ``gemv_dtype`` set, every linear also keeps a second copy of its weight for the rows of
+decode at batch 1 (before the backend rewrite)::
 
     y = aten.linear(x, w, b)
     y = autodeploy.torch_fused_swiglu_mlp(x, w_gu, w_d)
@@ -48,12 +48,20 @@ After::
     h = autodeploy.dual_linear(x, w_gu_packed, w_gu_gemv, None, 1)
     y = autodeploy.dual_linear(autodeploy.torch_silu_and_mul(h), w_d_packed, w_d_gemv, None, 1)
 
-Why: a one-row GEMV is bound by the bytes of weight it reads; from float16/bfloat16 weights
-torch's GEMV measured 1.4-2.7x faster than oneDNN's float32 one here (the LM head least), and
-slower from two rows on, where the float32 weight still serves. It costs half the float32
-weights again in memory and rounds the activations and outputs of those rows to the narrow
-dtype: float16 keeps 11 bits (measured 3.5e-4 relative error per GEMV), bfloat16 8 bits
-(2.8e-3) but float32's range. Hence opt-in, with the accuracy against HF reported by the bench.
+Why: a one-row GEMV is bound by the bytes of weight it reads, and oneDNN's GEMV over its packed
+layout does not stream them at the memory's speed. ``float32`` (what ``auto``, the default,
+chooses after measuring) keeps the plain row-major weight beside the packed one and reads it
+with autodeploy's GEMV kernel (``native.gemv``): exact, and on the ``small`` preset batch-1
+decode measured 21.5 -> 17.1 ms per step, for a second copy of the linear weights. ``auto``
+decides per build (``_gemv_auto``): only for linear weights of at least ``gemv_auto_min_mib``,
+only when the copy takes at most a quarter of the free memory, and only when one pass over the
+model's own linears is at least 5% faster through the kernel than through oneDNN. A weight that
+stays unpacked (a tied head) needs no copy: its "copy" is the same tensor.
+``float16``/``bfloat16`` (opt-in, lossy) keep a half-width copy instead: torch's GEMV from them
+measured 1.4-2.7x faster than oneDNN's float32 one, at half the float32 weights again in memory,
+and it rounds the activations and outputs of those rows to the narrow dtype: float16 keeps 11
+bits (measured 3.5e-4 relative error per GEMV), bfloat16 8 bits (2.8e-3) but float32's range.
+Hence opt-in, with the accuracy against HF reported by the bench.
 
 Linears whose weight is not a float32 ``get_attr`` tensor, and graphs on another device, are left
 alone.
@@ -66,9 +74,11 @@ import torch
 from pydantic import Field, model_validator
 from torch import fx, nn
 
+from ...utils.hugepages import huge_page_copies
 from ...utils.logging import get_logger
 from ..graph_utils import get_attr_value, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+from . import _gemv_auto as gemv_auto
 
 aten = torch.ops.aten
 ad = torch.ops.autodeploy
@@ -93,12 +103,21 @@ class SelectLinearBackendConfig(TransformConfig):
         "BLAS), onednn (oneDNN over float32 weights packed at load, CPU), "
         "blas (NumPy's OpenBLAS, CPU; needs OMP_WAIT_POLICY=PASSIVE).",
     )
-    gemv_dtype: Optional[Literal["float16", "bfloat16"]] = Field(
-        default=None,
-        description="opt-in, lossy, CPU: keep a copy of every float32 linear weight in this dtype and read it "
-        "for inputs of at most gemv_max_rows rows (decode at batch 1): measured 1.4-2.7x faster GEMVs for "
+    gemv_dtype: Optional[Literal["auto", "float32", "float16", "bfloat16"]] = Field(
+        default="auto",
+        description="CPU: keep a copy of every float32 linear weight in this dtype and read it for inputs of at "
+        "most gemv_max_rows rows (decode at batch 1). float32: exact, a plain row-major copy beside oneDNN's "
+        "packed one, read by autodeploy's GEMV kernel (small preset: 21.5 -> 17.1 ms per batch-1 decode step "
+        "measured) for 2x the weight memory. auto (default): float32 when the linear weights are at least "
+        "gemv_auto_min_mib, the copy takes at most a quarter of the free memory and a build-time measurement on "
+        "the model's weights finds the kernel faster than oneDNN; else none. float16/bfloat16: opt-in and lossy, "
         "1.5x the weight memory; those rows' activations and outputs are rounded to it (float16: 11 bits, "
-        "bfloat16: 8 bits but float32's range). Not with backend blas.",
+        "bfloat16: 8 bits but float32's range). null: no copies. Not with backend blas.",
+    )
+    gemv_auto_min_mib: float = Field(
+        default=64.0, ge=0,
+        description="auto: consider the float32 GEMV copies only when the linear weights total at least this "
+        "many MiB (smaller models fit in the caches, where streaming speed does not decide a step)",
     )
     pack_shared_weights: bool = Field(
         default=False,
@@ -115,7 +134,7 @@ class SelectLinearBackendConfig(TransformConfig):
 
     @model_validator(mode="after")
     def _gemv_needs_a_torch_linear(self) -> "SelectLinearBackendConfig":
-        if self.gemv_dtype is not None and self.backend == "blas":
+        if self.gemv_dtype not in (None, "auto") and self.backend == "blas":
             raise ValueError("gemv_dtype works with backend auto, onednn or torch, not blas: drop one of the two")
         # the gemv copies (half the linear weights again) and packed copies of shared weights
         copies = self.gemv_dtype is not None or self.pack_shared_weights
@@ -137,7 +156,7 @@ class SelectLinearBackend(BaseTransform):
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         backend = self._resolve(ctx)
-        gemv_dtype = self._gemv_dtype(ctx)
+        gemv_dtype, auto = self._gemv_dtype(gm, ctx, backend)
         if backend == "torch" and gemv_dtype is None:
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
                                  reason="backend torch, no narrow GEMV: linears stay as they are")
@@ -150,18 +169,37 @@ class SelectLinearBackend(BaseTransform):
                                 pack_shared=self.config.pack_shared_weights)  # type: ignore[attr-defined]
         elif backend == "blas":
             count = _use_blas(gm)
+        if gemv_dtype is not None:
+            _copies_to_huge_pages(gm)
+        if auto:
+            decision = gemv_auto.decide(gm)
+            if not decision.use:
+                gemv_auto.undo(gm)
+            logger.info("gemv_dtype auto: %s float32 GEMV copies: %s", "using" if decision.use else "no", decision.reason)
         gm.recompile()
         # the split fused MLPs add nodes that shape propagation has not seen
         return TransformInfo(num_matches=count, is_clean=True, has_valid_shapes=gemv_dtype is None)
 
-    def _gemv_dtype(self, ctx: PipelineContext) -> Optional[torch.dtype]:
+    def _gemv_dtype(self, gm: fx.GraphModule, ctx: PipelineContext, backend: str) -> Tuple[Optional[torch.dtype], bool]:
+        """The dtype of the GEMV copies (None: no copies), and whether ``auto`` chose it (then
+        the transform measures before keeping them)."""
         name = self.config.gemv_dtype  # type: ignore[attr-defined]
         if name is None:
-            return None
+            return None, False
         if torch.device(ctx.device).type != "cpu":
-            logger.warning("gemv_dtype is for CPU decode; device %s keeps float32 weights only", ctx.device)
-            return None
-        return getattr(torch, name)
+            if name != "auto":
+                logger.warning("gemv_dtype is for CPU decode; device %s keeps float32 weights only", ctx.device)
+            return None, False
+        if name != "auto":
+            return getattr(torch, name), False
+        if backend != "onednn":
+            return None, False  # the copies pay against oneDNN's GEMV; torch's and blas's were not measured
+        copy_bytes = sum(t.numel() * t.element_size() for t in _linear_weights(gm))
+        early = gemv_auto.precheck(copy_bytes, int(self.config.gemv_auto_min_mib * 2**20))  # type: ignore[attr-defined]
+        if early is not None:
+            logger.debug("gemv_dtype auto: no float32 GEMV copies: %s", early.reason)
+            return None, False
+        return torch.float32, True
 
     def _resolve(self, ctx: PipelineContext) -> str:
         backend: str = self.config.backend  # type: ignore[attr-defined]
@@ -232,6 +270,35 @@ def _use_gemv_copies(gm: fx.GraphModule, dtype: torch.dtype, max_rows: int) -> i
         gm.graph.erase_node(node)
     logger.debug("gemv: %d linears read %s copies of %d weights for <= %d rows", count, dtype, len(copies), max_rows)
     return count
+
+
+def _copies_to_huge_pages(gm: fx.GraphModule) -> None:
+    """Move the GEMV copies into memory on huge pages (``utils.hugepages``: the one-row pass
+    streams them, and on 4 KiB pages it waits on a TLB miss every 4 KiB). A copy that is the same
+    tensor as a weight others read (a float32 "copy" of an unpacked tied head) stays where it is:
+    moving it would make it a real second copy."""
+    others = {t.data_ptr() for n, t in list(gm.named_parameters()) + list(gm.named_buffers())
+              if not n.endswith("_gemv") and not t.is_mkldnn}
+    owners, tensors = [], []
+    for prefix, module in gm.named_modules():
+        for name, tensor in module._buffers.items():
+            if name.endswith("_gemv") and tensor is not None and tensor.data_ptr() not in others:
+                owners.append((module, name))
+                tensors.append(tensor)
+    for (module, name), copy in zip(owners, huge_page_copies(tensors)):
+        module._buffers[name] = copy
+
+
+def _linear_weights(gm: fx.GraphModule) -> List[torch.Tensor]:
+    """The distinct float32 weights ``_use_gemv_copies`` would give a copy."""
+    found: Dict[str, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        for op, positions in _WEIGHT_SLOTS:
+            if node.op == "call_function" and node.target == op:
+                for i in positions:
+                    if i < len(node.args) and _packable(gm, node.args[i]):
+                        found.setdefault(str(node.args[i].target), get_attr_value(gm, node.args[i]))
+    return list(found.values())
 
 
 def _use_blas(gm: fx.GraphModule) -> int:
