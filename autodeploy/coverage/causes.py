@@ -31,9 +31,6 @@ CAUSES: Dict[str, str] = {
             "prompts are past the switch and it passes.",
     "hy_v4": "its output depends on the sequence length beyond causality (a 1-token prompt differs from the "
              "static-length graph); refused by recompute_fallback's eager check, not served wrong.",
-    "inkling2_text": "save_pretrained writes the checkpoint under its original names (model.llm.layers.N.mlp.experts."
-                     "w13_weight / w2_weight) and the loader does not apply transformers' reverse key mapping to the "
-                     "model's names (model.layers.N.mlp.experts.gate_up_proj).",
     "qwen4_exp_text": "the sparse-attention indexer's token budget is data-dependent (u0 // 4 blocks): export "
                       "cannot guard on it.",
 }

@@ -103,6 +103,13 @@ def _caused_by(exc: BaseException, cls: type) -> Optional[BaseException]:
     return None
 
 
+def _fallback_attn_implementation(model: nn.Module) -> str:
+    """The HF attention route for a model whose attention our route cannot express: sdpa, unless
+    the model says it does not support it (its attention passes what HF's sdpa function drops,
+    e.g. Inkling2's per-token sinks); then the model's own eager attention."""
+    return "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
+
+
 def _symbolic_seq_min(ep: torch.export.ExportedProgram) -> Optional[int]:
     """The smallest sequence length the program accepts, or None if its seq dim was specialised."""
     ph = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name.endswith("input_ids"))
@@ -158,8 +165,9 @@ def export_causal_lm(
             cause = _caused_by(err, RouteUnsupportedError)
             if attn_implementation != AD_ATTN_IMPL or cause is None:
                 raise
-            logger.warning("%s; exporting with HF's sdpa attention for the pattern matchers instead", cause)
-            attn_implementation = "sdpa"
+            attn_implementation = _fallback_attn_implementation(model)
+            logger.warning("%s; exporting with HF's %s attention for the pattern matchers instead", cause,
+                           attn_implementation)
             return run_route(seq, seq_dim, attn_implementation)
 
     def run_route(seq: int, seq_dim: Any, attn_implementation: str) -> torch.export.ExportedProgram:

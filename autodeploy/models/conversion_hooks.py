@@ -1,18 +1,22 @@
 """Load hooks derived from transformers' own weight conversions.
 
-transformers 5 builds some parameters from several checkpoint tensors while loading: per-expert
-weights stacked into one tensor (``MergeModulelist``), q/k/v convolutions concatenated into one
-(``Concatenate``), a fused projection split in parts (``Chunk``). Where our export keeps
+transformers 5 builds some parameters from checkpoint tensors while loading: per-expert weights
+stacked into one tensor (``MergeModulelist``), q/k/v convolutions concatenated into one
+(``Concatenate``), a fused projection split in parts (``Chunk``), a fused gate/up projection
+de-interleaved (``Interleave``), a transpose or a RoPE permutation. Where our export keeps
 transformers' module layout, the graph has the converted parameter and the checkpoint only the
 sources. Rather than writing a hook per model, each converter of the model becomes a hook that
-finds the sources for a parameter name and applies the same operations. Converters with other
-operations (transposes, permutations, quantisation) are not translated, so such a parameter
-stays missing and the loader says which.
+finds the sources for a parameter name and runs the converter's own operation objects on them,
+so the numerics are transformers' and a new model's converters work without a change here.
+
+Only operations whose result depends on nothing but the tensors and the config are replayed
+(``REPLAYABLE_OPS``); the others (quantisation, ops that look up the live model's parameters)
+are left out, so such a parameter stays missing and the loader says which.
 """
 
 import re
-from dataclasses import dataclass
-from typing import Any, Callable, Collection, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,7 +24,13 @@ from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-_SUPPORTED_OPS = ("MergeModulelist", "Concatenate", "Chunk")
+# transformers' ConversionOps subclasses whose ``convert`` reads only the tensors (and the config).
+REPLAYABLE_OPS = (
+    "MergeModulelist", "SplitModulelist", "Concatenate", "Chunk", "Interleave", "Transpose", "PermuteForRope",
+)
+# Of those, the ones that read the model's config (without it they would silently assume defaults,
+# e.g. one attention head).
+CONFIG_OPS = ("PermuteForRope",)
 
 
 def _pattern(text: str) -> str:
@@ -32,19 +42,36 @@ def _index_of(match: "re.Match[str]") -> Tuple[int, ...]:
     return tuple(int(g) for g in match.groups() if g is not None and g.isdigit())
 
 
+def replayable(op: Any, has_config: bool) -> bool:
+    """Whether ``op`` (a transformers ``ConversionOps``) can run outside transformers' loader: one
+    of ``REPLAYABLE_OPS``, not a shape-checking transpose (that one asks the model for the target
+    parameter's shape), and with the config where it reads one."""
+    name = type(op).__name__
+    needs_config = name in CONFIG_OPS or getattr(op, "num_shards_attribute", None) is not None
+    return name in REPLAYABLE_OPS and not getattr(op, "check_dims", False) and (has_config or not needs_config)
+
+
 @dataclass
 class ConversionHook:
-    """One converter (sources -> targets, operations) applied to the checkpoint's key list."""
+    """One converter applied to the checkpoint's key list: ``sources`` / ``targets`` are its
+    original patterns (for finding names), ``converter`` the transformers object whose operations
+    turn the source tensors into the targets."""
 
-    sources: Sequence[str]
-    targets: Sequence[str]
-    operations: Sequence[Tuple[str, int]]  # (op name, dim)
+    converter: Any
     keys: Collection[str]
     to_checkpoint_name: Callable[[str], str] = lambda name: name
+    config: Any = None
+    sources: List[str] = field(init=False)
+    targets: List[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        conv = self.converter
+        self.sources = list(getattr(conv, "_original_source_patterns", conv.source_patterns))
+        self.targets = list(getattr(conv, "_original_target_patterns", conv.target_patterns))
 
     @property
     def description(self) -> str:
-        ops = ", ".join(f"{op}({dim})" for op, dim in self.operations)
+        ops = ", ".join(repr(op) for op in self.converter.operations)
         return f"{' + '.join(self.sources)} -> {' | '.join(self.targets)} via {ops}"
 
     def resolve(self, name: str) -> Optional[Tuple[List[str], Callable[[List[torch.Tensor]], torch.Tensor]]]:
@@ -56,7 +83,7 @@ class ConversionHook:
                     continue
                 groups = self._source_groups(ckpt[: match.start()], ckpt[match.end():])
                 if groups is not None:
-                    return [k for g in groups for k in g], self._combiner([len(g) for g in groups], target_index)
+                    return [k for g in groups for k in g], self._combiner([len(g) for g in groups], target_index, name)
         return None
 
     def _source_groups(self, prefix: str, suffix: str) -> Optional[List[List[str]]]:
@@ -71,44 +98,50 @@ class ConversionHook:
             groups.append([k for _, k in found])
         return groups
 
-    def _combiner(self, sizes: List[int], target_index: int) -> Callable[[List[torch.Tensor]], torch.Tensor]:
+    def _combiner(self, sizes: List[int], target_index: int,
+                  name: str) -> Callable[[List[torch.Tensor]], torch.Tensor]:
+        """Run the converter's operations the way transformers' loader does: a dict from each
+        (processed) source pattern to its tensors in index order, through each op in turn; the
+        result is keyed by target pattern."""
+        conv = self.converter
+
         def combine(tensors: List[torch.Tensor]) -> torch.Tensor:
-            groups, start = [], 0
-            for n in sizes:
-                groups.append(tensors[start:start + n])
+            values: Dict[str, Any] = {}
+            start = 0
+            for pattern, n in zip(conv.source_patterns, sizes):
+                values[pattern] = list(tensors[start:start + n])
                 start += n
-            values: List[Any] = groups
-            for op, dim in self.operations:
-                if op == "MergeModulelist":
-                    values = [torch.stack(g, dim=dim) for g in values]
-                else:
-                    flat = [v if isinstance(v, torch.Tensor) else v[0] for v in values]
-                    if op == "Concatenate":
-                        values = [torch.cat(flat, dim=dim)]
-                    else:  # Chunk: one source into one part per target
-                        values = [torch.chunk(flat[0], len(self.targets), dim=dim)[target_index]]
-            out = values[0]
-            return out if isinstance(out, torch.Tensor) else out[0]
+            with torch.no_grad():
+                for op in conv.operations:
+                    values = op.convert(values, source_patterns=list(conv.source_patterns),
+                                        target_patterns=list(conv.target_patterns), full_layer_name=name,
+                                        model=None, config=self.config, missing_keys=None)
+            return _pick(values, conv.target_patterns[target_index])
 
         return combine
 
 
+def _pick(values: Dict[str, Any], target: str) -> torch.Tensor:
+    """The converted tensor for ``target``: its own entry, or the only one there is."""
+    out = values.get(target)
+    if out is None and len(values) == 1:
+        out = next(iter(values.values()))
+    if out is None:
+        raise KeyError(f"weight conversion produced {sorted(values)}, not {target}")
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
 def conversion_hooks(converters: Sequence[Any], keys: Collection[str],
-                     to_checkpoint_name: Callable[[str], str]) -> List[ConversionHook]:
-    """Hooks for the converters whose operations we can replay."""
+                     to_checkpoint_name: Callable[[str], str], config: Any = None) -> List[ConversionHook]:
+    """Hooks for the converters whose operations we can replay (``config``: the model's, which
+    some operations read, e.g. the head count of a RoPE permutation)."""
     hooks = []
     for conv in converters:
         ops = getattr(conv, "operations", None)
         if not ops:
             continue  # a renaming
-        names = [type(op).__name__ for op in ops]
-        if any(n not in _SUPPORTED_OPS for n in names):
-            logger.debug("weight converter with operations %s is not replayed", names)
+        if not all(replayable(op, config is not None) for op in ops):
+            logger.debug("weight converter with operations %s is not replayed", ops)
             continue
-        hooks.append(ConversionHook(
-            sources=list(getattr(conv, "_original_source_patterns", conv.source_patterns)),
-            targets=list(getattr(conv, "_original_target_patterns", conv.target_patterns)),
-            operations=[(type(op).__name__, int(getattr(op, "dim", 0))) for op in ops],
-            keys=keys, to_checkpoint_name=to_checkpoint_name,
-        ))
+        hooks.append(ConversionHook(conv, keys, to_checkpoint_name, config))
     return hooks

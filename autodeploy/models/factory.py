@@ -120,6 +120,9 @@ class ModelFactory:
         # The HF class's base prefix ("model" for *ForCausalLM): checkpoints saved from the base
         # model lack it.
         self.base_model_prefix: str = "model"
+        # The registered custom class build_model built, None when it built the HF class: the
+        # record of which implementation a graph came from.
+        self.custom_model: Optional[type] = None
 
     # ---- source ---------------------------------------------------------------------------
     @property
@@ -180,11 +183,18 @@ class ModelFactory:
         return int(self.config.get_text_config().vocab_size)
 
     # ---- model ----------------------------------------------------------------------------
-    def build_model(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The model with parameters on the meta device, in eval mode."""
+    def build_model(self, dtype: torch.dtype = torch.float32, use_custom_model: bool = True) -> nn.Module:
+        """The model with parameters on the meta device, in eval mode: the lean custom model
+        registered for the config class if there is one and ``use_custom_model``, else the HF
+        class (or the checkpoint's own, with ``trust_remote_code``)."""
         config = self.config
         self._check_checkpoint_dtypes(dtype)
         custom_cls = custom_model_for(config)
+        if custom_cls is not None and not use_custom_model:
+            logger.info("custom model %s for %s is registered but turned off (build_model.use_custom_model); "
+                        "building the HF class", custom_cls.__name__, type(config).__name__)
+            custom_cls = None
+        self.custom_model = custom_cls
         with _parameters_on_meta():
             if custom_cls is not None:
                 logger.info("building custom model %s for %s", custom_cls.__name__, type(config).__name__)

@@ -250,7 +250,8 @@ def test_without_the_constant_patches_the_values_are_lost(patch):
 
 def test_autodeploy_route_refuses_attention_arguments_it_would_drop():
     """An additive position bias (Inkling) must not vanish: the route refuses it, naming it, and
-    export_causal_lm retries with HF's sdpa route. Positions and sinks are understood."""
+    export_causal_lm retries with HF's sdpa route (or the model's eager attention, see below).
+    Positions and sinks are understood."""
     from autodeploy.export.hf_attention import RouteUnsupportedError, autodeploy_attention
 
     q = k = v = torch.randn(1, 4, 3, 8)
@@ -259,6 +260,18 @@ def test_autodeploy_route_refuses_attention_arguments_it_would_drop():
     assert out.shape == (1, 3, 4, 8)
     with pytest.raises(RouteUnsupportedError, match="position_bias"):
         autodeploy_attention(module, q, k, v, None, scaling=0.5, position_bias=torch.zeros(1, 4, 3, 3))
+
+
+def test_fallback_route_is_eager_for_models_without_sdpa():
+    """HF's sdpa function drops arguments a model without sdpa support passes (Inkling2's per-token
+    sinks): such a model falls back to its own eager attention, the others to sdpa."""
+    from autodeploy.export.exporter import _fallback_attn_implementation
+
+    class NoSdpa(nn.Module):
+        _supports_sdpa = False
+
+    assert _fallback_attn_implementation(NoSdpa()) == "eager"
+    assert _fallback_attn_implementation(nn.Module()) == "sdpa"
 
 
 class _CountsExperts(nn.Module):

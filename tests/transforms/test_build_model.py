@@ -86,3 +86,35 @@ def test_build_model_transform_directly():
     assert all(p.is_meta for p in model.parameters())
     assert ctx.history[-1].key == "build_model" and ctx.history[-1].num_matches == 1
     assert ctx.history[-1].mem_delta_mb == 0  # meta: no memory allocated by the model
+
+
+class _LeanLlama(nn.Module):
+    """A stand-in custom model: only what build_model needs (it is never exported here)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+@pytest.fixture
+def lean_llama_registered():
+    from autodeploy.models.custom import register_custom_model, unregister_custom_model
+
+    register_custom_model("LlamaConfig")(_LeanLlama)
+    try:
+        yield _LeanLlama
+    finally:
+        unregister_custom_model("LlamaConfig")
+
+
+def test_use_custom_model_false_builds_the_hf_class(lean_llama_registered):
+    """A registered custom model is preferred (the factory records it); use_custom_model: false
+    builds the HF class although the custom one stays registered."""
+    from autodeploy.models.custom import custom_model_for
+
+    ckpt = family_checkpoint("llama")
+    on = build(ckpt, up_to=Stage.FACTORY)
+    assert isinstance(on.graph, _LeanLlama) and on.factory.custom_model is _LeanLlama
+    off = build(ckpt, up_to=Stage.FACTORY, overrides={"build_model": {"use_custom_model": False}})
+    assert type(off.graph).__name__ == "LlamaForCausalLM" and off.factory.custom_model is None
+    assert custom_model_for(off.factory.config) is _LeanLlama

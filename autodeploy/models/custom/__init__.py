@@ -2,8 +2,10 @@
 
 A family whose HF implementation cannot be exported (Python loops over the sequence,
 value-dependent control flow) can register a self-contained ``nn.Module`` written with the
-canonical ops; the factory then builds it instead of the HF class. The class is constructed as
-``cls(config)`` and must use the checkpoint's parameter names, or provide ``load_hooks()``.
+canonical ops; the factory then builds it instead of the HF class (``build_model``'s
+``use_custom_model: false`` turns that off). The class is constructed as ``cls(config)`` and must
+use the checkpoint's parameter names, or provide ``load_hooks()``. ``custom.testing`` has the
+checks against the HF original; ``docs/onboarding.md`` walks through one model.
 """
 
 from typing import Callable, Dict, Optional, Type

@@ -52,7 +52,7 @@ class LoadWeights(BaseTransform):
             converters = gm.meta.get(WEIGHT_CONVERSIONS) or []
             renamings = reverted_renamings(converters) if converters else []
             hooks = list(factory.load_hooks) + list(gm.meta.get(GRAPH_LOAD_HOOKS, [])) + conversion_hooks(
-                converters, set(index.weight_map), lambda name: checkpoint_name(name, renamings)
+                converters, set(index.weight_map), lambda name: checkpoint_name(name, renamings), factory.config
             )
             report = load_into_module(
                 gm, index, device=device, dtype=ctx.dtype, hooks=hooks,
