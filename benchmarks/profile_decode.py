@@ -54,7 +54,8 @@ def _label_native_kernels() -> None:
     lib = native.load()
     if lib is None:
         return
-    for name in ("ad_rmsnorm_f32", "ad_paged_decode_attention_f32"):
+    for name in ("ad_rmsnorm_f32", "ad_paged_decode_attention_f32", "ad_gemv_f32", "ad_rope_f32",
+                 "ad_silu_and_mul_f32"):
         kernel = getattr(lib, name)
 
         def labelled(*args: Any, _kernel: Any = kernel, _name: str = name) -> Any:

@@ -276,19 +276,21 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Optional[Tensor] = 
 def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Optional[Tensor]:
     """``x @ weight.T + bias`` for an ``x`` of one row (any leading shape of one element), read
     from the plain row-major float32 ``weight [N, K]``; None when the kernel cannot take these
-    inputs (not one row, not contiguous float32 CPU tensors, a packed weight)."""
-    lib = load()
-    if lib is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+    inputs (not one row, not contiguous float32 CPU tensors, a packed weight). It runs once per
+    linear of a batch-1 decode step (~50 times a step), so it checks with the cheapest tensor
+    properties (``is_cpu``, not ``device.type``)."""
+    lib = _state.lib if _state.loaded and not _state.off else load()
+    f32 = torch.float32
+    if lib is None or x.dtype != f32 or weight.dtype != f32 or not x.is_cpu or weight.is_mkldnn:
         return None
-    if weight.is_mkldnn or weight.dim() != 2 or weight.stride(1) != 1 or x.numel() != weight.shape[1]:
+    n, k = weight.shape
+    if weight.stride(1) != 1 or x.numel() != k or not x.is_contiguous():
         return None
-    if not x.is_contiguous():
+    if bias is not None and (bias.dtype != f32 or bias.numel() != n or not bias.is_contiguous()):
         return None
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != weight.shape[0]):
-        return None
-    out = x.new_empty(*x.shape[:-1], weight.shape[0])
-    lib.ad_gemv_f32(x.data_ptr(), weight.data_ptr(), weight.stride(0), bias.data_ptr() if bias is not None else None,
-                    out.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
+    out = x.new_empty(x.shape[:-1] + (n,))
+    lib.ad_gemv_f32(x.data_ptr(), weight.data_ptr(), weight.stride(0), None if bias is None else bias.data_ptr(),
+                    out.data_ptr(), n, k, torch.get_num_threads())
     return out
 
 

@@ -1,0 +1,10 @@
+"""Running one model across several processes with ``torch.distributed``.
+
+``process_group`` sets up the group (gloo on CPU, NCCL on CUDA) from explicit arguments or from
+the environment ``torchrun`` leaves; the collective ops themselves are canonical ops in
+``autodeploy.ops.collectives`` so that they survive export and shape propagation like any other.
+"""
+
+from .process_group import DistEnv, backend_for, environment, initialize, is_initialized, rank, shutdown, world_size
+
+__all__ = ["DistEnv", "backend_for", "environment", "initialize", "is_initialized", "rank", "shutdown", "world_size"]

@@ -1,0 +1,51 @@
+"""Collectives as canonical ops: ``torch_dist_all_reduce`` and ``torch_dist_all_gather``.
+
+Why ops and not calls into ``torch.distributed`` in the graph: the sharding transforms insert
+them into exported graphs, which shape propagation, the fusions (all-reduce + residual add +
+RMSNorm) and the compile backends then have to see as one node with known output shapes. A
+custom op with a fake kernel is exactly that; ``torch.distributed``'s own functions are not
+traceable and mutate in place.
+
+With one rank (no process group, or a group of one) both are the identity, so a graph that was
+sharded for one rank, or a test that runs a sharded graph alone, needs no group. Both return a
+new tensor (a custom op may not return its input).
+"""
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..distributed.process_group import world_size
+
+
+@torch.library.custom_op("autodeploy::torch_dist_all_reduce", mutates_args=())
+def torch_dist_all_reduce(x: Tensor) -> Tensor:
+    """The elementwise sum of ``x`` over every rank (row-parallel linears' partial outputs)."""
+    out = x.clone()
+    if world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+@torch_dist_all_reduce.register_fake
+def _all_reduce_fake(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("autodeploy::torch_dist_all_gather", mutates_args=())
+def torch_dist_all_gather(x: Tensor, dim: int = -1) -> Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order (column-parallel outputs, a
+    vocab-parallel LM head's logits). Every rank must pass the same shape."""
+    n = world_size()
+    if n == 1:
+        return x.clone()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+@torch_dist_all_gather.register_fake
+def _all_gather_fake(x, dim=-1):
+    shape = list(x.shape)
+    shape[dim] *= world_size()
+    return x.new_empty(shape)

@@ -1,0 +1,167 @@
+"""The collective ops and the process group, on real gloo groups of separate processes.
+
+One rank (no group): both ops are the identity and survive export and shape propagation. Two
+ranks: all-reduce sums, all-gather concatenates in rank order, an exported graph with the ops
+runs on each rank with shapes its fake kernels derived from the group, and a rank that dies
+makes the other fail with an error instead of waiting forever.
+"""
+
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable, Dict, List
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.export import Dim
+
+from autodeploy.distributed import process_group
+from autodeploy.utils.errors import ConfigError
+
+ad = torch.ops.autodeploy
+
+
+class Reduce(torch.nn.Module):
+    def forward(self, x):
+        return ad.torch_dist_all_gather(ad.torch_dist_all_reduce(x * 2), -1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- one rank -----------------------------------------------------------------------------------
+def test_one_rank_is_the_identity_and_survives_export():
+    x = torch.randn(3, 5)
+    reduced, gathered = ad.torch_dist_all_reduce(x), ad.torch_dist_all_gather(x, 0)
+    assert torch.equal(reduced, x) and reduced.data_ptr() != x.data_ptr() and torch.equal(gathered, x)
+    ep = torch.export.export(Reduce(), (x,), dynamic_shapes=({0: Dim.DYNAMIC},))
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert ad.torch_dist_all_reduce.default in targets and ad.torch_dist_all_gather.default in targets
+    out_node = next(n for n in ep.graph.nodes if n.op == "output").args[0][0]
+    assert out_node.meta["val"].shape[-1] == 5  # the fake kernel's shape: one rank, nothing gathered
+    for rows in (1, 4):
+        y = torch.randn(rows, 5)
+        assert torch.equal(ep.module()(y), y * 2)
+
+
+def test_environment_is_read_and_checked(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert process_group.environment() is None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="RANK is missing"):
+        process_group.environment()
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ConfigError, match="RANK 2 is not a rank of WORLD_SIZE 2"):
+        process_group.environment()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_PORT", "12345")
+    env = process_group.environment()
+    assert (env.rank, env.world_size, env.local_rank, env.master_port) == (1, 2, 1, 12345)
+    with pytest.raises(ConfigError, match="rank 3 is not a rank of world_size 2"):
+        process_group.initialize(rank=3, world_size=2)
+    with pytest.raises(ConfigError, match="pass both rank and world_size"):
+        process_group.initialize(rank=0)
+    assert process_group.world_size() == 1 and process_group.rank() == 0 and not process_group.is_initialized()
+
+
+# ---- two ranks ----------------------------------------------------------------------------------
+def _rank_main(rank: int, world: int, port: int, job: Callable[[int], Dict[str, Any]], results: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        process_group.initialize(rank=rank, world_size=world, master_port=port, timeout_s=20)
+        # plain lists: a tensor sent through the queue lives in this process's shared memory,
+        # which is gone if the process exits before the parent reads it
+        results.put((rank, {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in job(rank).items()}))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, {"error": traceback.format_exc()}))
+    finally:
+        process_group.shutdown()
+
+
+def _run_ranks(job: Callable[[int], Dict[str, Any]], world: int = 2, timeout: float = 120) -> List[Dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, job, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    found: Dict[int, Dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(found) < world and time.monotonic() < deadline:
+        try:
+            rank, value = results.get(timeout=1)
+            found[rank] = value
+        except Exception:  # noqa: BLE001 - queue.Empty: keep waiting until the deadline
+            if all(not p.is_alive() for p in procs):
+                deadline = min(deadline, time.monotonic() + 5)  # all gone: drain what is left, then stop
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    assert len(found) == world, f"ranks {sorted(set(range(world)) - set(found))} reported nothing"
+    return [found[r] for r in range(world)]
+
+
+def _collectives_job(rank: int) -> Dict[str, Any]:
+    x = torch.full((2, 3), float(rank + 1))
+    x[0, 0] = 10.0 * (rank + 1)
+    ep = torch.export.export(Reduce(), (torch.randn(2, 3),), dynamic_shapes=({0: Dim.DYNAMIC},))
+    out_node = next(n for n in ep.graph.nodes if n.op == "output").args[0][0]
+    return {
+        "world": process_group.world_size(),
+        "reduced": ad.torch_dist_all_reduce(x),
+        "gathered0": ad.torch_dist_all_gather(x, 0),
+        "gathered_last": ad.torch_dist_all_gather(x[:, :2], -1),
+        "fake_width": out_node.meta["val"].shape[-1],
+        "exported": ep.module()(torch.full((4, 3), float(rank))),
+    }
+
+
+@pytest.mark.distributed
+def test_two_gloo_ranks_reduce_gather_and_run_an_exported_graph():
+    for r in _run_ranks(_collectives_job):
+        assert "error" not in r, r.get("error")
+        r = {k: torch.tensor(v) if isinstance(v, list) else v for k, v in r.items()}
+        assert r["world"] == 2 and r["fake_width"] == 6  # the fake kernel saw the group of two
+        assert torch.equal(r["reduced"], torch.tensor([[30.0, 3.0, 3.0], [3.0, 3.0, 3.0]]))
+        expected0 = torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)])
+        expected0[0, 0], expected0[2, 0] = 10.0, 20.0
+        assert torch.equal(r["gathered0"], expected0)
+        assert torch.equal(r["gathered_last"], torch.cat([expected0[:2, :2], expected0[2:, :2]], dim=-1))
+        # all_reduce(2x) over ranks holding 0 and 1 -> 2, then gathered twice along the last dim
+        assert torch.equal(r["exported"], torch.full((4, 6), 2.0))
+
+
+def _dying_job(rank: int) -> Dict[str, Any]:
+    if rank == 1:
+        os._exit(3)  # dies without a word, in the middle of the run
+    start = time.monotonic()
+    try:
+        ad.torch_dist_all_reduce(torch.ones(4))
+    except Exception as err:  # noqa: BLE001 - what the survivor sees
+        return {"raised": type(err).__name__, "seconds": time.monotonic() - start}
+    return {"raised": None}
+
+
+@pytest.mark.distributed
+def test_a_dead_rank_is_an_error_for_the_others_not_a_hang():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, _dying_job, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rank, outcome = results.get(timeout=90)
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert rank == 0 and "error" not in outcome, outcome
+    assert outcome["raised"] is not None and outcome["seconds"] < 60
+    assert procs[1].exitcode == 3
