@@ -50,7 +50,8 @@ class LLM:
         self.tokenizer_handle = TokenizerHandle(factory.tokenizer, skip=self.config.skip_tokenizer_init)
         self.generation_config = factory.generation_config()
         self.processor = RequestProcessor(self.tokenizer_handle, max_seq_len=cache.max_seq_len,
-                                          vocab_size=factory.vocab_size, hidden_state_layers=self.hidden_state_layers)
+                                          vocab_size=factory.vocab_size, hidden_state_layers=self.hidden_state_layers,
+                                          world_size=self.config.world_size)
         wanted = (self.config.transforms.get("insert_cached_residual_add") or {}).get("layers")
         if wanted and not self.hidden_state_layers:
             logger.warning("insert_cached_residual_add.layers is set but no hidden states are captured (cache mode "

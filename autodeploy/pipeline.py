@@ -70,13 +70,35 @@ def resolve_max_seq_len(requested: Optional[int], limit: ContextLimit) -> int:
     return limit.tokens
 
 
+def _check_world_size(config: DeployConfig) -> int:
+    """This process's rank for a build at ``config.world_size`` ranks.
+
+    More than one rank needs a torch.distributed group of that size around the build (each rank
+    builds its own shard: ``autodeploy.distributed.initialize``, or the process was started by
+    torchrun). autodeploy's own launcher for ``run``/``serve``/``bench`` is not built yet.
+    """
+    from .distributed import process_group
+
+    if config.world_size == 1:
+        return 0
+    if not process_group.is_initialized():
+        raise ConfigError(
+            f"world_size {config.world_size} needs a torch.distributed group of {config.world_size} processes "
+            "around the build: start the processes with torchrun (or call "
+            "autodeploy.distributed.initialize(rank, world_size) in each) before building; autodeploy does not "
+            "start the ranks itself yet")
+    if process_group.world_size() != config.world_size:
+        raise ConfigError(f"world_size {config.world_size} asked for, but this process's group has "
+                          f"{process_group.world_size()} ranks")
+    return process_group.rank()
+
+
 def build_graph(
     config: DeployConfig, factory: Optional[ModelFactory] = None, log_summary: bool = True,
     show_progress: bool = False,
 ) -> BuildResult:
     """Validate the pipeline, then build the model and run every transform on it."""
-    if config.world_size != 1:
-        raise ConfigError("world_size > 1 needs tensor-parallel sharding, which this version does not have yet")
+    rank = _check_world_size(config)
     if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device '{config.device}' asked for, but torch sees no CUDA GPU; use device: cpu")
     optimizer = InferenceOptimizer(config.transforms)
@@ -92,6 +114,8 @@ def build_graph(
         page_size=config.page_size,
         auto_batch_size=config.max_batch_size is None,
         auto_seq_len=config.max_seq_len is None,
+        world_size=config.world_size,
+        rank=rank,
     )
     # transforms before compile_model choose kernels it must be able to compile
     ctx.compile_backend = (config.transforms.get("compile_model") or {}).get("backend", "torch-simple")

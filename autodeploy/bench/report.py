@@ -5,9 +5,9 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
-TARGETS = {  # from the benchmark issue; measured, never asserted
-    "decode_tok_s_b32": ("decode b32 >= 2.5x HF eager", 2.5),
-    "decode_tok_s_b1": ("decode b1 >= 1.5x HF eager", 1.5),
+TARGETS = {  # from the runtime issue (defaults, small preset, exact tokens); measured, never asserted
+    "decode_tok_s_b32": ("decode b32 >= 2x HF eager", 2.0),
+    "decode_tok_s_b1": ("decode b1 >= 2x HF eager", 2.0),
     "prefill_tok_s_512": ("prefill 512 >= 1.0x HF eager", 1.0),
 }
 

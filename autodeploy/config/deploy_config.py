@@ -34,7 +34,9 @@ class DeployConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="Compute/weight dtype; auto = float32 on CPU, checkpoint dtype on CUDA."
     )
-    world_size: int = Field(default=1, ge=1, description="Number of ranks (tensor parallelism).")
+    world_size: int = Field(default=1, ge=1, description="Number of ranks (tensor parallelism). Above 1 every "
+                            "rank builds its own shard inside a torch.distributed group of that size (torchrun, or "
+                            "autodeploy.distributed.initialize in each process); the CLI does not start ranks yet.")
     max_batch_size: Optional[int] = Field(
         default=None, ge=1,
         description="Most sequences in one step; unset: chosen from the KV-cache pool (resize_kv_cache): the "

@@ -13,7 +13,7 @@ scales of a quantization format (a quantized checkpoint must not load as garbage
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Set
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -68,9 +68,13 @@ def load_into_module(
     base_prefixes: Sequence[str] = ("model",),
     show_progress: bool = False,
     accounted: Iterable[str] = (),
+    shards: Optional[Dict[str, Any]] = None,
 ) -> LoadReport:
     """Fill every parameter and buffer of ``module``; floating params are cast to ``dtype``.
-    ``accounted``: checkpoint tensors a transform decided not to load (not reported as unused)."""
+    ``accounted``: checkpoint tensors a transform decided not to load (not reported as unused).
+    ``shards``: parameter name -> an object whose ``take(tensor)`` returns the slice this rank
+    holds (tensor parallelism); only that slice is copied out of the memory-mapped file."""
+    shards = shards or {}
     tied = tied or {}
     initial_buffers = initial_buffers or {}
     params = dict(module.named_parameters(remove_duplicate=False))
@@ -135,6 +139,11 @@ def load_into_module(
                 missing.append(name)
                 continue
             else:
+                if name in shards:
+                    try:
+                        source = shards[name].take(source)
+                    except ValueError as err:
+                        raise ModelSourceError(f"checkpoint tensor for '{name}': {err}") from None
                 if tuple(source.shape) != tuple(current.shape):
                     raise ModelSourceError(
                         f"checkpoint tensor for '{name}' has shape {tuple(source.shape)}, the model expects "

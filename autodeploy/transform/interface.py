@@ -13,7 +13,7 @@ import time
 from abc import ABC
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Literal, Optional, Tuple, Type
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +21,9 @@ from torch import fx, nn
 
 from ..utils.logging import get_logger
 from .graph_utils import canonicalize_graph, graph_modules, run_shape_prop
+
+if TYPE_CHECKING:  # the plan types live with the sharding transforms
+    from .library._sharding import ShardingPlan, WeightShard
 
 logger = get_logger(__name__)
 
@@ -164,6 +167,15 @@ class PipelineContext:
     cache_mode: Optional[CacheMode] = None
     # Why the model runs in recompute mode (set with cache_mode == "recompute").
     recompute_reason: Optional[str] = None
+    # Tensor parallelism: this process's rank of world_size (set by ``autodeploy.pipeline`` from
+    # the process group; 1 and 0 without one).
+    world_size: int = 1
+    rank: int = 0
+    # detect_sharding -> sharding_transform_executor: the plan (``library._sharding.ShardingPlan``).
+    sharding_plan: Optional["ShardingPlan"] = None
+    # sharding_transform_executor -> load_weights: parameter name -> the slice of its checkpoint
+    # tensor this rank loads (``library._sharding.WeightShard``).
+    weight_shards: Dict[str, "WeightShard"] = field(default_factory=dict)
 
 
 _META_LAST_INFO = "autodeploy_last_info"

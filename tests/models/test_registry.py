@@ -174,7 +174,7 @@ def test_multi_rank_entry_is_refused_before_anything_is_built(capsys, monkeypatc
         assert main(argv) == 2
         line = _one_error_line(capsys.readouterr().err)
         assert f"registry entry '{MULTI_RANK}' needs {n} ranks (world_size {n})" in line
-        assert "multi-rank (tensor-parallel) runs are not supported yet" in line
+        assert "the CLI does not start several ranks yet; run it under torchrun" in line
     with pytest.raises(ConfigError, match="needs 8 ranks"):
         load_deploy_config(registry=MULTI_RANK)
     # the user's world_size wins over the entry's, as any setting does

@@ -22,8 +22,8 @@ from ...utils.errors import ConfigError
 REGISTRY_DIR = os.path.dirname(os.path.abspath(__file__))
 REGISTRY_YAML = os.path.join(REGISTRY_DIR, "models.yaml")
 CONFIGS_DIR = os.path.join(REGISTRY_DIR, "configs")
-# The most ranks a deployment can use today; pipeline.build_graph refuses more until tensor
-# parallelism lands (then this goes, and the entry's world_size is simply passed through).
+# The most ranks the CLI can run today (it does not start ranks itself yet); more need a
+# torch.distributed group around the process (torchrun).
 SUPPORTED_WORLD_SIZE = 1
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -133,12 +133,18 @@ def is_registry_name(name: Optional[str], path: Optional[str] = None) -> bool:
 
 
 def check_world_size(entry: RegistryEntry, world_size: int) -> None:
-    """A deployment of ``entry`` at ``world_size`` ranks can run here. Called with the composed
+    """A deployment of ``entry`` at ``world_size`` ranks can run here: one rank, or a
+    torch.distributed group of that size around this process (torchrun). Called with the composed
     value, so a user who sets world_size 1 over an entry still gets to try it on one rank."""
-    if world_size > SUPPORTED_WORLD_SIZE and world_size == entry.world_size:
-        raise ConfigError(
-            f"registry entry '{entry.name}' needs {entry.world_size} ranks (world_size {entry.world_size}), but "
-            f"multi-rank (tensor-parallel) runs are not supported yet: this version runs world_size "
-            f"{SUPPORTED_WORLD_SIZE} only; pick an entry with world_size {SUPPORTED_WORLD_SIZE} ('autodeploy models' "
-            "lists them)"
-        )
+    from ...distributed import process_group
+
+    if world_size <= SUPPORTED_WORLD_SIZE or world_size != entry.world_size:
+        return
+    if process_group.is_initialized() and process_group.world_size() == world_size:
+        return
+    raise ConfigError(
+        f"registry entry '{entry.name}' needs {entry.world_size} ranks (world_size {entry.world_size}), but this "
+        f"process is not one of a torch.distributed group of {entry.world_size}: the CLI does not start several "
+        f"ranks yet; run it under torchrun (each rank calling LLM(registry='{entry.name}')), or pick an entry with "
+        f"world_size {SUPPORTED_WORLD_SIZE} ('autodeploy models' lists them)"
+    )

@@ -58,7 +58,7 @@ class LoadWeights(BaseTransform):
                 gm, index, device=device, dtype=ctx.dtype, hooks=hooks,
                 tied=factory.tied_parameters, initial_buffers=factory.initial_buffers,
                 base_prefixes=(factory.base_model_prefix,), show_progress=show,
-                accounted=gm.meta.get(GRAPH_IGNORED_TENSORS, ()),
+                accounted=gm.meta.get(GRAPH_IGNORED_TENSORS, ()), shards=ctx.weight_shards,
             )
             restored = _restore_constants(gm, device)
             move_graph_to_device(gm, device)

@@ -1,0 +1,159 @@
+"""Tensor-parallel sharding plans: what ``detect_sharding`` finds and
+``sharding_transform_executor`` applies.
+
+A plan is a list of decisions over graph nodes, each a plain dataclass:
+
+* ``ColumnShard``: a linear's output features are split across ranks (weight rows, bias); each
+  rank computes its slice of the output (its attention heads, its part of the MLP's hidden
+  layer) and no communication follows.
+* ``RowShard``: a linear's input features are split (weight columns); each rank's output is a
+  partial sum that ``torch_dist_all_reduce`` completes (the bias, if any, is added once after).
+* ``SwigluShard``: ``torch_swiglu_mlp`` with gate and up split by rows and down by columns: one
+  all-reduce after the op.
+
+Why a plan and not a rewrite in one pass: the same objects are what a model's own sharding hints
+will produce (a later ``apply_sharding_hints``), so there is one executor. Nodes are named, not
+held, so a plan can be logged and compared.
+"""
+
+import operator
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import fx
+
+from ..graph_utils import get_attr_value
+
+aten = torch.ops.aten
+ad = torch.ops.autodeploy
+
+# Ops between a projection and the attention op (or after it) that only change the layout of
+# each token's features: heads split or merged, axes swapped.
+LAYOUT_OPS = (aten.view.default, aten.reshape.default, aten.transpose.int, aten.contiguous.default,
+              aten.clone.default, aten._unsafe_view.default)
+
+
+# RoPE ops rotate q (output 0, from input 0) and k (output 1, from input 1) head by head
+ROPE_OPS = (ad.torch_rope_with_explicit_cos_sin.default, ad.torch_rope_with_qk_interleaving.default,
+            ad.torch_rope_with_complex_freqs.default)
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    """The slice of a checkpoint tensor one rank loads: part ``index`` of ``parts`` equal parts
+    along ``dim``."""
+
+    dim: int
+    index: int
+    parts: int
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        size = tensor.shape[self.dim]
+        if size % self.parts:
+            raise ValueError(f"a tensor of shape {tuple(tensor.shape)} cannot be split into {self.parts} equal parts "
+                             f"along dim {self.dim}")
+        step = size // self.parts
+        return tensor.narrow(self.dim, self.index * step, step)
+
+
+@dataclass(frozen=True)
+class ColumnShard:
+    node: str  # the aten.linear node
+    weight: str  # get_attr target
+    bias: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RowShard:
+    node: str
+    weight: str
+    bias: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class SwigluShard:
+    node: str  # the torch_swiglu_mlp node
+    gate: str
+    up: str
+    down: str
+
+
+Decision = Union[ColumnShard, RowShard, SwigluShard]
+
+
+@dataclass
+class ShardingPlan:
+    world_size: int
+    rank: int
+    decisions: List[Decision] = field(default_factory=list)
+    # view/reshape nodes whose literal sizes count heads or features of a sharded projection
+    # (node name -> index of the size in its shape argument)
+    layout_fixes: Dict[str, List[int]] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        kinds: Dict[str, int] = {}
+        for d in self.decisions:
+            kinds[type(d).__name__] = kinds.get(type(d).__name__, 0) + 1
+        return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "nothing"
+
+
+def weight_target(gm: fx.GraphModule, node: object) -> Optional[str]:
+    """The get_attr target of a float weight argument, or None (a computed weight)."""
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        value = get_attr_value(gm, node)
+        if isinstance(value, torch.Tensor) and value.dim() in (1, 2):
+            return str(node.target)
+    return None
+
+
+def producing_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
+    """The ``aten.linear`` an attention input comes from, through layout ops and RoPE (whose
+    q output comes from its first input and k output from its second); ``path`` collects the
+    layout nodes passed."""
+    while isinstance(node, fx.Node):
+        if node.target == aten.linear.default:
+            return node
+        if node.target in LAYOUT_OPS:
+            path.append(node)
+            node = node.args[0]
+            continue
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            rope = node.args[0]
+            if rope.op == "call_function" and rope.target in ROPE_OPS and node.args[1] in (0, 1):
+                node = rope.args[node.args[1]]
+                continue
+        return None
+    return None
+
+
+def consuming_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
+    """The ``aten.linear`` the attention output feeds, through single-user layout ops."""
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.target == aten.linear.default and user.args[0] is node:
+            return user
+        if user.target not in LAYOUT_OPS:
+            return None
+        path.append(user)
+        node = user
+    return None
+
+
+def sizes_that_divide(counts: Sequence[int], upto: int = 64) -> List[int]:
+    """World sizes that split every count evenly (for an error message)."""
+    return [n for n in range(1, upto + 1) if all(c % n == 0 for c in counts)]
+
+
+def literal_dims(node: fx.Node, full: Tuple[int, ...]) -> List[int]:
+    """Indices of the view/reshape shape argument whose literal value is one of ``full`` (a head
+    count or a feature count of a sharded projection), which must be divided on each rank. ``-1``
+    and symbolic sizes follow the tensor by themselves."""
+    shape = node.args[1] if len(node.args) > 1 else None
+    if node.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return []
+    if not isinstance(shape, (list, tuple)):
+        return []
+    # the last entry of a head split is the head size, never sharded
+    last = len(shape) - 1
+    return [i for i, s in enumerate(shape) if isinstance(s, int) and s in full and not (i == last and len(shape) == 4)]

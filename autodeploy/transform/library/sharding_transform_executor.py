@@ -1,0 +1,112 @@
+"""``sharding_transform_executor`` (sharding): apply ``ctx.sharding_plan`` to this rank's graph.
+
+Before (``detect_sharding`` planned a column shard for ``Wq`` and a row shard for ``Wo``)::
+
+    q = linear(x, Wq)                        # Wq [H*D, hidden] on meta
+    y = linear(a, Wo, bo)                    # Wo [hidden, H*D]
+    m = autodeploy.torch_swiglu_mlp(h, Wg, Wu, Wd)
+
+After, on rank r of n::
+
+    q = linear(x, Wq)                        # Wq [H*D/n, hidden]: rows r*H*D/n ... of the checkpoint's
+    y = add(autodeploy.torch_dist_all_reduce(linear(a, Wo)), bo)      # Wo [hidden, H*D/n]
+    m = autodeploy.torch_dist_all_reduce(autodeploy.torch_swiglu_mlp(h, Wg, Wu, Wd))  # Wg/Wu rows, Wd columns
+
+Parameters are still on the meta device here: each is replaced by one of its shard's shape, and
+``ctx.weight_shards`` tells ``load_weights`` which slice of the checkpoint tensor this rank reads
+(so a rank holds 1/n of the sharded weights, never the whole tensor). View/reshape sizes that
+count heads or features of a sharded projection (``layout_fixes``) are divided by n; ``-1`` and
+symbolic sizes need nothing.
+"""
+
+from typing import Dict
+
+import torch
+from torch import fx, nn
+
+from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
+from ._sharding import ColumnShard, RowShard, ShardingPlan, SwigluShard, WeightShard
+
+ad = torch.ops.autodeploy
+aten = torch.ops.aten
+
+
+class ShardingExecutorConfig(TransformConfig):
+    stage: Stage = Stage.SHARDING
+    run_shape_prop: bool = True  # every sharded tensor's shape changes
+
+
+def _shard_param(gm: fx.GraphModule, target: str, dim: int, plan: ShardingPlan,
+                 shards: Dict[str, WeightShard]) -> None:
+    """Replace the (meta) tensor at ``target`` by one of this rank's shard shape, and record the
+    slice load_weights reads."""
+    if target in shards:
+        return  # shared by two users (tied): split once
+    *path, leaf = target.split(".")
+    owner: nn.Module = gm
+    for part in path:
+        owner = getattr(owner, part)
+    old = getattr(owner, leaf)
+    shape = list(old.shape)
+    shape[dim] //= plan.world_size
+    new = torch.empty(shape, dtype=old.dtype, device=old.device)
+    if isinstance(old, nn.Parameter):
+        owner.register_parameter(leaf, nn.Parameter(new, requires_grad=False))
+    else:
+        owner.register_buffer(leaf, new)
+    shards[target] = WeightShard(dim=dim, index=plan.rank, parts=plan.world_size)
+
+
+def _all_reduce_after(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    with gm.graph.inserting_after(node):
+        reduced = gm.graph.call_function(ad.torch_dist_all_reduce.default, (node,))
+    node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+    return reduced
+
+
+def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    shards: Dict[str, WeightShard] = {}
+    for decision in plan.decisions:
+        node = nodes[decision.node]
+        if isinstance(decision, ColumnShard):
+            _shard_param(gm, decision.weight, 0, plan, shards)
+            if decision.bias is not None:
+                _shard_param(gm, decision.bias, 0, plan, shards)
+        elif isinstance(decision, RowShard):
+            _shard_param(gm, decision.weight, 1, plan, shards)
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            node.args, node.kwargs = (node.args[0], node.args[1]), {}
+            reduced = _all_reduce_after(gm, node)
+            if bias is not None:  # added once, after the partial sums are summed
+                with gm.graph.inserting_after(reduced):
+                    biased = gm.graph.call_function(aten.add.Tensor, (reduced, bias))
+                reduced.replace_all_uses_with(biased, delete_user_cb=lambda user: user is not biased)
+        elif isinstance(decision, SwigluShard):
+            _shard_param(gm, decision.gate, 0, plan, shards)
+            _shard_param(gm, decision.up, 0, plan, shards)
+            _shard_param(gm, decision.down, 1, plan, shards)
+            _all_reduce_after(gm, node)
+    for name, dims in plan.layout_fixes.items():
+        node = nodes[name]
+        shape = list(node.args[1])
+        for i in dims:
+            shape[i] //= plan.world_size
+        node.args = (node.args[0], shape, *node.args[2:])
+    gm.graph.lint()
+    gm.recompile()
+    return shards
+
+
+@TransformRegistry.register("sharding_transform_executor")
+class ShardingTransformExecutor(BaseTransform):
+    config_class = ShardingExecutorConfig
+    run_after = ("detect_sharding",)
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        plan = ctx.sharding_plan
+        if ctx.world_size == 1 or plan is None:
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
+                                 reason="not needed: world_size 1" if ctx.world_size == 1 else "no sharding plan")
+        ctx.weight_shards.update(execute(gm, plan))
+        return TransformInfo(num_matches=len(plan.decisions), is_clean=False, has_valid_shapes=False)
