@@ -60,7 +60,7 @@ def registry_name(args: argparse.Namespace) -> Optional[str]:
     shadowed by an entry of the same name, and entry names hold no '/', so no org/name hub id is.
     """
     from .models.presets import PRESETS
-    from .models.registry import is_registry_name, registry_entry, registry_suggestions
+    from .config.registry import is_registry_name, registry_entry, registry_suggestions
 
     model = getattr(args, "model", None)
     if getattr(args, "use_registry", False):

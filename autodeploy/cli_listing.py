@@ -175,7 +175,7 @@ def preset_rows() -> List[Dict[str, Any]]:
 
 def registry_rows() -> List[Dict[str, Any]]:
     """One row per registry entry, in the registry file's order."""
-    from .models.registry import load_registry
+    from .config.registry import load_registry
 
     return [entry.model_dump() for entry in load_registry().values()]
 

@@ -62,7 +62,7 @@ def cmd_bench(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         raise AutoDeployError(f"bench takes no dotted overrides; put them in a --yaml variant: {' '.join(overrides)}")
     registry = registry_name(args)
     if registry is not None:  # the entry's fragments are the base of every autodeploy engine
-        from .models.registry import registry_entry
+        from .config.registry import registry_entry
 
         args.model = registry_entry(registry).model
     cfg = BenchConfig(

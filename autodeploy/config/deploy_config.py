@@ -136,7 +136,7 @@ def load_deploy_config(
     base = load_yaml_file(DEFAULT_YAML)
     entry = None
     if registry is not None:
-        from ..models.registry import registry_entry
+        from .registry import registry_entry
 
         entry = registry_entry(registry)
         base = deep_merge(base, registry_layer(entry))
@@ -156,7 +156,7 @@ def load_deploy_config(
     validate_pipeline(config.transforms)
     check_settings(config, user)
     if entry is not None:
-        from ..models.registry import check_world_size
+        from .registry import check_world_size
 
         check_world_size(entry, config.world_size)
     return config
@@ -167,7 +167,7 @@ def registry_layer(entry: Any) -> Dict[str, Any]:
     merged in order, its model and world size. It is a base, not a user layer: the shortcuts a
     fragment sets are written into their transform fields here, so a user's shortcut or field
     overrides them instead of conflicting with them."""
-    from ..models.registry import entry_yaml_files
+    from .registry import entry_yaml_files
 
     layer: Dict[str, Any] = {}
     for path in entry_yaml_files(entry):

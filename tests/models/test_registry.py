@@ -13,14 +13,14 @@ from typing import Any, Dict, List
 
 import pytest
 
-import autodeploy.models.registry as registry_mod
+import autodeploy.config.registry as registry_mod
 from autodeploy.cli import build_parser, main
 from autodeploy.cli_build import config_from_args
 from autodeploy.config import load_deploy_config
 from autodeploy.config.deploy_config import DEFAULT_YAML, SHORTCUTS, DeployConfig
 from autodeploy.config.merge import load_yaml_file
 from autodeploy.models.presets import PRESETS
-from autodeploy.models.registry import (
+from autodeploy.config.registry import (
     CONFIGS_DIR, SUPPORTED_WORLD_SIZE, entry_yaml_files, load_registry, registry_entry,
 )
 from autodeploy.runtime.sampling_params import SamplingParams

@@ -1,5 +1,9 @@
 """The model registry: named, tested deployments of known models.
 
+The entries and their YAML fragments are data under ``autodeploy/models/registry/`` (beside
+the presets); this module, in ``config`` because composing an entry is part of building a
+deployment config, reads and checks them.
+
 An entry names a model (a preset, a checkpoint directory or a hub id), the YAML fragments under
 ``configs/`` that deploy it well (composed in order), and the ranks it needs. It exists so that
 a deployment someone worked out once (which experts to keep quantized, which compile backend,
@@ -17,9 +21,9 @@ from typing import Dict, List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ...utils.errors import ConfigError
+from ..utils.errors import ConfigError
 
-REGISTRY_DIR = os.path.dirname(os.path.abspath(__file__))
+REGISTRY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "registry")
 REGISTRY_YAML = os.path.join(REGISTRY_DIR, "models.yaml")
 CONFIGS_DIR = os.path.join(REGISTRY_DIR, "configs")
 # The most ranks the CLI can run today (it does not start ranks itself yet); more need a
@@ -64,7 +68,7 @@ class _RegistryFile(BaseModel):
 
 @functools.lru_cache(maxsize=None)
 def _load(path: str) -> Dict[str, RegistryEntry]:
-    from ...config.merge import load_yaml_file
+    from .merge import load_yaml_file
 
     data = load_yaml_file(path)
     try:
@@ -136,7 +140,7 @@ def check_world_size(entry: RegistryEntry, world_size: int) -> None:
     """A deployment of ``entry`` at ``world_size`` ranks can run here: one rank, or a
     torch.distributed group of that size around this process (torchrun). Called with the composed
     value, so a user who sets world_size 1 over an entry still gets to try it on one rank."""
-    from ...distributed import process_group
+    from ..distributed import process_group
 
     if world_size <= SUPPORTED_WORLD_SIZE or world_size != entry.world_size:
         return
