@@ -29,8 +29,6 @@ CAUSES: Dict[str, str] = {
     "doge": "switches to a top-k dynamic mask once the sequence passes keep_window_size (8 at recipe a): the "
             "static-length graph cannot follow the branch; refused, not served wrong. At recipe b (window 4) both "
             "prompts are past the switch and it passes.",
-    "hy_v4": "its output depends on the sequence length beyond causality (a 1-token prompt differs from the "
-             "static-length graph); refused by recompute_fallback's eager check, not served wrong.",
     "qwen4_exp_text": "the sparse-attention indexer's token budget is data-dependent (u0 // 4 blocks): export "
                       "cannot guard on it.",
 }

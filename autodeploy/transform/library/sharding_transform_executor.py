@@ -33,7 +33,6 @@ aten = torch.ops.aten
 
 class ShardingExecutorConfig(TransformConfig):
     stage: Stage = Stage.SHARDING
-    run_shape_prop: bool = True  # every sharded tensor's shape changes
 
 
 def _shard_param(gm: fx.GraphModule, target: str, dim: int, plan: ShardingPlan,
@@ -109,4 +108,5 @@ class ShardingTransformExecutor(BaseTransform):
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
                                  reason="not needed: world_size 1" if ctx.world_size == 1 else "no sharding plan")
         ctx.weight_shards.update(execute(gm, plan))
+        # every sharded tensor's shape changed: the next transform that reads shapes propagates them
         return TransformInfo(num_matches=len(plan.decisions), is_clean=False, has_valid_shapes=False)
