@@ -3,6 +3,7 @@ split fused projections, de-interleave fused gate/up experts), on transformers' 
 objects; and a real checkpoint whose experts only load through such a converter (Inkling2: its
 ``w13_weight`` is de-interleaved into ``gate_up_proj``) matching HF eager."""
 
+import pytest
 import torch
 from transformers import AutoConfig
 from transformers.core_model_loading import (
@@ -90,6 +91,8 @@ def test_converters_that_need_more_than_the_tensors_are_not_replayed():
     assert conversion_hooks([rope], {"attn.wq.weight"}, lambda n: n) == []
 
 
+@pytest.mark.slow  # ~24 s (HF's Inkling2 reference); the replayed operations have fast tests above, and the
+# coverage sweep checks inkling2_text end to end
 def test_inkling2_checkpoint_loads_and_matches_hf():
     """A real save_pretrained checkpoint: the experts are stored interleaved under the checkpoint's
     names (model.llm.layers.N.mlp.experts.w13_weight); the graph's gate_up_proj is found and
