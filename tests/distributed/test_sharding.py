@@ -125,3 +125,19 @@ def test_generation_at_world_size_two_gives_hfs_greedy_tokens():
         assert r["mode"] == "paged_kv" and r["tokens"] == expected
         assert r["kv_heads"] == TINY["num_key_value_heads"] // 2  # each rank caches its own heads
         assert "at world_size 2 every rank samples on its own: give the request a seed" in r["refused"]
+
+
+def test_a_projection_with_another_reader_is_left_whole():
+    """Near miss: when the q projection's output also feeds something besides attention, that
+    reader would see one rank's heads only, so the attention is not split at all."""
+    gm = build(family_checkpoint("llama"), up_to=Stage.PATTERN_MATCHER).graph_module
+    q_linear = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default
+                    and "q_proj" in str(n.args[1].target) and "layers_0" in n.args[1].name)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(output):
+        extra = gm.graph.call_function(torch.ops.aten.sum.default, (q_linear,))
+    output.args = ((output.args[0][0] if isinstance(output.args[0], tuple) else output.args[0], extra),)
+    plan = detect(gm, world_size=2, rank=0)
+    split = {d.weight for d in plan.decisions if isinstance(d, (ColumnShard, RowShard))}
+    assert not any("layers.0.self_attn" in w for w in split)  # layer 0's attention stays whole
+    assert any("layers.1.self_attn.q_proj" in w for w in split)  # layer 1's is still split

@@ -110,8 +110,11 @@ def weight_target(gm: fx.GraphModule, node: object) -> Optional[str]:
 def producing_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
     """The ``aten.linear`` an attention input comes from, through layout ops and RoPE (whose
     q output comes from its first input and k output from its second); ``path`` collects the
-    layout nodes passed."""
+    layout nodes passed. None when the chain is anything else, or when a node on it has another
+    reader (that reader would get this rank's slice instead of the whole tensor)."""
     while isinstance(node, fx.Node):
+        if len(node.users) != 1 and node.target in (aten.linear.default, *LAYOUT_OPS):
+            return None  # another reader would see this rank's slice only: leave the projection whole
         if node.target == aten.linear.default:
             return node
         if node.target in LAYOUT_OPS:

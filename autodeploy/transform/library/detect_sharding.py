@@ -25,11 +25,13 @@ import torch
 from torch import fx
 
 from ...utils.errors import ConfigError
+from ...utils.logging import get_logger
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._sharding import (ColumnShard, RowShard, ShardingPlan, SwigluShard, consuming_linear, literal_dims,
                         producing_linear, sizes_that_divide, weight_target)
 
 ad = torch.ops.autodeploy
+logger = get_logger(__name__)
 
 
 class DetectShardingConfig(TransformConfig):
@@ -117,5 +119,6 @@ class DetectSharding(BaseTransform):
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
                                  reason="not needed: world_size 1")
         plan = detect(gm, ctx.world_size, ctx.rank)
+        logger.info("sharding plan for rank %d of %d: %s", ctx.rank, ctx.world_size, plan.summary())
         ctx.sharding_plan = plan
         return TransformInfo(num_matches=len(plan.decisions), is_clean=True, has_valid_shapes=True)
