@@ -110,6 +110,7 @@ def _generate_job(rank: int):
             "kv_heads": int(k_cache.shape[2])}
 
 
+@pytest.mark.slow  # ~10 s: two ranks each build and run the whole engine; the graph-level test stays default
 @pytest.mark.distributed
 def test_generation_at_world_size_two_gives_hfs_greedy_tokens():
     from helpers import hf_model
