@@ -290,15 +290,9 @@ def _copies_to_huge_pages(gm: fx.GraphModule) -> None:
 
 
 def _linear_weights(gm: fx.GraphModule) -> List[torch.Tensor]:
-    """The distinct float32 weights ``_use_gemv_copies`` would give a copy."""
-    found: Dict[str, torch.Tensor] = {}
-    for node in gm.graph.nodes:
-        for op, positions in _WEIGHT_SLOTS:
-            if node.op == "call_function" and node.target == op:
-                for i in positions:
-                    if i < len(node.args) and _packable(gm, node.args[i]):
-                        found.setdefault(str(node.args[i].target), get_attr_value(gm, node.args[i]))
-    return list(found.values())
+    """The distinct float32 weights ``_use_gemv_copies`` would give a copy: those of the weight
+    slots (``_weight_slots``, the same walk the packing uses)."""
+    return [get_attr_value(gm, uses[0][0].args[uses[0][1]]) for uses in _weight_slots(gm).values()]
 
 
 def _use_blas(gm: fx.GraphModule) -> int:
