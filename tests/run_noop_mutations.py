@@ -71,6 +71,8 @@ KEYS: Dict[str, List[str]] = {
                               "transforms/test_select_linear_backend_gemv.py"],
     # cache_init / compile
     "insert_cached_attention": ["transforms/test_insert_cached_attention.py"],
+    "insert_cached_mla_attention": ["transforms/test_insert_cached_mla_attention.py"],
+    "fuse_rope_into_trtllm_mla": ["transforms/test_fuse_rope_into_trtllm_mla.py"],
     "resize_kv_cache": ["transforms/test_resize_kv_cache.py"],
     "insert_cached_causal_conv": ["transforms/test_insert_cached_causal_conv.py"],
     "insert_cached_ssm_attention": ["transforms/test_insert_cached_ssm_attention.py"],
@@ -151,6 +153,17 @@ KEYS: Dict[str, List[str]] = {
 
 # Survivors that are meant to survive a no-op of their transform: node-id prefix -> why.
 INTENDED: Dict[str, str] = {
+    # MLA (issue 18)
+    "transforms/test_insert_cached_mla_attention.py::test_export_emits_torch_mla_for_each_layer":
+        "the export route, before the transform",
+    "transforms/test_insert_cached_mla_attention.py::test_expanded_route_caches_per_head_keys_and_values":
+        "near miss: no torch_mla in the graph",
+    "transforms/test_insert_cached_mla_attention.py::test_mla_disabled_keeps_the_model_exact_in_recompute_mode":
+        "near miss: the transform switched off",
+    "transforms/test_insert_cached_mla_attention.py::test_route_declines_a_biased_or_replaced_kv_b_proj":
+        "the export route's helper",
+    "transforms/test_fuse_rope_into_trtllm_mla.py::test_logits_equal_the_unfused_graph":
+        "numerics against the unfused graph (test_structure is the one that sees the fusion)",
     # quantization (issue 15): near misses and settings that must leave the graph alone
     "transforms/test_fuse_fp8_linear_scaled_mm.py::test_op_equals_the_canonical_op": "the op, not the transform",
     "transforms/test_fuse_fp8_linear_scaled_mm.py::test_fake_kernel": "the op, not the transform",

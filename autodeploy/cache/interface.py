@@ -119,6 +119,11 @@ class CachedSequenceInterface:
         """Bytes of one page over every paged cache (state caches have no pages)."""
         return sum(h.bytes_per_page(self.page_size) for h in self.handlers.values() if isinstance(h, ResourceHandler))
 
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in the paged caches, over every layer: the number the MLA latent
+        cache shrinks (``kv_lora_rank + qk_rope_head_dim`` values a layer instead of per-head K/V)."""
+        return self.bytes_per_page() // self.page_size
+
     # ---- state slots -------------------------------------------------------------------------
     @property
     def num_slots(self) -> int:

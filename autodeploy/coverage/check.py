@@ -62,6 +62,7 @@ class CheckResult:
     min_top2_gap: Optional[float] = None  # HF's smallest best-vs-second logit gap on the greedy path
     cache_mode: Optional[str] = None  # "paged_kv", "state", "paged_kv+state", or "recompute" (fallback)
     cache_mode_reason: str = ""
+    latent_cache: bool = False  # the MLA layers cache their latent (insert_cached_mla_attention), not per-head K/V
     seconds: Dict[str, float] = field(default_factory=dict)
 
     @property
@@ -216,6 +217,7 @@ def _run_stages(result: CheckResult, cache_dir: str, notify: Callable[[CheckResu
     llm = _build_llm(checkpoint)
     result.cache_mode = llm.build.context.cache_mode
     result.cache_mode_reason = llm.build.context.recompute_reason or ""
+    result.latent_cache = any(name.startswith("mla_cache_") for name in llm.build.cache.paged_names)
     t = _lap(result, "build", t)
 
     enter("runtime")

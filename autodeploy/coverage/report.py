@@ -128,8 +128,9 @@ def _stage_cell(r: CheckResult) -> str:
 
 
 def _mode_cell(r: CheckResult) -> str:
-    return {"paged_kv": "paged KV", "state": "state", "paged_kv+state": "paged KV + state",
+    mode = {"paged_kv": "paged KV", "state": "state", "paged_kv+state": "paged KV + state",
             "recompute": "recompute"}.get(r.cache_mode or "", "")
+    return mode + " (MLA latent)" if r.latent_cache and r.cache_mode != "recompute" else mode
 
 
 def _rmse_cell(r: CheckResult) -> str:
@@ -215,7 +216,8 @@ def markdown(results: Sequence[CheckResult], meta: Optional[Dict[str, Any]] = No
         "",
         "Cache mode: `paged KV` is the normal path (cached attention); `state` means per-sequence state caches "
         "(convolution windows, SSM and delta-rule states: one slot per running sequence), `paged KV + state` "
-        "both (hybrid models). `recompute` means `recompute_fallback` found that the caches cannot serve the "
+        "both (hybrid models); `(MLA latent)` marks multi-head latent attention caching its compressed latent "
+        "and roped key part per token instead of per-head keys and values. `recompute` means `recompute_fallback` found that the caches cannot serve the "
         "model and ran it exactly, but re-running each sequence's whole history every step; the last column "
         "says why (state outside attention that no state cache holds yet, attention the matchers did not "
         "canonicalise, or a model that only exports with a static sequence length).",

@@ -11,7 +11,8 @@ every mask through ``AttentionMaskInterface``. During export we use both hooks:
   overlays, padding) is built by HF's own function and left to the generic path, so nothing is
   silently reinterpreted.
 * Attention: the ``autodeploy`` implementation calls ``torch_attention`` directly with the
-  module's own scale, window, soft-cap and sinks, in ``bsnd`` layout, with k/v unexpanded. The
+  module's own scale, window, soft-cap and sinks, in ``bsnd`` layout, with k/v unexpanded (and
+  ``torch_mla`` over the latent for an MLA module's expanded k/v: ``hf_mla``). The
   ``sdpa`` and ``eager`` implementations stay HF's; the pattern matchers canonicalise them.
 """
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from ..utils.logging import get_logger
+from .hf_mla import claimed_mla, mla_attention
 
 logger = get_logger(__name__)
 
@@ -164,6 +166,9 @@ def autodeploy_attention(
     else:
         # A mask we did not build: keep it explicit, the op honours any mask.
         mask, is_causal = attention_mask, False
+    mla = claimed_mla(module, query, key)
+    if mla is not None and mask is None and sliding_window is None and not softcap and sinks is None:
+        return mla_attention(mla, query, is_causal, scaling), None
     out = torch.ops.autodeploy.torch_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),

@@ -97,9 +97,10 @@ class ResizeKVCache(BaseTransform):
         cache.allocate(pages)
         choose_batch_size(ctx, cache, state_budget)
         logger.info(
-            "KV cache resized to %d pages (%.1f MiB, %d tokens; state caches %.1f MiB; token buffers %.1f MiB): free "
-            "%.0f MiB, forward peak %.1f MiB, budget %.0f MiB, max_batch_size %d, max_seq_len %d", pages,
-            cache.paged_bytes() / 2**20, pages * cache.page_size, cache.state_bytes() / 2**20,
+            "KV cache resized to %d pages (%.1f MiB, %d tokens of %d bytes; state caches %.1f MiB; token buffers "
+            "%.1f MiB): free %.0f MiB, forward peak %.1f MiB, budget %.0f MiB, max_batch_size %d, max_seq_len %d",
+            pages, cache.paged_bytes() / 2**20, pages * cache.page_size, cache.bytes_per_token(),
+            cache.state_bytes() / 2**20,
             cache.buffer_bytes() / 2**20,
             free / 2**20, forward_peak / 2**20, budget / 2**20, cache.max_batch_size, cache.max_seq_len,
         )
