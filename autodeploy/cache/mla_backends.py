@@ -38,6 +38,11 @@ class MLADescriptor:
         ``kpe [b, s, 1, d_rope]``."""
         return PagedKVHandler(1, int(compressed_kv.shape[-1]) + int(kpe.shape[-1]), dtype)
 
+    @staticmethod
+    def index_cache_handler(index_k: torch.Tensor, dtype: torch.dtype) -> PagedKVHandler:
+        """One DSA indexer-key cache per indexer, sized from its keys ``[b, s, index_head_dim]``."""
+        return PagedKVHandler(1, int(index_k.shape[-1]), dtype)
+
 
 def mla_backends() -> Dict[str, MLADescriptor]:
     import autodeploy.ops  # noqa: F401  (registers the ops)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..utils.logging import get_logger
+from .hf_dsa import claimed_indices
 from .hf_mla import claimed_mla, mla_attention
 
 logger = get_logger(__name__)
@@ -144,7 +145,9 @@ def autodeploy_attention(
 
     A tensor argument it does not know (an additive ``position_bias``, say) would be dropped
     silently, so it is refused instead and the exporter retries with HF's sdpa route."""
-    unknown = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _IGNORABLE_TENSOR_KWARGS)
+    topk_indices = claimed_indices(kwargs.get("indices"))  # DSA's selection for torch_mla (hf_dsa)
+    unknown = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _IGNORABLE_TENSOR_KWARGS
+                     and not (k == "indices" and topk_indices is not None))
     if unknown:
         raise RouteUnsupportedError(
             f"attention of {type(module).__name__} passes {', '.join(unknown)}, which the '{AD_ATTN_IMPL}' "
@@ -168,7 +171,10 @@ def autodeploy_attention(
         mask, is_causal = attention_mask, False
     mla = claimed_mla(module, query, key)
     if mla is not None and mask is None and sliding_window is None and not softcap and sinks is None:
-        return mla_attention(mla, query, is_causal, scaling), None
+        return mla_attention(mla, query, is_causal, scaling, topk_indices), None
+    if topk_indices is not None:
+        raise RouteUnsupportedError(f"attention of {type(module).__name__} takes DSA top-k indices, which the "
+                                    f"'{AD_ATTN_IMPL}' route expresses only for MLA over its latent")
     out = torch.ops.autodeploy.torch_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),

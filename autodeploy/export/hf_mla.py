@@ -128,12 +128,14 @@ def claimed_mla(module: nn.Module, query: torch.Tensor, key: torch.Tensor) -> Op
     return found
 
 
-def mla_attention(found: MLAInputs, query: torch.Tensor, is_causal: bool, scaling: Optional[float]) -> torch.Tensor:
-    """``torch_mla`` for a claimed attention; ``query`` arrives ``bnsd``, the output leaves ``bsnd``."""
+def mla_attention(found: MLAInputs, query: torch.Tensor, is_causal: bool, scaling: Optional[float],
+                  topk_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``torch_mla`` for a claimed attention; ``query`` arrives ``bnsd``, the output leaves ``bsnd``.
+    ``topk_indices``: DSA's selection (``hf_dsa``)."""
     module = found.module
     d_nope = module.qk_nope_head_dim
     q = query.transpose(1, 2)  # [b, s, n, d_nope + d_rope]
     latent = found.latent[:, 0]  # [b, s, L]
     kpe = found.k_rot.transpose(1, 2)  # [b, s, 1, d_rope]
     return torch.ops.autodeploy.torch_mla(q[..., :d_nope], q[..., d_nope:], latent, kpe, module.kv_b_proj.weight,
-                                          is_causal, scaling)
+                                          is_causal, scaling, topk_indices)

@@ -10,7 +10,7 @@ from . import gdn_gating, l2norm  # noqa: F401
 from . import hidden_states  # noqa: F401
 from . import quant  # noqa: F401
 from . import collectives  # noqa: F401
-from . import mla  # noqa: F401
+from . import dsa, mla  # noqa: F401
 from . import moe_onednn  # noqa: F401  (after quant: its op reuses the quantized MoE input quantizer)
 
 # ssm imports causal_conv (the causal convolution ops and the state-slot step driver both families share)

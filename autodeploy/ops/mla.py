@@ -46,6 +46,7 @@ from torch import Tensor
 
 from . import attention  # noqa: F401  (torch_attention, the math of the reference paths)
 from . import rope  # noqa: F401  (the RoPE ops applied inside the cached ops)
+from .dsa import topk_keep_mask
 
 
 def _expand(compressed_kv: Tensor, kpe: Tensor, weight: Tensor, d_nope: int, d_v: int) -> Tuple[Tensor, Tensor]:
@@ -83,17 +84,20 @@ def torch_mla(
     kv_b_proj_weight: Tensor,
     is_causal: bool = True,
     scale: Optional[float] = None,
+    topk_indices: Optional[Tensor] = None,
 ) -> Tensor:
     """Reference MLA in ``bsnd``: expand the latent into per-head K/V and attend (fp32 math, the
-    output in q's dtype). ``scale`` defaults to ``1/sqrt(d_nope + d_rope)``."""
+    output in q's dtype). ``scale`` defaults to ``1/sqrt(d_nope + d_rope)``. ``topk_indices``
+    (``int32 [b, s, topk]``, DSA: ``autodeploy.ops.dsa``) restricts each query to those key positions."""
     d_nope, d_v = _check_shapes(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight)
     k, v = _expand(compressed_kv, kpe, kv_b_proj_weight, d_nope, d_v)
     q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)
-    return torch.ops.autodeploy.torch_attention(q, k, v, None, 0.0, is_causal, scale, None, None, None)
+    mask = None if topk_indices is None else topk_keep_mask(topk_indices, k.shape[1]).unsqueeze(1)
+    return torch.ops.autodeploy.torch_attention(q, k, v, mask, 0.0, is_causal, scale, None, None, None)
 
 
 @torch_mla.register_fake
-def _torch_mla_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, is_causal=True, scale=None):
+def _torch_mla_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, is_causal=True, scale=None, topk_indices=None):
     d_v = kv_b_proj_weight.shape[0] // q_nope.shape[-2] - q_nope.shape[-1]
     return q_nope.new_empty(*q_nope.shape[:-1], d_v)
 
@@ -140,14 +144,15 @@ def _gather_latent(cache: Tensor, pages: Tensor, length: int) -> Tensor:
 
 
 def _attend_expanded(q_nope: Tensor, q_pe: Tensor, latent: Tensor, weight: Tensor, d_nope: int, d_v: int,
-                     scale: Optional[float]) -> Tensor:
+                     scale: Optional[float], keep: Optional[Tensor] = None) -> Tensor:
     """``[n_q, n, d_v]``: one sequence's last ``n_q`` queries against its latent rows ``[total, L + d_rope]``,
-    expanded, with ``torch_attention``'s math (bottom-right causal)."""
+    expanded, with ``torch_attention``'s math (bottom-right causal; ``keep [n_q, total]``: DSA's selection)."""
     lora = weight.shape[-1]
     lat = latent.to(q_nope.dtype)
     k, v = _expand(lat[:, :lora], lat[:, lora:], weight, d_nope, d_v)
     q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)
-    return torch.ops.autodeploy.torch_attention(q[None], k[None], v[None], None, 0.0, True, scale, None, None,
+    mask = None if keep is None else keep[None, None]
+    return torch.ops.autodeploy.torch_attention(q[None], k[None], v[None], mask, 0.0, True, scale, None, None,
                                                 None)[0]
 
 
@@ -169,6 +174,7 @@ def torch_cached_mla_with_cache(
     rope_cos: Optional[Tensor] = None,
     rope_sin: Optional[Tensor] = None,
     rope_style: int = ROPE_NONE,
+    topk_indices: Optional[Tensor] = None,
 ) -> Tensor:
     """Reference: write the step's latent rows, then each sequence's queries against its whole
     cached latent, expanded (``[1, T, n, d_v]``)."""
@@ -180,26 +186,29 @@ def torch_cached_mla_with_cache(
     for i, (n, start) in enumerate(zip(lengths, starts)):
         rows = slice(offsets[i], offsets[i] + n)
         latent = _gather_latent(mla_cache, page_table[i], start + n)
-        out[0, rows] = _attend_expanded(q_nope[0, rows], q_pe[0, rows], latent, kv_b_proj_weight, d_nope, d_v, scale)
+        keep = None if topk_indices is None else topk_keep_mask(topk_indices[0, rows], start + n)
+        out[0, rows] = _attend_expanded(q_nope[0, rows], q_pe[0, rows], latent, kv_b_proj_weight, d_nope, d_v, scale,
+                                        keep)
     return out
 
 
 @torch_cached_mla_with_cache.register_fake
 def _torch_cached_mla_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, batch_info, seq_len, input_pos,
                            cu_seqlen, page_table, slot_mapping, mla_cache, scale=None, rope_cos=None, rope_sin=None,
-                          rope_style=-1):
+                          rope_style=-1, topk_indices=None):
     d_v = kv_b_proj_weight.shape[0] // q_nope.shape[-2] - q_nope.shape[-1]
     return q_nope.new_empty(*q_nope.shape[:-1], d_v)
 
 
 def absorbed_decode(q_nope: Tensor, q_pe: Tensor, mla_cache: Tensor, page_table: Tensor, input_pos: Tensor,
-                    seq_len: Tensor, weight: Tensor, scale: float) -> Tensor:
+                    seq_len: Tensor, weight: Tensor, scale: float, topk_indices: Optional[Tensor] = None) -> Tensor:
     """One new query per sequence (``q_nope [B, n, d_nope]``, ``q_pe [B, n, d_rope]``) against its
     cached latent rows, without expanding them: ``[B, n, d_v]``.
 
     ``q_lat = q_nope W_uk`` (per head, ``[B, n, L]``) joins ``q_pe`` so one product with the cached
     ``[c_kv, k_pe]`` rows gives ``q_nope . k_nope + q_pe . k_pe``; the attended latent goes out through
-    ``W_uv``. The scores are the expanded path's up to the summation order."""
+    ``W_uv``. The scores are the expanded path's up to the summation order. ``topk_indices
+    [B, topk]``: DSA's selected key positions of each query (the others are masked)."""
     batch, heads, d_nope = q_nope.shape
     lora = weight.shape[-1]
     w = weight.view(heads, -1, lora)  # [n, d_nope + d_v, L]
@@ -211,8 +220,11 @@ def absorbed_decode(q_nope: Tensor, q_pe: Tensor, mla_cache: Tensor, page_table:
     latent = mla_cache.index_select(0, pages).view(batch, -1, width).to(query.dtype)  # [B, P * page, L + d_rope]
     totals = (input_pos + seq_len).long()[:, None, None, None]
     kpos = torch.arange(latent.shape[1], device=query.device)[None, None, None, :]
+    drop = kpos >= totals
+    if topk_indices is not None:
+        drop |= ~topk_keep_mask(topk_indices, latent.shape[1])[:, None, None, :]
     mask = torch.zeros(batch, 1, 1, latent.shape[1], dtype=query.dtype, device=query.device).masked_fill_(
-        kpos >= totals, float("-inf"))
+        drop, float("-inf"))
     # heads are the query rows of one shared key/value "head": [B, 1, n, L + d_rope] x [B, 1, keys, ...]
     attended = F.scaled_dot_product_attention(query[:, None], latent[:, None], latent[:, None, :, :lora],
                                               attn_mask=mask, scale=scale)[:, 0]  # [B, n, L]
@@ -237,6 +249,7 @@ def sdpa_cached_mla_with_cache(
     rope_cos: Optional[Tensor] = None,
     rope_sin: Optional[Tensor] = None,
     rope_style: int = ROPE_NONE,
+    topk_indices: Optional[Tensor] = None,
 ) -> Tensor:
     """Batched: prefills expand (causal SDPA on a fresh prefill's own rows, a masked SDPA over the
     gathered rows for a continued chunk); all decodes in one absorbed SDPA (module docstring)."""
@@ -249,22 +262,25 @@ def sdpa_cached_mla_with_cache(
     offsets = cu_seqlen.tolist()
     if num_prefill:
         _prefill(q_nope[0], q_pe[0], rows, out[0], num_prefill, seq_len.tolist(), input_pos.tolist(), offsets,
-                 page_table, mla_cache, kv_b_proj_weight, d_nope, d_v, scale)
+                 page_table, mla_cache, kv_b_proj_weight, d_nope, d_v, scale,
+                 None if topk_indices is None else topk_indices[0])
     if num_decode:
         dec = slice(num_prefill, num_prefill + num_decode)
         tokens = slice(offsets[num_prefill], offsets[num_prefill] + num_decode)
         totals = input_pos[dec] + seq_len[dec]
         width = -(-int(totals.max()) // mla_cache.shape[1])  # only the pages in use
         out[0, tokens] = absorbed_decode(q_nope[0, tokens], q_pe[0, tokens], mla_cache, page_table[dec, :width],
-                                         input_pos[dec], seq_len[dec], kv_b_proj_weight, scale).to(out.dtype)
+                                         input_pos[dec], seq_len[dec], kv_b_proj_weight, scale,
+                                         None if topk_indices is None else topk_indices[0, tokens]).to(out.dtype)
     return out
 
 
 def _prefill(q_nope: Tensor, q_pe: Tensor, rows: Tensor, out: Tensor, num_prefill: int, lengths: List[int],
              starts: List[int], offsets: List[int], page_table: Tensor, cache: Tensor, weight: Tensor, d_nope: int,
-             d_v: int, scale: float) -> None:
+             d_v: int, scale: float, topk_indices: Optional[Tensor] = None) -> None:
     """The first ``num_prefill`` sequences into ``out [T, n, d_v]``, expanded: a fresh prefill from the
-    step's own latent ``rows``, a continued chunk from its gathered pages."""
+    step's own latent ``rows``, a continued chunk from its gathered pages (``topk_indices [T, topk]``:
+    DSA's selection, as a mask)."""
     lora = weight.shape[-1]
     for i in range(num_prefill):
         n, start = lengths[i], starts[i]
@@ -274,11 +290,13 @@ def _prefill(q_nope: Tensor, q_pe: Tensor, rows: Tensor, out: Tensor, num_prefil
         k, v = _expand(latent[:, :lora], latent[:, lora:], weight, d_nope, d_v)  # [total, n, d]
         q = torch.cat([q_nope[toks], q_pe[toks].to(q_nope.dtype)], dim=-1)
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if start == 0:
+        if start == 0 and topk_indices is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
         else:
             total = start + n
             keep = torch.arange(total, device=q.device)[None, :] <= torch.arange(start, total, device=q.device)[:, None]
+            if topk_indices is not None:
+                keep &= topk_keep_mask(topk_indices[toks], total)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=keep, scale=scale)
         out[toks] = o[0].transpose(0, 1).to(out.dtype)
 
@@ -286,7 +304,7 @@ def _prefill(q_nope: Tensor, q_pe: Tensor, rows: Tensor, out: Tensor, num_prefil
 @sdpa_cached_mla_with_cache.register_fake
 def _sdpa_cached_mla_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, batch_info, seq_len, input_pos,
                           cu_seqlen, page_table, slot_mapping, mla_cache, scale=None, rope_cos=None, rope_sin=None,
-                          rope_style=-1):
+                          rope_style=-1, topk_indices=None):
     d_v = kv_b_proj_weight.shape[0] // q_nope.shape[-2] - q_nope.shape[-1]
     return q_nope.new_empty(*q_nope.shape[:-1], d_v)
 

@@ -78,9 +78,10 @@ class FuseRopeIntoMLA(BaseTransform):
         cos, sin = (rope.args[2], None) if complex_freqs else (rope.args[2], rope.args[3])
         with graph.inserting_before(node):
             q_nope, q_pe, kpe = (graph.call_function(aten.transpose.int, (x, 1, 2)) for x in (q_pass, q_rot, k_rot))
-        args = list(node.args[:_ROPE_ARGS])
+        args = list(node.args) + [None, None, ROPE_NONE][max(0, len(node.args) - _ROPE_ARGS):]
         args[_Q_NOPE], args[_Q_PE], args[_KPE] = q_nope, q_pe, kpe
-        node.args = tuple(args) + (cos, sin, style)
+        args[_ROPE_ARGS:_ROPE_ARGS + 3] = [cos, sin, style]  # a DSA topk_indices after them stays
+        node.args = tuple(args)
         node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("rope_cos", "rope_sin", "rope_style")}
         return 1
 

@@ -12,6 +12,13 @@ After (the step metadata as for ``insert_cached_attention``, one latent cache pe
     o = autodeploy.sdpa_cached_mla_with_cache(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, batch_info,
                                               seq_len, input_pos, cu_seqlen, page_table, slots, mla_cache_0, scale)
 
+DeepSeek Sparse Attention (``torch_dsa_indexer``, whose ``topk_indices`` feed ``torch_mla``) becomes
+``torch_cached_dsa_indexer`` with the layer's indexer keys in a paged cache of their own
+(``index_cache_<i>``, ``index_head_dim`` values a token); the cached MLA op takes the indices::
+
+    idx = autodeploy.torch_cached_dsa_indexer(q_idx, k_idx, w_idx, batch_info, ..., slots, index_cache_0, s, topk)
+    o = autodeploy.sdpa_cached_mla_with_cache(..., mla_cache_0, scale, None, None, -1, idx)
+
 Each cache page holds, per token, the normalised latent ``c_kv`` and the roped key part ``k_pe``
 (``kv_lora_rank + qk_rope_head_dim`` values: 576 for DeepSeek-V3, where an expanded cache
 holds ``128 x (192 + 128)``). The ``sdpa`` backend decodes by weight absorption
@@ -34,6 +41,7 @@ from torch import fx
 
 from ...cache import CachedSequenceInterface
 from ...cache.mla_backends import MLADescriptor, mla_backends
+from ...ops.mla import ROPE_NONE
 from ...utils.errors import ConfigError
 from ...utils.logging import get_logger
 from ..graph_utils import arg, is_op
@@ -99,14 +107,28 @@ class InsertCachedMLAAttention(BaseTransform):
         caches = [add_cache_input(gm, ctx, f"mla_cache_{first + i}",
                                   backend.cache_handler(n.args[2].meta["val"], n.args[3].meta["val"], ctx.dtype))
                   for i, n in enumerate(nodes)]
+        indexers = [n for n in graph.nodes if is_op(n, torch.ops.autodeploy.torch_dsa_indexer)]
+        index_caches = [add_cache_input(gm, ctx, f"index_cache_{i}", backend.index_cache_handler(n.args[1].meta["val"],
+                                                                                                 ctx.dtype))
+                        for i, n in enumerate(indexers)]
         slots = _prepare_node(graph, backend, meta, cache.page_size)
+        for node, cache_node in zip(indexers, index_caches):
+            q, k, weights = node.args[:3]
+            with graph.inserting_before(node):
+                cached = graph.call_function(
+                    torch.ops.autodeploy.torch_cached_dsa_indexer.default,
+                    (q, k, weights, *(meta[m] for m in backend.metadata), slots, cache_node, node.args[3], node.args[4]))
+            cached.meta["val"] = node.meta.get("val")
+            node.replace_all_uses_with(cached)
+            graph.erase_node(node)
         for node, cache_node in zip(nodes, caches):
             q_nope, q_pe, compressed_kv, kpe, weight = node.args[:5]
+            topk = arg(node, 7, "topk_indices")
             with graph.inserting_before(node):
                 cached = graph.call_function(
                     backend.cached_op,
                     (q_nope, q_pe, compressed_kv, kpe, weight, *(meta[m] for m in backend.metadata), slots,
-                     cache_node, arg(node, 6, "scale")),
+                     cache_node, arg(node, 6, "scale")) + (() if topk is None else (None, None, ROPE_NONE, topk)),
                 )
             cached.meta["val"] = node.meta.get("val")
             node.replace_all_uses_with(cached)

@@ -1,0 +1,107 @@
+"""How HF's DeepSeek Sparse Attention indexer reaches the IR as ``torch_dsa_indexer``.
+
+The DSA families (DeepSeek-V3.2, GLM-MoE-DSA, AXK2, Dots3) compute, per layer, an indexer that
+returns ``topk(min(index_topk, T))`` key indices: a width that follows the sequence length, so
+``torch.export`` specialises it (the graph then refuses one-token steps and the model ran in
+recompute mode). The ``dsa_indexer`` export patch replaces the indexer's forward, for one
+export on the ``autodeploy`` attention route, by the same computation ending in the fixed-width
+canonical op (``autodeploy.ops.dsa``); the attention route then hands the indices to
+``torch_mla`` as ``topk_indices`` (``hf_attention``), and ``insert_cached_mla_attention`` gives
+the indexer keys a paged cache of their own.
+
+The indexers of the four families differ only in their RoPE (half-split for DeepSeek-V3.2 and
+AXK2, interleaved for GLM-MoE-DSA and Dots3): the patched forward calls the function the
+family's own forward calls, found in its module. On any other route (the exporter's sdpa
+retry, HF eager runs) the original forward runs.
+"""
+
+import inspect
+import sys
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, Optional
+
+import torch
+from torch import nn
+
+from .patch_registry import register_export_patch
+
+_ROPE_FUNCTIONS = ("apply_rotary_pos_emb_interleave", "apply_rotary_pos_emb")
+_LINEARS = ("wq_b", "wk", "weights_proj")
+_SIZES = ("n_heads", "head_dim", "qk_rope_head_dim", "index_topk")
+
+# id(indices torch_dsa_indexer returned) -> the tensor, for the current export
+_INDICES: Dict[int, torch.Tensor] = {}
+
+
+def _rope_function(module: nn.Module) -> Optional[Callable]:
+    """The RoPE function the indexer's own forward calls (``None`` when it calls neither)."""
+    names = inspect.unwrap(type(module).forward).__code__.co_names  # HF's forward is wrapped in no_grad
+    family = sys.modules.get(type(module).__module__)
+    for name in _ROPE_FUNCTIONS:  # the interleaved one first: its name contains the other's
+        if name in names and callable(getattr(family, name, None)):
+            return getattr(family, name)
+    return None
+
+
+def is_dsa_indexer(module: nn.Module) -> bool:
+    return (all(type(getattr(module, n, None)) is nn.Linear for n in _LINEARS)
+            and isinstance(getattr(module, "k_norm", None), nn.Module)
+            and all(isinstance(getattr(module, n, None), int) for n in _SIZES)
+            and isinstance(getattr(module, "softmax_scale", None), float) and _rope_function(module) is not None)
+
+
+def _indexer_forward(original: Callable, rope_function: Callable) -> Callable:
+    def forward(self: nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor, position_embeddings,
+                attention_mask: torch.Tensor, position_ids: Optional[torch.Tensor] = None, past_key_values=None,
+                **kwargs) -> torch.Tensor:
+        from .hf_attention import AD_ATTN_IMPL  # (hf_attention imports this module)
+
+        if getattr(self.config, "_attn_implementation", None) != AD_ATTN_IMPL or past_key_values is not None:
+            return original(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,
+                            past_key_values=past_key_values, **kwargs)
+        batch, seq, _ = hidden_states.shape
+        rope = self.qk_rope_head_dim
+        cos, sin = position_embeddings
+        q = self.wq_b(q_resid).view(batch, seq, self.n_heads, self.head_dim)
+        q_rot, q_pass = torch.split(q, [rope, self.head_dim - rope], dim=-1)
+        k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
+        k_rot, k_pass = torch.split(k, [rope, self.head_dim - rope], dim=-1)
+        q_rot, k_rot = rope_function(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)
+        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+        weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * (self.n_heads ** -0.5)
+        indices = torch.ops.autodeploy.torch_dsa_indexer(q, k, weights, float(self.softmax_scale), int(self.index_topk))
+        _INDICES[id(indices)] = indices
+        return indices
+
+    return forward
+
+
+@register_export_patch(
+    "dsa_indexer",
+    "DeepSeek Sparse Attention indexers (DeepSeek-V3.2, GLM-MoE-DSA, AXK2, Dots3) export as torch_dsa_indexer: fixed-"
+    "width top-k indices instead of a width that follows the sequence length",
+)
+@contextmanager
+def _dsa_indexer(model: nn.Module) -> Iterator[None]:
+    classes = {type(m) for m in model.modules() if is_dsa_indexer(m)}
+    originals = {cls: cls.__dict__.get("forward") for cls in classes}
+    ropes = {cls: _rope_function(next(m for m in model.modules() if type(m) is cls)) for cls in classes}
+    for cls in classes:
+        cls.forward = _indexer_forward(cls.forward, ropes[cls])
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            if original is None:
+                del cls.forward
+            else:
+                cls.forward = original
+        _INDICES.clear()
+
+
+def claimed_indices(indices: object) -> Optional[torch.Tensor]:
+    """``indices`` when it is a ``torch_dsa_indexer`` result of the current export."""
+    if isinstance(indices, torch.Tensor) and _INDICES.get(id(indices)) is indices:
+        return indices
+    return None
