@@ -48,6 +48,7 @@ KEYS: Dict[str, List[str]] = {
     # pattern_matcher
     "match_eager_attention": ["transforms/test_match_eager_attention.py"],
     "match_sdpa_attention": ["transforms/test_match_sdpa_attention.py"],
+    "match_handwritten_attention": ["transforms/test_match_handwritten_attention.py"],
     "match_repeat_kv": ["transforms/test_match_repeat_kv.py"],
     "match_rope_pattern": ["transforms/test_match_rope_pattern.py"],
     "match_rmsnorm_pattern": ["transforms/test_match_rmsnorm_pattern.py"],
@@ -213,6 +214,7 @@ INTENDED: Dict[str, str] = {
     "transforms/test_match_sdpa_attention.py::test_is_causal_with_different_query_and_key_lengths_is_left_alone":
         "near miss (SDPA's top-left causal mask is not torch_attention's bottom-right one)",
     "transforms/test_match_sdpa_attention.py::test_rank3_sdpa_is_left_alone": "near miss",
+    "transforms/test_match_handwritten_attention.py::test_near_misses_are_left_alone": "near miss",
     "transforms/test_match_repeat_kv.py::test_near_misses_are_left_alone": "near miss",
     "transforms/test_match_repeat_kv.py::test_tiling_is_really_a_different_head_assignment":
         "guard of the near miss above (runs no transform)",

@@ -5,6 +5,12 @@ k/v ``[b, s_kv, n_kv, d]`` with ``n % n_kv == 0`` (GQA is native: k/v are never 
 ``[b, s_q, n, d_v]``. Causality and windows are bottom-right aligned, i.e. the queries are the
 last ``s_q`` positions of the ``s_kv`` keys, which is what decoding with a cache needs.
 
+ALiBi (BLOOM, MPT) is a feature of the op, not a mask: ``alibi_slopes`` (one float32 slope per
+query head) adds ``slope_h * (key_pos - query_pos)`` to the scaled scores, with the positions
+absolute in the sequence. HF adds ``slope_h * key_pos`` instead; the two differ by a constant per
+query row, which softmax cancels. Keeping it as slopes rather than a materialised bias is what
+lets the cached backends serve it: a cached step knows each token's absolute position.
+
 ``torch_causal_mask`` materialises the mask HF would build for a causal (optionally windowed)
 attention. The export patches emit it instead of HF's mask subgraph so that matchers can read
 the mask's meaning from one node rather than reverse-engineer index arithmetic.
@@ -45,6 +51,15 @@ def _additive_bias(
     return bias
 
 
+def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """``slopes[h] * (k_pos - q_pos)`` as an fp32 ``[heads, len(q_pos), len(k_pos)]`` bias.
+
+    Shared by the reference op and every cached backend so that they add the same numbers.
+    """
+    rel = (k_pos[None, :] - q_pos[:, None]).float()
+    return slopes.float().reshape(-1, 1, 1) * rel
+
+
 @torch.library.custom_op("autodeploy::torch_attention", mutates_args=())
 def torch_attention(
     q: Tensor,
@@ -57,6 +72,7 @@ def torch_attention(
     sinks: Optional[Tensor] = None,
     sliding_window: Optional[int] = None,
     logit_cap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tensor:
     """Reference attention in ``bsnd`` layout, computed in fp32 and cast back to q's dtype.
 
@@ -64,6 +80,8 @@ def torch_attention(
     ``logit_cap`` applies ``cap * tanh(scores / cap)`` (Gemma-2 soft-capping). ``sinks`` is one
     learned logit per head that joins the softmax denominator and then is dropped (GPT-OSS).
     ``dropout_p`` exists for parity with SDPA; inference graphs always carry 0.
+    ``alibi_slopes`` (``[n]``, one per query head) adds ``slope_h * (key_pos - query_pos)`` after
+    the scale and soft-cap (positions bottom-right aligned like the causal mask).
     """
     if dropout_p != 0.0:
         raise ValueError("torch_attention is an inference op: dropout_p must be 0.0")
@@ -79,6 +97,12 @@ def torch_attention(
     if logit_cap is not None and logit_cap > 0:
         scores = logit_cap * torch.tanh(scores / logit_cap)
     bias = _additive_bias(attn_mask, s_q, s_kv, is_causal, sliding_window, q.device)
+    if alibi_slopes is not None:
+        if alibi_slopes.numel() != n:
+            raise ValueError(f"torch_attention: {alibi_slopes.numel()} ALiBi slopes for {n} query heads")
+        q_pos = torch.arange(s_q, device=q.device) + (s_kv - s_q)
+        alibi = alibi_bias(alibi_slopes, q_pos, torch.arange(s_kv, device=q.device))
+        bias = alibi if bias is None else bias + alibi
     if bias is not None:
         scores = scores + bias
     if sinks is not None:
@@ -92,7 +116,7 @@ def torch_attention(
 
 @torch_attention.register_fake
 def _torch_attention_fake(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                          sinks=None, sliding_window=None, logit_cap=None):
+                          sinks=None, sliding_window=None, logit_cap=None, alibi_slopes=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 

@@ -29,6 +29,12 @@ sees the stored (rounded) values, so a sequence attends to the same keys whichev
 tokens are scheduled (``cache/consistency.py`` checks exactly that). The native decode kernel
 reads float32 pages only, so fp8 decodes take the SDPA path. With a float cache the scales are
 ignored and the ops do exactly what they did before (no extra work).
+
+ALiBi (``alibi_slopes``, the trailing argument; BLOOM, MPT): each query head adds
+``slope_h * (key_pos - query_pos)`` with the absolute positions of the sequence (a decode's query
+sits at ``input_pos``), exactly ``torch_attention``'s bias, so a sequence's logits do not depend
+on how its tokens were split into steps. The SDPA backend passes it as an additive mask; the
+native decode kernel has no bias input, so ALiBi decodes take the SDPA path.
 """
 
 import math
@@ -39,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import attention  # noqa: F401  (torch_attention, the math of the reference path)
+from .attention import alibi_bias
 from . import native
 
 # The FP8 KV-cache storage type and its largest finite value (torch.finfo(float8_e4m3fn).max).
@@ -164,18 +171,19 @@ def torch_cached_attention_with_cache(
     logit_cap: Optional[float] = None,
     k_scale: Optional[float] = None,
     v_scale: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tensor:
     """Reference: write the step's k/v, then attend each sequence separately. ``k_scale`` /
     ``v_scale``: the fp8 cache's per-tensor scales (module docstring); ignored for a float cache."""
     _write_cache(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale)
     return _attend_each_sequence(
         q, v_cache.shape[-1], seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache,
-        scale, sinks, sliding_window, logit_cap, k_scale, v_scale,
+        scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes,
     )
 
 
 def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache, scale, sinks,
-                          sliding_window, logit_cap, k_scale=None, v_scale=None) -> Tensor:
+                          sliding_window, logit_cap, k_scale=None, v_scale=None, alibi_slopes=None) -> Tensor:
     """Each sequence's queries against its gathered keys, with ``torch_attention``'s math."""
     out = q.new_empty(*q.shape[:-1], d_v)
     lengths, starts, offsets = seq_len.tolist(), input_pos.tolist(), cu_seqlen.tolist()
@@ -185,7 +193,7 @@ def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_c
         values = _read(v_cache, page_table[i], total, v_scale, q.dtype)[None]
         rows = slice(offsets[i], offsets[i] + n)
         out[:, rows] = torch.ops.autodeploy.torch_attention(
-            q[:, rows], keys, values, None, 0.0, True, scale, sinks, sliding_window, logit_cap
+            q[:, rows], keys, values, None, 0.0, True, scale, sinks, sliding_window, logit_cap, alibi_slopes
         )
     return out
 
@@ -193,7 +201,7 @@ def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_c
 @torch_cached_attention_with_cache.register_fake
 def _torch_cached_fake(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache,
                        v_cache, scale=None, sinks=None, sliding_window=None, logit_cap=None, k_scale=None,
-                       v_scale=None):
+                       v_scale=None, alibi_slopes=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
@@ -226,6 +234,7 @@ def sdpa_cached_attention_with_cache(
     logit_cap: Optional[float] = None,
     k_scale: Optional[float] = None,
     v_scale: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tensor:
     """Batched: fresh prefills with causal SDPA on their own k/v, all decodes in one SDPA.
     ``k_scale`` / ``v_scale``: the fp8 cache's per-tensor scales (module docstring); ignored for
@@ -234,7 +243,8 @@ def sdpa_cached_attention_with_cache(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     plain = sinks is None and (logit_cap is None or logit_cap <= 0)
     fp8 = k_cache.dtype == KV_FP8_DTYPE  # the native kernel reads float32 pages only
-    if plain and not fp8 and q.device.type == "cpu" and q.shape[1] == seq_len.shape[0]:
+    native_ok = not fp8 and alibi_slopes is None  # ... and adds no ALiBi bias
+    if plain and native_ok and q.device.type == "cpu" and q.shape[1] == seq_len.shape[0]:
         # a decode step: the C kernel writes the new k/v and attends in one call
         attended = native.paged_decode_attention(q[0], k_cache, v_cache, page_table, input_pos, seq_len, scale,
                                                  sliding_window, new_kv=(k[0], v[0], slot_mapping))
@@ -244,7 +254,7 @@ def sdpa_cached_attention_with_cache(
     if not plain:
         return _attend_each_sequence(
             q, v_cache.shape[-1], seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache,
-            scale, sinks, sliding_window, logit_cap, k_scale, v_scale,
+            scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes,
         )
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     if q.shape[1] == seq_len.shape[0]:
@@ -256,18 +266,18 @@ def sdpa_cached_attention_with_cache(
             width = -(-int((input_pos + seq_len).max()) // k_cache.shape[1])
             page_table = page_table[:, :width]
         out[0] = _decode_sdpa(q[0], seq_len, input_pos, page_table, k_cache, v_cache, scale, sliding_window,
-                              k_scale, v_scale)
+                              k_scale, v_scale, alibi_slopes)
         return out
     if fp8:  # fresh prefills attend to the values as stored, like every later read
         k, v = dequantize_kv(k_stored, k_scale, q.dtype), dequantize_kv(v_stored, v_scale, q.dtype)
     num_prefill, _, num_decode = batch_info.tolist()
     offsets = cu_seqlen.tolist()
     _prefill_sdpa(q, k, v, out, num_prefill, seq_len.tolist(), input_pos.tolist(), offsets, page_table, k_cache,
-                  v_cache, scale, sliding_window, k_scale, v_scale)
+                  v_cache, scale, sliding_window, k_scale, v_scale, alibi_slopes)
     if num_decode:
         dec = slice(num_prefill, num_prefill + num_decode)
         rows = slice(offsets[num_prefill], offsets[num_prefill] + num_decode)
-        if not fp8:
+        if native_ok:
             attended = native.paged_decode_attention(q[0, rows], k_cache, v_cache, page_table[dec], input_pos[dec],
                                                      seq_len[dec], scale, sliding_window)
             if attended is not None:
@@ -276,23 +286,24 @@ def sdpa_cached_attention_with_cache(
         totals = input_pos[dec] + seq_len[dec]
         width = -(-int(totals.max()) // k_cache.shape[1])
         out[0, rows] = _decode_sdpa(q[0, rows], seq_len[dec], input_pos[dec], page_table[dec, :width], k_cache, v_cache,
-                                    scale, sliding_window, k_scale, v_scale)
+                                    scale, sliding_window, k_scale, v_scale, alibi_slopes)
     return out
 
 
 def _prefill_sdpa(q: Tensor, k: Tensor, v: Tensor, out: Tensor, num_prefill: int, lengths: List[int],
                   starts: List[int], offsets: List[int], page_table: Tensor, k_cache: Tensor, v_cache: Tensor,
                   scale: float, sliding_window: Optional[int], k_scale: Optional[float],
-                  v_scale: Optional[float]) -> None:
+                  v_scale: Optional[float], alibi_slopes: Optional[Tensor] = None) -> None:
     """The first ``num_prefill`` sequences into ``out``: a fresh prefill with causal SDPA on the
-    step's own ``k``/``v``, a continued chunk against its gathered pages."""
+    step's own ``k``/``v``, a continued chunk against its gathered pages. With ALiBi both take
+    an additive mask (the causal/window mask plus the slopes' bias at absolute positions)."""
     for i in range(num_prefill):
         n, start = lengths[i], starts[i]
         rows = slice(offsets[i], offsets[i] + n)
         # 4-D [1, heads, n, d]: with 3-D inputs torch's CPU SDPA takes the unfused math path
         # (measured 3.2x slower for a 512-token GQA prefill).
         qi = q[:, rows].transpose(1, 2)
-        if start == 0 and (sliding_window is None or n <= sliding_window):
+        if start == 0 and (sliding_window is None or n <= sliding_window) and alibi_slopes is None:
             ki, vi = k[:, rows].transpose(1, 2), v[:, rows].transpose(1, 2)
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -302,13 +313,16 @@ def _prefill_sdpa(q: Tensor, k: Tensor, v: Tensor, out: Tensor, num_prefill: int
             qpos = torch.arange(start, total, device=q.device)[:, None]
             kpos = torch.arange(total, device=q.device)[None, :]
             mask = _window_mask(kpos, qpos, torch.tensor(total, device=q.device), sliding_window)
+            if alibi_slopes is not None:
+                bias = alibi_bias(alibi_slopes, qpos[:, 0], kpos[0]).masked_fill_(~mask, float("-inf"))
+                mask = bias.to(q.dtype)[None]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[0, rows] = o[0].transpose(0, 1)
 
 
 def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tensor, k_cache: Tensor, v_cache: Tensor,
                  scale: float, sliding_window: Optional[int], k_scale: Optional[float] = None,
-                 v_scale: Optional[float] = None) -> Tensor:
+                 v_scale: Optional[float] = None, alibi_slopes: Optional[Tensor] = None) -> Tensor:
     """One new query per sequence (``q [B, heads, d]``) against its cached keys, in one SDPA
     over the pages in ``page_table`` (keys beyond each sequence's length are masked)."""
     batch, n_kv = q.shape[0], k_cache.shape[2]
@@ -325,6 +339,9 @@ def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tens
         keep &= kpos >= totals - sliding_window
     # An additive mask: CPU SDPA measured ~13% faster with it than with a boolean one.
     mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
+    if alibi_slopes is not None:  # [B, heads, 1, K]: slope_h * (key_pos - query_pos), query at totals - 1
+        rel = (kpos - (totals - 1)).float()
+        mask = mask + (alibi_slopes.float().reshape(1, -1, 1, 1) * rel).to(q.dtype)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
 
@@ -332,7 +349,7 @@ def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tens
 @sdpa_cached_attention_with_cache.register_fake
 def _sdpa_cached_fake(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache,
                       v_cache, scale=None, sinks=None, sliding_window=None, logit_cap=None, k_scale=None,
-                      v_scale=None):
+                      v_scale=None, alibi_slopes=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 

@@ -132,6 +132,32 @@ def test_sinks_join_the_denominator_and_are_dropped():
     assert not torch.allclose(out, ad.torch_attention(q, k, v, is_causal=True), atol=1e-3)
 
 
+@pytest.mark.parametrize("s_q, s_kv, n_kv", [(6, 6, 4), (1, 7, 2), (3, 8, 1)])
+def test_alibi_matches_float64_hand_computation(s_q, s_kv, n_kv):
+    """softmax(scale * q.k + slope_h * (key_pos - query_pos), causal) @ v in float64, with the
+    queries at the last ``s_q`` positions (decode and chunk shapes included)."""
+    q, k, v = _qkv(b=2, s_q=s_q, s_kv=s_kv, n=4, n_kv=n_kv)
+    slopes = torch.tensor([0.5, 0.25, 0.125, -0.7])
+    out = ad.torch_attention(q, k, v, None, 0.0, True, 0.3, None, None, None, slopes)
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    kd, vd = (x.repeat_interleave(4 // n_kv, dim=1) for x in (kd, vd))
+    ref = torch.empty(2, 4, s_q, v.shape[-1], dtype=torch.float64)
+    for b in range(2):
+        for h in range(4):
+            for i in range(s_q):
+                qp = s_kv - s_q + i
+                logits = torch.tensor([0.3 * float(qd[b, h, i] @ kd[b, h, j]) + float(slopes[h]) * (j - qp)
+                                       for j in range(qp + 1)], dtype=torch.float64)
+                ref[b, h, i] = torch.softmax(logits, 0) @ vd[b, h, : qp + 1]
+    torch.testing.assert_close(out.double(), ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_alibi_slope_count_must_match_heads():
+    q, k, v = _qkv(n=4, n_kv=2)
+    with pytest.raises(ValueError, match="ALiBi slopes"):
+        ad.torch_attention(q, k, v, None, 0.0, True, None, None, None, None, torch.ones(2))
+
+
 def test_explicit_bool_mask():
     q, k, v = _qkv(s_q=5, s_kv=5, n=4, n_kv=2)
     mask = torch.rand(2, 1, 5, 5) > 0.4

@@ -58,6 +58,7 @@ def _run(
     sinks: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
     cap: Optional[float] = None,
+    alibi: Optional[torch.Tensor] = None,
 ):
     """Runs the schedule; returns (per-sequence outputs, q, k, v, page tables, k_cache, v_cache)."""
     num_pages = sum(-(-t // page_size) for t in totals) + 3
@@ -77,7 +78,7 @@ def _run(
         slots = ad.torch_cached_attention_prepare_metadata(
             info.position_ids, info.seq_len, info.cu_seqlen, info.page_table, page_size)
         o = _op(backend)(q, k, v, info.batch_info, info.seq_len, info.input_pos, info.cu_seqlen, info.page_table,
-                         slots, k_cache, v_cache, scale, sinks, window, cap)
+                         slots, k_cache, v_cache, scale, sinks, window, cap, alibi_slopes=alibi)
         assert o.shape == q.shape
         off = 0
         for i, s, e in step:
@@ -89,11 +90,12 @@ def _run(
 def _check(backend: str, totals=TOTALS, steps=MIXED_STEPS, **kw):
     outs, Q, K, V, *_ = _run(backend, totals, steps, **kw)
     n = Q[0].shape[1]
-    sinks, window, cap, scale = kw.get("sinks"), kw.get("window"), kw.get("cap"), kw.get("scale")
+    sinks, window, cap, scale, alibi = (kw.get(k) for k in ("sinks", "window", "cap", "scale", "alibi"))
     for i, t in enumerate(totals):
         got = torch.cat(outs[i])
         assert got.shape == (t, n, Q[0].shape[2])
-        ref = ad.torch_attention(Q[i][None], K[i][None], V[i][None], None, 0.0, True, scale, sinks, window, cap)[0]
+        ref = ad.torch_attention(Q[i][None], K[i][None], V[i][None], None, 0.0, True, scale, sinks, window, cap,
+                                 alibi)[0]
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"sequence {i}: {m}")
 
 
@@ -123,6 +125,15 @@ def test_logit_cap(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sinks(backend):
     _check(backend, sinks=torch.randn(4) * 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [None, 4])
+def test_alibi_prefill_chunks_and_decodes_match_full_attention(backend, window):
+    """ALiBi at absolute positions: a sequence split into prefill chunks and decodes (batched
+    decode step included) gives what one uncached ``torch_attention`` gives on it whole. Slopes
+    are large so that a position off by one would show."""
+    _check(backend, alibi=torch.tensor([0.5, 0.25, -0.3, 1.0]), window=window)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 from torch import nn
+from torch.export import Dim
 
 from autodeploy.cache import build_sequence_info
 from autodeploy.cache.attention_backends import PAGED_ATTENTION_METADATA
@@ -166,6 +167,7 @@ class _Attn(nn.Module):
         self.emb = nn.Embedding(32, 16)
         self.qkv = nn.Linear(16, 48)
         self.out = nn.Linear(16, 32)
+        self.register_buffer("slopes", torch.tensor([0.5, -0.25]), persistent=False)
 
     def forward(self, input_ids, position_ids):
         x = self.emb(input_ids)
@@ -175,13 +177,14 @@ class _Attn(nn.Module):
         if self.mode == "mask":
             mask = (position_ids[:, None, :, None] >= position_ids[:, None, None, :])
         causal = self.mode != "bidirectional"
-        o = ad.torch_attention(q, k, v, mask, 0.0, causal and mask is None, None, None, None, None)
+        alibi = self.slopes if self.mode == "alibi" else None
+        o = ad.torch_attention(q, k, v, mask, 0.0, causal and mask is None, None, None, None, None, alibi)
         return self.out(o.reshape(b, s, 16))
 
 
-def _small_graph(mode):
+def _small_graph(mode, dynamic=None):
     ids = torch.randint(0, 32, (2, 6))  # batch 2: a batch of 1 would specialise the dim
-    return export_gm(_Attn(mode).eval(), ids, torch.arange(6)[None].expand(2, 6))
+    return export_gm(_Attn(mode).eval(), ids, torch.arange(6)[None].expand(2, 6), dynamic=dynamic)
 
 
 def _apply(gm, backend="sdpa", **config):
@@ -205,6 +208,29 @@ def test_small_causal_graph_is_cached_and_matches(backend):
     with torch.no_grad():
         out = gm(*ctx.cache.graph_args(info))
     assert rel_rmse(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+def test_alibi_slopes_reach_the_cached_op_and_positions_stay_absolute(backend):
+    """ALiBi (BLOOM, MPT): the cached op gets the slopes; a prefill chunk then two decodes give the
+    uncached graph's logits, which needs the bias over every cached key at its absolute position
+    (the query's own position only shifts a row, which softmax cancels)."""
+    torch.manual_seed(0)
+    gm = _small_graph("alibi", dynamic=[{0: Dim.DYNAMIC, 1: Dim.DYNAMIC}] * 2)  # steps of 4 and 1 tokens
+    ids = torch.randint(0, 32, (1, 6))
+    with torch.no_grad():
+        ref = gm(ids, torch.arange(6)[None])[0]
+    gm, ctx = _apply(gm, backend)
+    cached = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == CACHED_OPS[backend].default]
+    assert len(cached) == 1 and count_op(gm, ad.torch_attention) == 0
+    assert cached[0].kwargs["alibi_slopes"].op == "get_attr"
+    ctx.cache.allocate(8)
+    outs = []
+    for start, end in ((0, 4), (4, 5), (5, 6)):
+        info = build_sequence_info([ids[0, start:end].tolist()], [start], [[5, 2]])
+        with torch.no_grad():
+            outs.append(gm(*ctx.cache.graph_args(info))[0])
+    assert rel_rmse(torch.cat(outs), ref) < 1e-5
 
 
 def test_explicit_mask_is_an_error_naming_the_node():

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
+from transformers import masking_utils as mu
 
 from helpers import apply_transform, assert_same_outputs, count_op, export_gm
 
@@ -38,6 +39,12 @@ class SdpaBlock(nn.Module):
             is_causal = True
         elif self.mask == "causal_op":
             attn_mask = ad.torch_causal_mask(b, s, s, self.window, torch.bool, x.device)
+        elif self.mask in ("hf_ones_padding", "hf_input_padding"):
+            # BioGPT: HF's index-built causal & padding mask, the padding the model's own ones
+            # (or, the near miss, a real padding mask from the caller)
+            pad = torch.ones(b, s, device=x.device) if self.mask == "hf_ones_padding" else attn_mask
+            attn_mask = mu.sdpa_mask(b, s, s, mask_function=mu.causal_mask_function, attention_mask=pad.bool(),
+                                     allow_is_causal_skip=False, device=x.device)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=self.dropout_p, is_causal=is_causal, scale=self.scale,
             enable_gqa=self.n != self.n_kv,
@@ -96,6 +103,26 @@ def test_causal_mask_op_becomes_is_causal_and_window(window):
     assert p["attn_mask"] is None
     assert count_op(gm, ad.torch_causal_mask) == 0  # the explicit mask is dropped
     assert_same_outputs(ref, gm, _xs((2, 6), (3, 9), (1, 5)))
+
+
+def test_hf_index_mask_over_ones_padding_is_causal():
+    ref, gm, record, n_t = _run(SdpaBlock(mask="hf_ones_padding"), torch.randn(2, 6, HIDDEN))
+    _assert_matched(gm, record, n_t)
+    _, p = _attn_node(gm)
+    assert p["is_causal"] is True and p["attn_mask"] is None and p["sliding_window"] is None
+    assert count_op(gm, aten.index) == 0  # the mask subgraph is gone
+    assert_same_outputs(ref, gm, _xs((2, 6), (3, 9)))
+
+
+def test_hf_index_mask_over_real_padding_stays_explicit():
+    b, s = Dim("b"), Dim("s", min=2)
+    x, pad = torch.randn(2, 6, HIDDEN), torch.ones(2, 6)
+    ref, gm, record, n_t = _run(SdpaBlock(mask="hf_input_padding"), x, pad, dynamic=[{0: b, 1: s}, {0: b, 1: s}])
+    _assert_matched(gm, record, n_t)
+    _, p = _attn_node(gm)
+    assert p["is_causal"] is False and isinstance(p["attn_mask"], torch.fx.Node)
+    pads = [torch.ones(2, 6), torch.tensor([[1.0] * 4 + [0.0] * 2] * 2)]  # right padding: no empty row
+    assert_same_outputs(ref, gm, [(torch.randn(2, 6, HIDDEN), pad) for pad in pads])
 
 
 def test_explicit_float_mask_stays_explicit():

@@ -47,13 +47,74 @@ def read_mask(mask: Any) -> Tuple[Optional[fx.Node], bool, Optional[int]]:
     """``(explicit_mask, is_causal, sliding_window)`` for an attention's mask input.
 
     A ``torch_causal_mask`` node (emitted by the export route) becomes ``is_causal`` plus its
-    window; any other mask stays explicit.
+    window, and so does HF's index-built causal mask over an all-ones padding mask
+    (``hf_index_mask_is_causal``); any other mask stays explicit.
     """
     if mask is None:
         return None, False, None
     if is_op(mask, torch.ops.autodeploy.torch_causal_mask):
         return None, True, arg(mask, 3, "sliding_window")
+    if hf_index_mask_is_causal(mask):
+        return None, True, None
     return mask, False, None
+
+
+_AND = (aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and)
+
+
+def _and_leaves(node: Any) -> list:
+    if is_op(node, _AND):
+        return _and_leaves(node.args[0]) + _and_leaves(node.args[1])
+    return [node]
+
+
+def _index_ramp(node: Any, dim: int) -> Optional[Any]:
+    """The end of ``arange(end)`` laid along ``dim`` of a 4-D index tensor (all other dims 1)."""
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if v is None or v.dim() != 4 or any(not statically_known_true(v.shape[i] == 1) for i in range(4) if i != dim % 4):
+        return None
+    x = node
+    while is_op(x, aten.unsqueeze):
+        x = x.args[0]
+    if is_op(x, aten.arange.default):
+        return x.args[0]
+    return None
+
+
+def _all_true(node: Any) -> bool:
+    """A boolean tensor that is true everywhere by construction: ``new_ones(..., dtype=bool)``,
+    or an index into a boolean cast of ``ones(...)`` (HF's padding mask when the model made
+    ``attention_mask = torch.ones(...)`` itself, as BioGPT does)."""
+    if is_op(node, (aten.new_ones, aten.ones)):
+        return node.kwargs.get("dtype") == torch.bool
+    if is_op(node, aten.index.Tensor):
+        src = node.args[0]
+        while is_op(src, (aten.to, aten._to_copy)):
+            src = src.args[0]
+        return is_op(src, (aten.ones, aten.new_ones))
+    return False
+
+
+def hf_index_mask_is_causal(mask: Any) -> bool:
+    """HF ``sdpa_mask`` built without vmap for ``causal & padding`` with a padding mask of ones:
+    ``new_ones(()) & (kv_idx <= q_idx) & ones(b, s).bool()[batch_idx, kv_idx]``, where
+    ``kv_idx = arange(s)[None, None, None, :]`` and ``q_idx = arange(s)[None, None, :, None]``
+    with the same ``s`` (square, so top-left and bottom-right causal agree). Exactly one causal
+    comparison, every other factor true everywhere; anything else is not read as causal."""
+    leaves = _and_leaves(mask)
+    if len(leaves) < 2:
+        return False
+    causal = 0
+    for leaf in leaves:
+        if is_op(leaf, (aten.le.Tensor, aten.ge.Tensor)):
+            kv, q = leaf.args if is_op(leaf, aten.le.Tensor) else leaf.args[::-1]
+            kv_end, q_end = _index_ramp(kv, 3), _index_ramp(q, 2)
+            if kv_end is None or kv_end is not q_end:
+                return False
+            causal += 1
+        elif not _all_true(leaf):
+            return False
+    return causal == 1
 
 
 def emit_attention_bnsd(
@@ -68,15 +129,18 @@ def emit_attention_bnsd(
     scale: Optional[float],
     sliding_window: Optional[int] = None,
     logit_cap: Optional[float] = None,
+    alibi_slopes: Optional[fx.Node] = None,
 ) -> fx.Node:
     """Replace ``replaced`` (an attention computed on bnsd q/k/v with bnsd output) by
-    ``torch_attention`` in bsnd. Layout swaps cancel against the model's own transposes."""
+    ``torch_attention`` in bsnd. Layout swaps cancel against the model's own transposes.
+    ``alibi_slopes`` (a ``[heads]`` float32 node) goes in as a keyword: only ALiBi models carry it."""
     with graph.inserting_before(replaced):
         q_s, k_s, v_s = (swap_12(graph, x) for x in (q, k, v))
     with graph.inserting_before(replaced):
         attn = graph.call_function(
             torch.ops.autodeploy.torch_attention.default,
             (q_s, k_s, v_s, mask, 0.0, is_causal, scale, None, sliding_window, logit_cap),
+            {"alibi_slopes": alibi_slopes} if alibi_slopes is not None else {},
         )
     # Users that transpose the bnsd output back to bsnd can take the op's output directly.
     for user in list(replaced.users):

@@ -2,7 +2,7 @@
 
 Before (per layer; the graph takes ``input_ids``/``position_ids``)::
 
-    o = autodeploy.torch_attention(q, k, v, None, 0.0, True, scale, sinks, window, cap)
+    o = autodeploy.torch_attention(q, k, v, None, 0.0, True, scale, sinks, window, cap[, alibi_slopes=slopes])
 
 After (one prepare node per graph; metadata and per-layer cache inputs added)::
 
@@ -10,7 +10,8 @@ After (one prepare node per graph; metadata and per-layer cache inputs added)::
           use_initial_state, k_cache_0, v_cache_0, k_cache_1, ...)
     slots = autodeploy.torch_cached_attention_prepare_metadata(position_ids, seq_len, cu_seqlen, page_table, P)
     o = autodeploy.sdpa_cached_attention_with_cache(q, k, v, batch_info, seq_len, input_pos, cu_seqlen,
-                                                    page_table, slots, k_cache_0, v_cache_0, scale, sinks, window, cap)
+                                                    page_table, slots, k_cache_0, v_cache_0, scale, sinks, window, cap
+                                                    [, alibi_slopes=slopes])
 
 After this the graph is called with every token of a step flattened into one row
 (``[1, total_tokens]``); see ``autodeploy.cache.sequence_info``. The metadata inputs are added
@@ -143,12 +144,14 @@ class InsertCachedAttention(BaseTransform):
             )
         for node, cache_nodes, layer_scales in zip(attn_nodes, layer_caches, scales):
             q, k, v = node.args[:3]
+            alibi = arg(node, 10, "alibi_slopes")
             with graph.inserting_before(node):
                 cached = graph.call_function(
                     backend.cached_op,
                     (q, k, v, *(meta[m] for m in backend.metadata), slots, *cache_nodes,
                      arg(node, 6, "scale"), arg(node, 7, "sinks"), arg(node, 8, "sliding_window"),
                      arg(node, 9, "logit_cap"), *layer_scales),
+                    {"alibi_slopes": alibi} if alibi is not None else {},
                 )
             cached.meta["val"] = node.meta.get("val")
             node.replace_all_uses_with(cached)
