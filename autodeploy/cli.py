@@ -14,7 +14,7 @@ from typing import Callable, NoReturn, Optional, Sequence
 
 from . import __version__
 from . import cli_build, cli_listing, cli_measure
-from .utils.errors import AutoDeployError
+from .utils.errors import AutoDeployError, RankFailure
 from .utils.logging import configure_cli_logging
 
 DEBUG_HELP = "debug logging, and the traceback of an error before its one-line message (before or after COMMAND)"
@@ -71,6 +71,11 @@ def _run(func: Callable[[argparse.Namespace, Sequence[str]], int], args: argpars
          extra: Sequence[str], argv: Sequence[str]) -> int:
     try:
         return func(args, extra)
+    except RankFailure as exc:  # a rank died or hung: no bad input, but no bug here either
+        if args.debug:
+            traceback.print_exc()
+        print(f"autodeploy: error: {exc}", file=sys.stderr)
+        return 1
     except AutoDeployError as exc:  # bad input: exit 2, with or without --debug
         if args.debug:
             traceback.print_exc()
@@ -95,6 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
     configure_cli_logging(args.debug)
+    args.argv = argv  # the ranks a tensor-parallel command starts run the same command line
     if extra and not args.accepts_overrides:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return _run(args.func, args, extra, argv)

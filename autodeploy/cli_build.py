@@ -2,17 +2,25 @@
 
 Each one loads and checks every setting (``autodeploy.config``: values, contradictions, the
 device) before anything is built, so bad input fails in a second, not after the build.
+
+``run`` and ``serve`` take ``--world-size N`` (tensor parallelism): this process is rank 0 and
+starts ranks 1..N-1 with the same command line (``autodeploy.distributed.launcher``), or, under
+``torchrun``, joins as the rank the environment names. Rank 0 prints, samples and serves; the
+other ranks build their shard and run the steps rank 0 sends until it stops.
 """
 
 import argparse
+import logging
 import os
+import signal
 import sys
 import textwrap
 import time
 from collections import Counter
+from contextlib import AbstractContextManager
 from typing import Any, Dict, List, Optional, Sequence
 
-from .utils.errors import AutoDeployError
+from .utils.errors import AutoDeployError, RankFailure
 
 DEFAULT_PROMPTS = ("The for statement", "A class definition", "The import statement", "Exceptions are")
 
@@ -85,16 +93,22 @@ def config_from_args(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
     from .config import load_deploy_config
     from .config.checks import check_device_available
 
+    from .distributed.process_group import environment
+
     registry = registry_name(args)
+    world_size = getattr(args, "world_size", None)
+    if world_size is None and hasattr(args, "world_size") and environment() is not None:
+        world_size = environment().world_size  # type: ignore[union-attr]  # torchrun says how many ranks
     settings = {
         "model": getattr(args, "model", None) if registry is None else None,
+        "world_size": world_size,
         "device": getattr(args, "device", None),
         "dtype": getattr(args, "dtype", None),
         "trust_remote_code": True if getattr(args, "trust_remote_code", False) else None,
         "allow_pickle": True if getattr(args, "allow_pickle", False) else None,
     }
     config = load_deploy_config(getattr(args, "yaml", None) or [], overrides=list(overrides), registry=registry,
-                                **settings)
+                                launching=hasattr(args, "world_size"), **settings)
     check_device_available(config.device)
     return config
 
@@ -104,13 +118,47 @@ def print_summary(summary: str) -> None:
     print(summary)
 
 
-def build_llm(config: Any) -> Any:
+def build_llm(config: Any, driver: bool = True) -> Any:
+    """The model, built; rank 0 (the driver) prints the transform table, the other ranks stay quiet."""
     from .llm import LLM
 
     # the table goes to stdout once, not also to the log
-    llm = LLM(**config.model_dump(exclude_none=True), show_progress=sys.stderr.isatty(), log_summary=False)
-    print_summary(llm.summary)
+    llm = LLM(**config.model_dump(exclude_none=True), show_progress=driver and sys.stderr.isatty(),
+              log_summary=False)
+    if driver:
+        print_summary(llm.summary)
     return llm
+
+
+# ---- tensor parallelism ------------------------------------------------------------------------
+WORLD_SIZE_HELP = ("ranks (tensor parallelism, default 1): this process is rank 0 and starts the others on this "
+                   "machine; under torchrun (one process per rank, on one machine or several) the ranks come from "
+                   "its environment and nothing is started")
+
+
+def launch(config: Any, args: argparse.Namespace) -> "AbstractContextManager[Any]":
+    """The command's ranks (``autodeploy.distributed.launcher.ranks``): a no-op at world size 1."""
+    from .distributed.launcher import driver_process, ranks
+    from .models.presets import PRESETS, preset_dir
+
+    if config.world_size > 1 and driver_process() and config.model in PRESETS:
+        preset_dir(config.model)  # written once, before the ranks that read it start
+    return ranks(config.world_size, getattr(args, "argv", None) or sys.argv[1:], device=config.device)
+
+
+def quiet_follower_logging(args: argparse.Namespace) -> None:
+    """Ranks other than 0 log warnings and errors only (rank 0 tells the story), unless --debug or
+    AUTODEPLOY_LOG_LEVEL asks for more."""
+    if not args.debug and "AUTODEPLOY_LOG_LEVEL" not in os.environ:
+        logging.getLogger("autodeploy").setLevel(logging.WARNING)
+
+
+def follow(config: Any, args: argparse.Namespace) -> int:
+    """A rank other than 0: build this rank's shard, then run rank 0's steps until it stops."""
+    quiet_follower_logging(args)
+    llm = build_llm(config, driver=False)
+    llm.follow()
+    return 0
 
 
 def writable_dir(path: str, flag: str) -> None:
@@ -195,9 +243,20 @@ def cmd_run(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     prompts = _read_prompts(args)
     params = _sampling_params(args)
     config = config_from_args(args, overrides)
-    start = time.perf_counter()
-    llm = build_llm(config)
-    build_s = time.perf_counter() - start
+    with launch(config, args) as group:
+        if not group.is_driver:
+            return follow(config, args)
+        start = time.perf_counter()
+        llm = build_llm(config)
+        group.on_failure(llm.report_rank_failure)
+        try:
+            return _generate(args, prompts, params, config, llm, time.perf_counter() - start)
+        finally:
+            llm.shutdown()
+
+
+def _generate(args: argparse.Namespace, prompts: List[str], params: Any, config: Any, llm: Any,
+              build_s: float) -> int:
     print(f"\nbuilt {config.model} in {build_s:.1f} s "
           f"(KV cache: {llm.build.cache.num_pages} pages x {llm.build.cache.page_size} tokens)\n")
     start = time.perf_counter()
@@ -225,16 +284,31 @@ def cmd_serve(args: argparse.Namespace, overrides: Sequence[str]) -> int:
                   max_choices_per_request=args.max_choices_per_request)
     check_settings(shutdown_timeout=args.shutdown_timeout, **limits)
     config = config_from_args(args, overrides)
+    from .distributed.launcher import driver_process
+
+    if not driver_process():
+        with launch(config, args):
+            return follow(config, args)
     # The port first: a port in use is reported now, not after the model is built.
     sock = bind_socket(args.host, args.port)
     try:
-        llm = build_llm(config)
-        sys.stdout.flush()
-        name = args.served_model_name or config.model
-        auth = " (API key required)" if args.api_key else ""
-        print(f"\nserving '{name}' at http://{args.host}:{sock.getsockname()[1]}/v1{auth}", flush=True)
-        serve(llm, host=args.host, port=args.port, sock=sock, model_name=name, api_key=args.api_key,
-              shutdown_timeout=args.shutdown_timeout, **limits)
+        with launch(config, args) as group:
+            llm = build_llm(config)
+            # a rank gone: the server shuts down as on SIGTERM (requests in flight fail), then exits 1
+            group.on_failure(llm.report_rank_failure)
+            llm.on_rank_failure(lambda reason: os.kill(os.getpid(), signal.SIGTERM))
+            try:
+                sys.stdout.flush()
+                name = args.served_model_name or config.model
+                auth = " (API key required)" if args.api_key else ""
+                ranks = f" on {config.world_size} ranks" if config.world_size > 1 else ""
+                print(f"\nserving '{name}' at http://{args.host}:{sock.getsockname()[1]}/v1{auth}{ranks}", flush=True)
+                serve(llm, host=args.host, port=args.port, sock=sock, model_name=name, api_key=args.api_key,
+                      shutdown_timeout=args.shutdown_timeout, **limits)
+            finally:
+                llm.shutdown()
+            if llm.rank_failure is not None:
+                raise RankFailure(f"the server stopped: {llm.rank_failure}")
     finally:
         sock.close()
     return 0
@@ -264,6 +338,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="N", help="seed for sampling (default: none)")
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after the EOS token")
+    p.add_argument("--world-size", type=int, default=None, metavar="N", help=WORLD_SIZE_HELP)
     p.set_defaults(func=cmd_run, accepts_overrides=True)
     _add_serve_parser(sub, common, epilog)
 
@@ -272,6 +347,7 @@ def _add_serve_parser(sub: Any, common: argparse.ArgumentParser, epilog: str) ->
     p = sub.add_parser("serve", parents=[common], help="serve the model behind an OpenAI-compatible HTTP API",
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
+    p.add_argument("--world-size", type=int, default=None, metavar="N", help=WORLD_SIZE_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 endpoints")

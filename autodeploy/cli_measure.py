@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any, Callable, List, Sequence, Tuple
 
-from .cli_build import registry_name, writable_dir
+from .cli_build import WORLD_SIZE_HELP, quiet_follower_logging, registry_name, writable_dir
 from .utils.errors import AutoDeployError
 
 ENGINES = ["autodeploy", "hf-eager", "hf+torch.compile"]
@@ -48,10 +48,12 @@ def _check_bench_inputs(cfg: Any) -> None:
     from .config.checks import check_device_available
 
     check_device_available(cfg.device, setting="--device")
+    # at --world-size N the entry runs on the N ranks bench starts; otherwise it must fit one
+    ranks = dict(world_size=cfg.world_size, launching=True) if cfg.world_size > 1 else {}
     if cfg.registry is not None:
-        load_deploy_config(model=cfg.model, device=cfg.device, registry=cfg.registry)
+        load_deploy_config(model=cfg.model, device=cfg.device, registry=cfg.registry, **ranks)
     for path in cfg.yaml_variants:
-        load_deploy_config([path], model=cfg.model, device=cfg.device, registry=cfg.registry)
+        load_deploy_config([path], model=cfg.model, device=cfg.device, registry=cfg.registry, **ranks)
 
 
 def cmd_bench(args: argparse.Namespace, overrides: Sequence[str]) -> int:
@@ -65,19 +67,51 @@ def cmd_bench(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         from .config.registry import registry_entry
 
         args.model = registry_entry(registry).model
+    from .distributed.launcher import driver_process, ranks
+    from .distributed.process_group import environment
+
+    env = environment()
+    world_size = args.world_size or (env.world_size if env is not None else 1)
     cfg = BenchConfig(
         model=args.model, registry=registry, dtype=args.dtype, device=args.device, batch_sizes=args.batch_sizes,
         new_tokens=args.new_tokens, prefill_lens=args.prefill_lens, rounds=args.rounds, prefill_reps=args.prefill_reps,
         engines=args.engines, yaml_variants=args.yaml or [], threads=args.threads, out_dir=args.out,
-        accuracy_prompts=args.accuracy_prompts, accuracy_tokens=args.accuracy_tokens,
+        accuracy_prompts=args.accuracy_prompts, accuracy_tokens=args.accuracy_tokens, world_size=world_size,
     )
-    writable_dir(cfg.out_dir, "--out")
-    _check_bench_inputs(cfg)
-    data = run(cfg)
+    if world_size > 1:
+        _check_bench_ranks(cfg)
+    driver = driver_process()
+    if driver:
+        writable_dir(cfg.out_dir, "--out")
+        _check_bench_inputs(cfg)
+    with ranks(world_size, args.argv, device=cfg.device) as group:
+        if not group.is_driver:
+            from .bench.runner import follow
+
+            quiet_follower_logging(args)
+            follow(cfg)
+            return 0
+        data = run(cfg)
     paths = write(data, cfg.out_dir)
     print(markdown(data))
     print("wrote " + ", ".join(paths.values()))
     return 0
+
+
+def _check_bench_ranks(cfg: Any) -> None:
+    """At several ranks, one autodeploy engine is measured (HF's engines run on rank 0 alone)."""
+    if cfg.world_size < 1:
+        raise AutoDeployError(f"--world-size {cfg.world_size} must be at least 1")
+    if "autodeploy" not in cfg.engines:
+        raise AutoDeployError(f"--world-size {cfg.world_size} measures the autodeploy engine across ranks; keep "
+                              "'autodeploy' in --engines")
+    if cfg.yaml_variants:
+        raise AutoDeployError(f"--yaml variants are not measured at --world-size {cfg.world_size} (the other ranks "
+                              "follow one engine); measure each variant in its own run")
+    from .models.presets import PRESETS, preset_dir
+
+    if cfg.model in PRESETS and cfg.registry is None:
+        preset_dir(cfg.model)  # written once, before the ranks that read it start
 
 
 # ---- coverage ----------------------------------------------------------------------------------
@@ -221,6 +255,8 @@ def _add_bench_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="greedy tokens per accuracy prompt")
     p.add_argument("--threads", type=at_least(1), default=None, metavar="N",
                    help="torch threads (default: torch's own choice)")
+    p.add_argument("--world-size", type=at_least(1), default=None, metavar="N",
+                   help=WORLD_SIZE_HELP + "; the HF engines run on rank 0 alone (default: 1, or torchrun's WORLD_SIZE)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"), metavar="DIR",
                    help="where the JSON, markdown and PNG go")
     p.set_defaults(func=cmd_bench, accepts_overrides=True)

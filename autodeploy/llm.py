@@ -8,9 +8,22 @@
 It wires the three layers together and adds nothing of its own: the configuration
 (``autodeploy.config``), the build (``autodeploy.pipeline``: factory, export, transforms) and
 the runtime (``autodeploy.runtime``: request processor and engine).
+
+At ``world_size`` above 1 every process of the group builds an ``LLM`` (its shard); rank 0 then
+drives: it alone has the engine (scheduler, sampler, tokenizer) and sends every step to the
+others, which run it in ``follow()`` until rank 0's ``shutdown()``::
+
+    initialize()                          # torchrun's environment, or autodeploy's launcher
+    llm = LLM(model, world_size=2)
+    if llm.is_driver:
+        print(llm.generate(["Hello"])[0].outputs[0].text)
+        llm.shutdown()                    # the other ranks leave follow()
+    else:
+        llm.follow()
 """
 
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+import atexit
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from .config import load_deploy_config
 from .pipeline import BuildResult, build_graph
@@ -20,6 +33,9 @@ from .runtime.request_processor import Message, Prompt, RequestProcessor, Tokeni
 from .runtime.sampling_params import InvalidRequestError, SamplingParams
 from .utils.errors import ConfigError
 from .utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from .distributed.step_broadcast import StepSender
 
 logger = get_logger(__name__)
 
@@ -50,15 +66,80 @@ class LLM:
         self.tokenizer_handle = TokenizerHandle(factory.tokenizer, skip=self.config.skip_tokenizer_init)
         self.generation_config = factory.generation_config()
         self.processor = RequestProcessor(self.tokenizer_handle, max_seq_len=cache.max_seq_len,
-                                          vocab_size=factory.vocab_size, hidden_state_layers=self.hidden_state_layers,
-                                          world_size=self.config.world_size)
+                                          vocab_size=factory.vocab_size, hidden_state_layers=self.hidden_state_layers)
         wanted = (self.config.transforms.get("insert_cached_residual_add") or {}).get("layers")
         if wanted and not self.hidden_state_layers:
             logger.warning("insert_cached_residual_add.layers is set but no hidden states are captured (cache mode "
                            "%s%s); requests with return_hidden_states will be refused", self.build.context.cache_mode,
                            f": {self.build.context.recompute_reason}" if self.build.context.recompute_reason else "")
-        self.engine = Engine(self.build.graph, cache, tokenizer=self.tokenizer_handle,
-                             eos_token_ids=self._eos_token_ids())
+        self.rank = self.build.context.rank
+        self._sender: Optional["StepSender"] = None  # rank 0 of several: sends every step to the others
+        self._engine: Optional[Engine] = None
+        if self.config.world_size == 1:
+            self._engine = Engine(self.build.graph, cache, tokenizer=self.tokenizer_handle,
+                                  eos_token_ids=self._eos_token_ids())
+            return
+        from .distributed.step_broadcast import StepSender, agree_on_capacity
+
+        pages, sequences = agree_on_capacity(cache)  # every rank, in the same order
+        if self.rank == 0:
+            self._sender = StepSender(cache.device)
+            # a script that forgets shutdown() still lets the other ranks go when it ends
+            atexit.register(StepSender.stop, self._sender)
+            self._engine = Engine(self.build.graph, cache, tokenizer=self.tokenizer_handle,
+                                  eos_token_ids=self._eos_token_ids(), step_sender=self._sender,
+                                  num_pages=pages, max_batch_size=sequences)
+
+    # ---- tensor parallelism --------------------------------------------------------------------
+    @property
+    def is_driver(self) -> bool:
+        """Whether this process runs the engine: always at world size 1, rank 0 above."""
+        return self._engine is not None
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise ConfigError(f"rank {self.rank} of {self.config.world_size} has no engine: rank 0 schedules and "
+                              "samples for every rank; call llm.follow() on the other ranks and generate on rank 0 "
+                              "(llm.is_driver)")
+        return self._engine
+
+    @property
+    def rank_failure(self) -> Optional[str]:
+        """Why the tensor-parallel group failed (a rank died, hung or failed a step), or None."""
+        return self._sender.failure if self._sender is not None else None
+
+    def on_rank_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` (from any thread) when the group fails (rank 0 of several)."""
+        if self._sender is not None:
+            self._sender.on_failure.append(callback)
+
+    def report_rank_failure(self, reason: str) -> None:
+        """Record that the group failed for ``reason`` (e.g. a launcher saw a rank exit): later
+        steps raise ``RankFailure`` with it and ``on_rank_failure`` callbacks hear it."""
+        if self._sender is not None:
+            self._sender.fail(reason)
+
+    def follow(self) -> int:
+        """Ranks other than 0: run the steps rank 0 sends until its ``shutdown()``; returns how many
+        ran. Raises ``RankFailure`` when rank 0 is gone or hung for longer than the group's timeout."""
+        if self.is_driver:
+            raise ConfigError("follow() is for the ranks other than 0; this process runs the engine (llm.is_driver)")
+        from .distributed.worker import follow
+
+        return follow(self.build.graph, self.build.cache)
+
+    def shutdown(self) -> None:
+        """Rank 0 of several: tell the other ranks to leave ``follow()`` (once; a no-op elsewhere).
+        Not after a failure, when the others leave on their own error."""
+        if self._sender is not None:
+            self._sender.stop()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
 
     @property
     def hidden_state_layers(self) -> List[int]:

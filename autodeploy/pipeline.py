@@ -75,7 +75,7 @@ def _check_world_size(config: DeployConfig) -> int:
 
     More than one rank needs a torch.distributed group of that size around the build (each rank
     builds its own shard: ``autodeploy.distributed.initialize``, or the process was started by
-    torchrun). autodeploy's own launcher for ``run``/``serve``/``bench`` is not built yet.
+    torchrun or by the CLI's launcher, ``autodeploy run|serve --world-size N``).
     """
     from .distributed import process_group
 
@@ -84,9 +84,9 @@ def _check_world_size(config: DeployConfig) -> int:
     if not process_group.is_initialized():
         raise ConfigError(
             f"world_size {config.world_size} needs a torch.distributed group of {config.world_size} processes "
-            "around the build: start the processes with torchrun (or call "
-            "autodeploy.distributed.initialize(rank, world_size) in each) before building; autodeploy does not "
-            "start the ranks itself yet")
+            "around the build: let the CLI start them ('autodeploy run|serve --world-size "
+            f"{config.world_size}'), start them with torchrun, or call "
+            "autodeploy.distributed.initialize(rank, world_size) in each process before building")
     if process_group.world_size() != config.world_size:
         raise ConfigError(f"world_size {config.world_size} asked for, but this process's group has "
                           f"{process_group.world_size()} ranks")

@@ -113,6 +113,9 @@ class AutoDeployEngine(BenchEngine):
         self.llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return time.perf_counter() - start
 
+    def close(self) -> None:
+        self.llm.shutdown()  # at several ranks: the others stop following
+
 
 class HFEngine(BenchEngine):
     """HF ``generate`` (eager), or with ``compile=True`` the PyTorch-native fast path: a static

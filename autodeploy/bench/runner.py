@@ -52,6 +52,9 @@ class BenchConfig:
     accuracy_tokens: int = 32
     threads: Optional[int] = None
     out_dir: str = os.path.join(REPO, "benchmarks", "results")
+    # ranks of the autodeploy engine (tensor parallelism): rank 0 measures, the others follow it
+    # (``follow``); the HF engines run on rank 0 alone
+    world_size: int = 1
 
 
 # CPU features that decide which kernels are fast (recorded with every result: machines differ).
@@ -95,7 +98,7 @@ def _build(name: str, cfg: BenchConfig, checkpoint: str) -> BenchEngine:
     dtype = _DTYPES[cfg.dtype]
     # autodeploy runs with its defaults (max_seq_len, max_batch_size and the KV pool chosen from
     # the model and the machine): what a user who names only the model gets is what is measured.
-    settings: Dict[str, Any] = dict(dtype=cfg.dtype, device=cfg.device)
+    settings: Dict[str, Any] = dict(dtype=cfg.dtype, device=cfg.device, world_size=cfg.world_size)
     if cfg.registry is not None:
         settings["registry"] = cfg.registry
     if name == "autodeploy":
@@ -118,6 +121,8 @@ def run(cfg: BenchConfig) -> Dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     checkpoint = resolve_source(cfg.model) if cfg.model in PRESETS or os.path.isdir(cfg.model) else cfg.model
     names = list(cfg.engines) + [f"autodeploy:{y}" for y in cfg.yaml_variants]
+    if cfg.world_size > 1:  # the other ranks build it as they start: build it first here too
+        names.sort(key=lambda name: name != "autodeploy")
     engines: Dict[str, BenchEngine] = {}
     memory: Dict[str, Dict[str, float]] = {}
     for name in names:
@@ -184,6 +189,16 @@ def run(cfg: BenchConfig) -> Dict[str, Any]:
                      "weight_mb_per_decode_token": round(weights["per_token"] / 2**20, 1),
                      "b1_floor_ms_per_step": round(floor_ms, 2)},
             "config": asdict(cfg), "results": results}
+
+
+def follow(cfg: BenchConfig) -> None:
+    """A rank other than 0 of ``cfg.world_size``: build the autodeploy engine's shard as rank 0
+    does (``_build``), then run the steps rank 0 sends until its measurements are done."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    engine = _build("autodeploy", cfg, cfg.model)
+    assert isinstance(engine, AutoDeployEngine)
+    engine.llm.follow()
 
 
 def _accuracy(cfg: BenchConfig, engines: Dict[str, BenchEngine], checkpoint: str,

@@ -35,8 +35,10 @@ class DeployConfig(BaseModel):
         default="auto", description="Compute/weight dtype; auto = float32 on CPU, checkpoint dtype on CUDA."
     )
     world_size: int = Field(default=1, ge=1, description="Number of ranks (tensor parallelism). Above 1 every "
-                            "rank builds its own shard inside a torch.distributed group of that size (torchrun, or "
-                            "autodeploy.distributed.initialize in each process); the CLI does not start ranks yet.")
+                            "rank builds its own shard inside a torch.distributed group of that size and rank 0 "
+                            "drives the others: 'autodeploy run|serve --world-size N' starts the ranks on this "
+                            "machine, torchrun starts them on one machine or several, and in Python each process "
+                            "calls autodeploy.distributed.initialize first (then LLM.follow on ranks above 0).")
     max_batch_size: Optional[int] = Field(
         default=None, ge=1,
         description="Most sequences in one step; unset: chosen from the KV-cache pool (resize_kv_cache): the "
@@ -127,12 +129,14 @@ def load_deploy_config(
     yaml_files: Sequence[str] = (),
     overrides: Optional[Mapping[str, Any] | Sequence[str]] = None,
     registry: Optional[str] = None,
+    launching: bool = False,
     **settings: Any,
 ) -> DeployConfig:
     """default.yaml, then the model-registry entry ``registry`` (its fragments in order, its
     model and world size), then each YAML file, then ``settings`` (API keywords), then
     ``overrides`` (a nested mapping or dotted CLI tokens); validates settings and the whole
-    pipeline."""
+    pipeline. ``launching``: the caller starts the ranks itself (the CLI's ``run``/``serve``), so
+    a registry entry of several ranks needs no process group yet."""
     base = load_yaml_file(DEFAULT_YAML)
     entry = None
     if registry is not None:
@@ -158,7 +162,7 @@ def load_deploy_config(
     if entry is not None:
         from .registry import check_world_size
 
-        check_world_size(entry, config.world_size)
+        check_world_size(entry, config.world_size, launching=launching)
     return config
 
 

@@ -26,8 +26,9 @@ from ..utils.errors import ConfigError
 REGISTRY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "registry")
 REGISTRY_YAML = os.path.join(REGISTRY_DIR, "models.yaml")
 CONFIGS_DIR = os.path.join(REGISTRY_DIR, "configs")
-# The most ranks the CLI can run today (it does not start ranks itself yet); more need a
-# torch.distributed group around the process (torchrun).
+# The most ranks one process runs on its own. An entry that needs more is deployed by the CLI,
+# which starts its ranks (``autodeploy run|serve --world-size``, ``autodeploy.distributed.launcher``),
+# or inside a torch.distributed group of that size (torchrun, then LLM(registry=...) in each rank).
 SUPPORTED_WORLD_SIZE = 1
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -136,19 +137,21 @@ def is_registry_name(name: Optional[str], path: Optional[str] = None) -> bool:
     return name is not None and name in load_registry(path)
 
 
-def check_world_size(entry: RegistryEntry, world_size: int) -> None:
-    """A deployment of ``entry`` at ``world_size`` ranks can run here: one rank, or a
-    torch.distributed group of that size around this process (torchrun). Called with the composed
-    value, so a user who sets world_size 1 over an entry still gets to try it on one rank."""
+def check_world_size(entry: RegistryEntry, world_size: int, launching: bool = False) -> None:
+    """A deployment of ``entry`` at ``world_size`` ranks can run here: one rank, a caller that
+    starts the ranks itself (``launching``: the CLI), or a torch.distributed group of that size
+    around this process (torchrun). Called with the composed value, so a user who sets world_size 1
+    over an entry still gets to try it on one rank."""
     from ..distributed import process_group
 
-    if world_size <= SUPPORTED_WORLD_SIZE or world_size != entry.world_size:
+    if world_size <= SUPPORTED_WORLD_SIZE or world_size != entry.world_size or launching:
         return
     if process_group.is_initialized() and process_group.world_size() == world_size:
         return
     raise ConfigError(
         f"registry entry '{entry.name}' needs {entry.world_size} ranks (world_size {entry.world_size}), but this "
-        f"process is not one of a torch.distributed group of {entry.world_size}: the CLI does not start several "
-        f"ranks yet; run it under torchrun (each rank calling LLM(registry='{entry.name}')), or pick an entry with "
-        f"world_size {SUPPORTED_WORLD_SIZE} ('autodeploy models' lists them)"
+        f"process is not one of a torch.distributed group of {entry.world_size}: deploy it with the CLI, which "
+        f"starts the ranks ('autodeploy serve --model {entry.name} --use-registry'), or run it under torchrun "
+        f"(each rank calling autodeploy.distributed.initialize() and LLM(registry='{entry.name}')), or set "
+        f"world_size {SUPPORTED_WORLD_SIZE} to try it on one rank"
     )

@@ -25,6 +25,8 @@ from ..utils.logging import get_logger
 logger = get_logger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0
+# The timeout of the group this process joined through ``initialize`` (None: not joined here).
+_timeout_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -112,12 +114,21 @@ def initialize(rank: Optional[int] = None, world_size: Optional[int] = None, dev
                               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
         torch.cuda.set_device(env.local_rank)
     backend = backend_for(dev)
+    global _timeout_s
+    _timeout_s = timeout_s
     dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
                             rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     logger.info("rank %d of %d joined the %s group at %s:%d", env.rank, env.world_size, backend, env.master_addr,
                 env.master_port)
     return env
+
+
+def timeout_s() -> float:
+    """Seconds a collective of this process's group waits for the other ranks before it fails:
+    what ``initialize`` was given (``DEFAULT_TIMEOUT_S`` for a group made elsewhere). Idle ranks
+    must hear from rank 0 more often than this (``step_broadcast`` sends keep-alives)."""
+    return _timeout_s if _timeout_s is not None else DEFAULT_TIMEOUT_S
 
 
 def shutdown() -> None:

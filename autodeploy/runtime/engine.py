@@ -11,7 +11,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional
 
 import torch
 
@@ -26,6 +26,9 @@ from .sampler import prompt_token_logprobs, sample, token_logprobs
 from .sampling_params import InvalidRequestError
 from .scheduler import ScheduledStep, Scheduler
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from ..distributed.step_broadcast import StepSender
 
 logger = get_logger(__name__)
 
@@ -102,15 +105,21 @@ class Engine:
         tokenizer: Optional[TokenizerHandle] = None,
         eos_token_ids: Iterable[int] = (),
         chunked_prefill: bool = True,
+        step_sender: Optional["StepSender"] = None,
+        num_pages: Optional[int] = None,
+        max_batch_size: Optional[int] = None,
     ):
+        """``step_sender``: rank 0 of a tensor-parallel group sends every step to the other ranks.
+        ``num_pages`` / ``max_batch_size``: schedule within fewer pages or sequences than this
+        rank's cache holds (every rank's cache must hold what rank 0 schedules)."""
         self.cache = cache
-        self.runner = ModelRunner(model, cache)
+        self.runner = ModelRunner(model, cache, step_sender)
         self.tokenizer = tokenizer
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
         self.max_seq_len = cache.max_seq_len
-        self.pool = PagePool(cache.allocatable_pages, cache.page_size)
+        self.pool = PagePool(num_pages if num_pages is not None else cache.allocatable_pages, cache.page_size)
         self.scheduler = Scheduler(
-            self.pool, max_batch_size=cache.max_batch_size, max_num_tokens=cache.max_num_tokens,
+            self.pool, max_batch_size=max_batch_size or cache.max_batch_size, max_num_tokens=cache.max_num_tokens,
             chunked_prefill=chunked_prefill,
         )
         self.requests: Dict[str, _Request] = {}

@@ -10,10 +10,15 @@ build captures hidden states (``cache.captured_layers``, filled by the graph int
 token buffers), it also hands each sequence that asked for them
 (``SamplingParams.return_hidden_states``) its rows of this step, before the next step
 overwrites them.
+
+Under tensor parallelism the runner of rank 0 is given a ``StepSender``
+(``autodeploy.distributed.step_broadcast``): each step's ``SequenceInfo`` goes to the other
+ranks, which run their shard of the graph with it (``autodeploy.distributed.worker``), while
+rank 0 runs its own.
 """
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
 
@@ -21,6 +26,9 @@ from ..cache.interface import CachedSequenceInterface
 from ..cache.sequence_info import SequenceInfo, build_sequence_info
 from .scheduler import ScheduledStep
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from ..distributed.step_broadcast import StepSender
 
 
 @dataclass
@@ -34,9 +42,11 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: Callable[..., torch.Tensor], cache: CachedSequenceInterface):
+    def __init__(self, model: Callable[..., torch.Tensor], cache: CachedSequenceInterface,
+                 sender: Optional["StepSender"] = None):
         self.model = model
         self.cache = cache
+        self.sender = sender  # rank 0 of several: every step goes to the other ranks too
 
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> StepLogits:
@@ -52,7 +62,11 @@ class ModelRunner:
             slots=[s.slot for s, _ in batch],
             all_logits=scoring if any(scoring) else None,
         )
-        logits = self.model(*self.cache.graph_args(info))[0]
+        if self.sender is None:
+            logits = self.model(*self.cache.graph_args(info))[0]
+        else:
+            with self.sender.step(info):
+                logits = self.model(*self.cache.graph_args(info))[0]
         self._hand_out_hidden_states([s for s, _ in batch], info)
         if not self.cache.gathered_logits:  # every token's row: keep those logits_index names
             logits = logits.index_select(0, info.logits_index.to(device=logits.device, dtype=torch.long))

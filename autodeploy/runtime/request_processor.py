@@ -92,11 +92,8 @@ class RequestProcessor:
     """Turns user prompts into ``PreparedRequest``s for one deployed model."""
 
     def __init__(self, tokenizer: TokenizerHandle, *, max_seq_len: int, vocab_size: Optional[int],
-                 hidden_state_layers: Sequence[int] = (), world_size: int = 1):
+                 hidden_state_layers: Sequence[int] = ()):
         self.tokenizer = tokenizer
-        # every rank of a tensor-parallel deployment runs its own engine on the same requests
-        # (rank 0 driving the others is not built yet), so their sampling must agree
-        self.world_size = world_size
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
         # the decoder layers whose hidden states the build captures (insert_cached_residual_add)
@@ -172,10 +169,6 @@ class RequestProcessor:
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.stop_strings:
             self.tokenizer.require("a stop string")
-        if self.world_size > 1 and not params.greedy and params.seed is None:
-            raise InvalidRequestError(
-                f"at world_size {self.world_size} every rank samples on its own: give the request a seed (the same on "
-                "every rank) or use temperature 0, so that all ranks pick the same tokens")
         if params.return_hidden_states and not self.hidden_state_layers:
             raise InvalidRequestError(
                 "return_hidden_states: this deployment captures no hidden states; build it with the layers to capture, "

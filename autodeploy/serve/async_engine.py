@@ -23,6 +23,7 @@ from typing import AsyncIterator, Dict, Optional, Tuple
 from ..runtime.engine import Engine
 from ..runtime.outputs import RequestOutput
 from ..runtime.request_processor import PreparedRequest, RequestProcessor
+from ..utils.errors import RankFailure
 from ..utils.logging import get_logger
 from .metrics import Metrics
 from .protocol import APIError
@@ -208,7 +209,10 @@ class AsyncEngine:
             try:
                 self._engine.step()  # outputs reach their streams through on_update (_deliver)
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
-                logger.exception("engine step failed; failing the requests in flight")
+                if isinstance(exc, RankFailure):  # a rank is gone: said once, the server then shuts down
+                    logger.error("engine step failed (%s); failing the requests in flight", exc)
+                else:
+                    logger.exception("engine step failed; failing the requests in flight")
                 for request_id in list(self._streams):
                     self._fail(request_id, exc)  # first: the abort below also reports to the stream
                     self._engine.abort(request_id)

@@ -15,3 +15,8 @@ class ModelSourceError(AutoDeployError):
 
 class ExportError(AutoDeployError):
     """torch.export failed; the message names the module and op that failed."""
+
+
+class RankFailure(AutoDeployError):
+    """A rank of a tensor-parallel deployment died, hung or failed a step: the group cannot go on.
+    The CLI prints it as one line and exits with code 1 (it is no bad input)."""

@@ -210,6 +210,26 @@ def test_help_explains_every_flag():
         text = _help(command)
         assert "--<setting> VALUE" in text and "--transforms.<key>.<field> VALUE" in text, command
         assert "max_seq_len" in text and "attn_backend" in text and "--debug" in text, command
+    for command in ("run", "serve", "bench"):
+        assert "--world-size N ranks (tensor parallelism, default 1): this process is rank 0 and starts the others" \
+            in _help(command), command
+
+
+def test_world_size_flags_are_checked_before_any_rank_starts(capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["bench", "--model", "tiny-llama", "--world-size", "2", "--yaml", "x.yaml"]) == 2
+    assert "--yaml variants are not measured at --world-size 2" in capsys.readouterr().err
+    assert main(["bench", "--model", "tiny-llama", "--world-size", "2", "--engines", "hf-eager"]) == 2
+    assert "keep 'autodeploy' in --engines" in capsys.readouterr().err
+    assert main(["run", "--model", "tiny-llama", "--world-size", "0"]) == 2
+    assert "--world-size: Input should be greater than or equal to 1 (got 0)" in capsys.readouterr().err
+    # under a launcher (torchrun), its WORLD_SIZE is the world size; another --world-size is an error
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main(["run", "--model", "tiny-llama", "--world-size", "2"]) == 2
+    assert ("--world-size 2 asked for, but the launcher's environment says WORLD_SIZE 3; give the same number to "
+            "both" in capsys.readouterr().err)
 
 
 def test_bench_help_shows_the_defaults():

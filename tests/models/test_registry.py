@@ -170,11 +170,18 @@ def test_multi_rank_entry_is_refused_before_anything_is_built(capsys, monkeypatc
 
     monkeypatch.setattr(autodeploy.models.factory, "download_from_hub", lambda *a, **k: pytest.fail("downloaded"))
     n = ENTRIES[MULTI_RANK].world_size
+    # run and serve start the ranks themselves, so the entry's world size is fine there; this
+    # machine has no GPU for its cuda device, which is checked before any rank starts
     for argv in (["run", "--model", MULTI_RANK, "--use-registry"], ["serve", "--model", MULTI_RANK]):
         assert main(argv) == 2
         line = _one_error_line(capsys.readouterr().err)
-        assert f"registry entry '{MULTI_RANK}' needs {n} ranks (world_size {n})" in line
-        assert "the CLI does not start several ranks yet; run it under torchrun" in line
+        assert "needs a CUDA GPU" in line and "needs 8 ranks" not in line
+    # export builds one process's graph: it needs the group around it
+    assert main(["export", "--model", MULTI_RANK, "--use-registry"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"registry entry '{MULTI_RANK}' needs {n} ranks (world_size {n})" in line
+    assert f"deploy it with the CLI, which starts the ranks ('autodeploy serve --model {MULTI_RANK} --use-registry')" \
+        in line
     with pytest.raises(ConfigError, match="needs 8 ranks"):
         load_deploy_config(registry=MULTI_RANK)
     # the user's world_size wins over the entry's, as any setting does
@@ -274,7 +281,7 @@ def test_bench_takes_the_entry(capsys, monkeypatch, tmp_path):
     built: List[Dict[str, Any]] = []
     monkeypatch.setattr(runner, "AutoDeployEngine", lambda model, **kw: built.append(dict(model=model, **kw)))
     runner._build("autodeploy", seen[0], "unused")
-    assert built == [{"model": "tiny-llama", "dtype": "float32", "device": "cpu", "registry": TINY}]
+    assert built == [{"model": "tiny-llama", "dtype": "float32", "device": "cpu", "world_size": 1, "registry": TINY}]
     assert main(["bench", "--model", MULTI_RANK, "--use-registry", "--out", str(tmp_path)]) == 2
     assert "needs 8 ranks" in _one_error_line(capsys.readouterr().err)
 

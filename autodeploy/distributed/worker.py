@@ -1,0 +1,38 @@
+"""The ranks other than 0: receive a step, run the graph, repeat, until rank 0 says stop.
+
+A follower has no scheduler, sampler or tokenizer: rank 0 decides every step
+(``step_broadcast``), and the follower only feeds the step's inputs and its own cache shard to
+its shard of the graph, which meets the other ranks in the graph's all-reduces. The logits it
+computes are dropped (rank 0 samples from its own, which are the same).
+"""
+
+import time
+from typing import Callable
+
+import torch
+
+from ..cache.interface import CachedSequenceInterface
+from ..utils.logging import get_logger
+from . import process_group
+from .step_broadcast import StepReceiver
+
+logger = get_logger(__name__)
+
+
+@torch.inference_mode()
+def follow(model: Callable[..., object], cache: CachedSequenceInterface) -> int:
+    """Run every step rank 0 sends until it sends stop; returns the number of steps run. Raises
+    ``RankFailure`` when rank 0 (or another rank) is gone or hung for longer than the group's
+    timeout."""
+    receiver = StepReceiver(cache.device)
+    rank = process_group.rank()
+    logger.info("rank %d follows rank 0", rank)
+    steps, start = 0, time.monotonic()
+    while True:
+        info = receiver.receive()
+        if info is None:
+            break
+        model(*cache.graph_args(info))
+        steps += 1
+    logger.info("rank %d: rank 0 said stop after %d steps (%.1f s)", rank, steps, time.monotonic() - start)
+    return steps
