@@ -227,10 +227,12 @@ def sorted_experts(x: Tensor, selected_experts: Tensor, routing_weights: Tensor,
     acc = _acc_dtype(x, routing_weights)
     flat = sel.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    # -1: the pair's expert lives on another rank (expert parallelism); those sort first and are skipped
+    skipped, *counts = torch.bincount(flat + 1, minlength=num_experts + 1).tolist()
     rows = x2[order // k]
     out = torch.empty(tokens * k, hidden, dtype=x.dtype, device=x.device)
-    start = 0
+    out[:skipped] = 0
+    start = skipped
     for e, n in enumerate(counts):
         if n == 0:
             continue

@@ -93,6 +93,27 @@ def test_experts_without_tokens_and_top1():
         assert rel_rmse(out, ref) < 1e-6
 
 
+def test_pairs_of_experts_on_other_ranks_contribute_nothing():
+    """Expert parallelism marks a pair whose expert lives on another rank with id -1 and weight 0:
+    every op (reference loop, sorted grouped GEMMs, gathered-weight bmm, oneDNN per-expert) skips
+    it, so the output is the local pairs' sum alone."""
+    g, u, d, *_ = experts()
+    x = torch.randn(7, H)
+    index, weights = routing((7,))
+    remote = torch.rand(7, K) < 0.5
+    local_index, local_weights = index.masked_fill(remote, -1), weights.masked_fill(remote, 0.0)
+    ref = dense_reference(x, index.masked_fill(remote, 0), local_weights, g, u, d, [], [], [], "silu", 1.0, 0.0)
+    outs = {"torch_moe": ad.torch_moe(x, local_index, local_weights, g, u, d, [], [], []),
+            "onednn": ad.onednn_grouped_moe_fused(x, local_index, local_weights, [torch.cat([a, b]) for a, b in zip(g, u)],
+                                                  d)}
+    for pairs in (0, 100):
+        outs[f"grouped[{pairs}]"] = ad.grouped_moe_fused(x, local_index, local_weights, *stacked(g, u, d, [], [], []),
+                                                         bmm_max_pairs=pairs)
+    assert remote.any() and (~remote).any()
+    for name, out in outs.items():
+        assert rel_rmse(out, ref) < 1e-6, name
+
+
 def test_low_precision_input_with_fp32_routing_weights():
     g, u, d, *_ = experts(dtype=torch.bfloat16)
     x = torch.randn(5, H, dtype=torch.bfloat16)

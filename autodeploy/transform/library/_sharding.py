@@ -5,11 +5,16 @@ A plan is a list of decisions over graph nodes, each a plain dataclass:
 
 * ``ColumnShard``: a linear's output features are split across ranks (weight rows, bias); each
   rank computes its slice of the output (its attention heads, its part of the MLP's hidden
-  layer) and no communication follows.
+  layer) and no communication follows; or, for the vocab-parallel LM head, an all-gather
+  joins the slices. Key/value heads fewer than the ranks are replicated: each rank holds the one
+  head its query heads read.
 * ``RowShard``: a linear's input features are split (weight columns); each rank's output is a
   partial sum that ``torch_dist_all_reduce`` completes (the bias, if any, is added once after).
 * ``SwigluShard``: ``torch_swiglu_mlp`` with gate and up split by rows and down by columns: one
   all-reduce after the op.
+* ``ExpertShard``: expert parallelism; each rank holds ``num_experts / world_size`` whole experts
+  of a ``torch_moe``, computes the (token, expert) pairs routed to them, and one all-reduce sums
+  the ranks' partial outputs.
 
 Why a plan and not a rewrite in one pass: the same objects are what a model's own sharding hints
 will produce (a later ``apply_sharding_hints``), so there is one executor. Nodes are named, not
@@ -62,6 +67,14 @@ class ColumnShard:
     node: str  # the aten.linear node
     weight: str  # get_attr target
     bias: Optional[str] = None
+    # the output features in ``parts`` equal slices, this rank taking slice ``index``: by default
+    # world_size and rank; key/value heads fewer than the ranks are split into their head count,
+    # each slice (one head) held by world_size / heads ranks
+    parts: Optional[int] = None
+    index: Optional[int] = None
+    # all_gather the ranks' slices after the linear (the vocab-parallel LM head: every rank then
+    # holds all the logits)
+    gather: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,7 +92,19 @@ class SwigluShard:
     down: str
 
 
-Decision = Union[ColumnShard, RowShard, SwigluShard]
+@dataclass(frozen=True)
+class ExpertShard:
+    """Expert parallelism for one ``torch_moe``: this rank keeps experts ``[start, end)`` (their
+    weights only are loaded), the routing sends every other (token, expert) pair nowhere on this
+    rank (index -1, weight 0), and an all-reduce sums the ranks' partial outputs."""
+
+    node: str  # the torch_moe node
+    start: int
+    end: int
+    dropped: Tuple[str, ...]  # get_attr targets of the other ranks' experts
+
+
+Decision = Union[ColumnShard, RowShard, SwigluShard, ExpertShard]
 
 
 @dataclass
@@ -88,8 +113,8 @@ class ShardingPlan:
     rank: int
     decisions: List[Decision] = field(default_factory=list)
     # view/reshape nodes whose literal sizes count heads or features of a sharded projection
-    # (node name -> index of the size in its shape argument)
-    layout_fixes: Dict[str, List[int]] = field(default_factory=dict)
+    # (node name -> {index of the size in its shape argument: what it is divided by})
+    layout_fixes: Dict[str, Dict[int, int]] = field(default_factory=dict)
 
     def summary(self) -> str:
         kinds: Dict[str, int] = {}
@@ -108,8 +133,8 @@ def weight_target(gm: fx.GraphModule, node: object) -> Optional[str]:
 
 
 def producing_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
-    """The ``aten.linear`` an attention input comes from, through layout ops and RoPE (whose
-    q output comes from its first input and k output from its second); ``path`` collects the
+    """The ``aten.linear`` an attention input comes from, through layout ops, per-head norms and
+    RoPE (whose q output comes from its first input and k output from its second); ``path`` collects the
     layout nodes passed. None when the chain is anything else, or when a node on it has another
     reader (that reader would get this rank's slice instead of the whole tensor)."""
     while isinstance(node, fx.Node):
@@ -121,6 +146,9 @@ def producing_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
             path.append(node)
             node = node.args[0]
             continue
+        if node.target == ad.torch_rmsnorm.default and _per_head(node):  # Qwen3's q/k norms
+            node = node.args[0]
+            continue
         if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             rope = node.args[0]
             if rope.op == "call_function" and rope.target in ROPE_OPS and node.args[1] in (0, 1):
@@ -128,6 +156,13 @@ def producing_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
                 continue
         return None
     return None
+
+
+def _per_head(norm: fx.Node) -> bool:
+    """A norm over each head's features alone (input ``[b, s, heads, head_dim]``): it commutes with a
+    split by heads. A norm over all heads' features (OLMo-2's q/k norms) does not."""
+    val = norm.args[0].meta.get("val") if isinstance(norm.args[0], fx.Node) else None
+    return val is not None and val.dim() == 4 and len(norm.users) == 1
 
 
 def consuming_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:

@@ -12,20 +12,32 @@ After, on rank r of n::
     y = add(autodeploy.torch_dist_all_reduce(linear(a, Wo)), bo)      # Wo [hidden, H*D/n]
     m = autodeploy.torch_dist_all_reduce(autodeploy.torch_swiglu_mlp(h, Wg, Wu, Wd))  # Wg/Wu rows, Wd columns
 
+Expert parallelism (``ExpertShard``) keeps this rank's block of experts in the ``torch_moe``
+lists and routes the other pairs nowhere::
+
+    mine = (sel >= e0) & (sel < e1)
+    m = autodeploy.torch_dist_all_reduce(autodeploy.torch_moe(x, where(mine, sel - e0, -1),
+                                                               where(mine, w, 0), gates[e0:e1], ...))
+
 Parameters are still on the meta device here: each is replaced by one of its shard's shape, and
 ``ctx.weight_shards`` tells ``load_weights`` which slice of the checkpoint tensor this rank reads
 (so a rank holds 1/n of the sharded weights, never the whole tensor). View/reshape sizes that
-count heads or features of a sharded projection (``layout_fixes``) are divided by n; ``-1`` and
-symbolic sizes need nothing.
+count heads or features of a sharded projection (``layout_fixes``) are divided by n (by the
+key/value head count where those heads are replicated: one head a rank); ``-1`` and symbolic
+sizes need nothing. The vocab-parallel LM head is a column shard whose slices an
+``torch_dist_all_gather`` joins, so every rank holds all the logits::
+
+    logits = autodeploy.torch_dist_all_gather(linear(h, W_lm), -1)     # W_lm [vocab/n, hidden]
 """
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from torch import fx, nn
 
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._sharding import ColumnShard, RowShard, ShardingPlan, SwigluShard, WeightShard
+from ._quant_from_config import GRAPH_IGNORED_TENSORS
+from ._sharding import ColumnShard, ExpertShard, RowShard, ShardingPlan, SwigluShard, WeightShard
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -36,9 +48,11 @@ class ShardingExecutorConfig(TransformConfig):
 
 
 def _shard_param(gm: fx.GraphModule, target: str, dim: int, plan: ShardingPlan,
-                 shards: Dict[str, WeightShard]) -> None:
+                 shards: Dict[str, WeightShard], parts: Optional[int] = None, index: Optional[int] = None) -> None:
     """Replace the (meta) tensor at ``target`` by one of this rank's shard shape, and record the
-    slice load_weights reads."""
+    slice load_weights reads: part ``index`` of ``parts`` (default: the rank's of world_size)."""
+    parts = plan.world_size if parts is None else parts
+    index = plan.rank if index is None else index
     if target in shards:
         return  # shared by two users (tied): split once
     *path, leaf = target.split(".")
@@ -47,13 +61,13 @@ def _shard_param(gm: fx.GraphModule, target: str, dim: int, plan: ShardingPlan,
         owner = getattr(owner, part)
     old = getattr(owner, leaf)
     shape = list(old.shape)
-    shape[dim] //= plan.world_size
+    shape[dim] //= parts
     new = torch.empty(shape, dtype=old.dtype, device=old.device)
     if isinstance(old, nn.Parameter):
         owner.register_parameter(leaf, nn.Parameter(new, requires_grad=False))
     else:
         owner.register_buffer(leaf, new)
-    shards[target] = WeightShard(dim=dim, index=plan.rank, parts=plan.world_size)
+    shards[target] = WeightShard(dim=dim, index=index, parts=parts)
 
 
 def _all_reduce_after(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
@@ -63,15 +77,45 @@ def _all_reduce_after(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     return reduced
 
 
+def _keep_local_experts(gm: fx.GraphModule, node: fx.Node, shard: ExpertShard) -> None:
+    """``torch_moe`` over this rank's experts only: local expert ids, the other ranks' pairs sent
+    nowhere (id -1, weight 0: the MoE ops skip them), the other experts' weights dropped from the
+    module and the checkpoint list, an all-reduce after."""
+    graph = gm.graph
+    sel, weights = node.args[1], node.args[2]
+    with graph.inserting_before(node):
+        mine = graph.call_function(aten.bitwise_and.Tensor, (graph.call_function(aten.ge.Scalar, (sel, shard.start)),
+                                                             graph.call_function(aten.lt.Scalar, (sel, shard.end))))
+        local = graph.call_function(aten.where.ScalarOther,
+                                    (mine, graph.call_function(aten.sub.Tensor, (sel, shard.start)), -1))
+        kept = graph.call_function(aten.where.ScalarOther, (mine, weights, 0.0))
+    lists = [list(group)[shard.start:shard.end] if group else [] for group in node.args[3:9]]
+    node.args = (node.args[0], local, kept, *lists, *node.args[9:])
+    _all_reduce_after(gm, node)
+    ignored = gm.meta.setdefault(GRAPH_IGNORED_TENSORS, [])
+    for target in shard.dropped:
+        *path, leaf = target.split(".")
+        owner: nn.Module = gm.get_submodule(".".join(path)) if path else gm
+        delattr(owner, leaf)
+        ignored.append(target)
+    for get_attr in [n for n in graph.nodes if n.op == "get_attr" and n.target in set(shard.dropped)]:
+        if not get_attr.users:
+            graph.erase_node(get_attr)
+
+
 def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
     nodes = {n.name: n for n in gm.graph.nodes}
     shards: Dict[str, WeightShard] = {}
     for decision in plan.decisions:
         node = nodes[decision.node]
         if isinstance(decision, ColumnShard):
-            _shard_param(gm, decision.weight, 0, plan, shards)
+            _shard_param(gm, decision.weight, 0, plan, shards, decision.parts, decision.index)
             if decision.bias is not None:
-                _shard_param(gm, decision.bias, 0, plan, shards)
+                _shard_param(gm, decision.bias, 0, plan, shards, decision.parts, decision.index)
+            if decision.gather:
+                with gm.graph.inserting_after(node):
+                    gathered = gm.graph.call_function(ad.torch_dist_all_gather.default, (node, -1))
+                node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
         elif isinstance(decision, RowShard):
             _shard_param(gm, decision.weight, 1, plan, shards)
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
@@ -86,11 +130,13 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
             _shard_param(gm, decision.up, 0, plan, shards)
             _shard_param(gm, decision.down, 1, plan, shards)
             _all_reduce_after(gm, node)
-    for name, dims in plan.layout_fixes.items():
+        elif isinstance(decision, ExpertShard):
+            _keep_local_experts(gm, node, decision)
+    for name, divisors in plan.layout_fixes.items():
         node = nodes[name]
         shape = list(node.args[1])
-        for i in dims:
-            shape[i] //= plan.world_size
+        for i, divisor in divisors.items():
+            shape[i] //= divisor
         node.args = (node.args[0], shape, *node.args[2:])
     gm.graph.lint()
     gm.recompile()
