@@ -30,7 +30,12 @@ tokens are scheduled (``cache/consistency.py`` checks exactly that). The native 
 reads float32 pages only, so fp8 decodes take the SDPA path. With a float cache the scales are
 ignored and the ops do exactly what they did before (no extra work).
 
-ALiBi (``alibi_slopes``, the trailing argument; BLOOM, MPT): each query head adds
+RoPE inside (``fuse_rope_into_trtllm_attention``): with ``rope_style`` set, q and k arrive unroped
+(bsnd) with the step's ``rope_cos`` / ``rope_sin`` rows, and the op ropes them first (k as it is
+written to the cache) with the canonical RoPE op of that style; ``rotary_dim`` > 0 ropes only
+the first that many features of each head (partial rotary, Phi-3 style).
+
+ALiBi (``alibi_slopes``; BLOOM, MPT): each query head adds
 ``slope_h * (key_pos - query_pos)`` with the absolute positions of the sequence (a decode's query
 sits at ``input_pos``), exactly ``torch_attention``'s bias, so a sequence's logits do not depend
 on how its tokens were split into steps. The SDPA backend passes it as an additive mask; the
@@ -47,6 +52,7 @@ from torch import Tensor
 from . import attention  # noqa: F401  (torch_attention, the math of the reference path)
 from .attention import alibi_bias
 from . import native
+from .rope import ROPE_NONE, apply_rope
 
 # The FP8 KV-cache storage type and its largest finite value (torch.finfo(float8_e4m3fn).max).
 KV_FP8_DTYPE = torch.float8_e4m3fn
@@ -172,9 +178,15 @@ def torch_cached_attention_with_cache(
     k_scale: Optional[float] = None,
     v_scale: Optional[float] = None,
     alibi_slopes: Optional[Tensor] = None,
+    rope_cos: Optional[Tensor] = None,
+    rope_sin: Optional[Tensor] = None,
+    rope_style: int = ROPE_NONE,
+    rotary_dim: int = 0,
 ) -> Tensor:
     """Reference: write the step's k/v, then attend each sequence separately. ``k_scale`` /
-    ``v_scale``: the fp8 cache's per-tensor scales (module docstring); ignored for a float cache."""
+    ``v_scale``: the fp8 cache's per-tensor scales (module docstring); ignored for a float cache.
+    ``rope_*`` / ``rotary_dim``: the RoPE applied to q and k first (module docstring)."""
+    q, k = apply_rope(q, k, rope_cos, rope_sin, rope_style, rotary_dim)
     _write_cache(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale)
     return _attend_each_sequence(
         q, v_cache.shape[-1], seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache,
@@ -201,7 +213,8 @@ def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_c
 @torch_cached_attention_with_cache.register_fake
 def _torch_cached_fake(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache,
                        v_cache, scale=None, sinks=None, sliding_window=None, logit_cap=None, k_scale=None,
-                       v_scale=None, alibi_slopes=None):
+                       v_scale=None, alibi_slopes=None, rope_cos=None, rope_sin=None,
+                       rope_style=-1, rotary_dim=0):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
@@ -235,10 +248,15 @@ def sdpa_cached_attention_with_cache(
     k_scale: Optional[float] = None,
     v_scale: Optional[float] = None,
     alibi_slopes: Optional[Tensor] = None,
+    rope_cos: Optional[Tensor] = None,
+    rope_sin: Optional[Tensor] = None,
+    rope_style: int = ROPE_NONE,
+    rotary_dim: int = 0,
 ) -> Tensor:
     """Batched: fresh prefills with causal SDPA on their own k/v, all decodes in one SDPA.
     ``k_scale`` / ``v_scale``: the fp8 cache's per-tensor scales (module docstring); ignored for
-    a float cache."""
+    a float cache. ``rope_*`` / ``rotary_dim``: the RoPE applied to q and k first (module docstring)."""
+    q, k = apply_rope(q, k, rope_cos, rope_sin, rope_style, rotary_dim)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     plain = sinks is None and (logit_cap is None or logit_cap <= 0)
@@ -349,7 +367,8 @@ def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tens
 @sdpa_cached_attention_with_cache.register_fake
 def _sdpa_cached_fake(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache,
                       v_cache, scale=None, sinks=None, sliding_window=None, logit_cap=None, k_scale=None,
-                      v_scale=None, alibi_slopes=None):
+                      v_scale=None, alibi_slopes=None, rope_cos=None, rope_sin=None,
+                      rope_style=-1, rotary_dim=0):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import attention  # noqa: F401  (torch_attention, the math of the reference paths)
-from . import rope  # noqa: F401  (the RoPE ops applied inside the cached ops)
+from .rope import ROPE_NONE, apply_rope
 from .dsa import topk_keep_mask
 
 
@@ -100,28 +100,6 @@ def torch_mla(
 def _torch_mla_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, is_causal=True, scale=None, topk_indices=None):
     d_v = kv_b_proj_weight.shape[0] // q_nope.shape[-2] - q_nope.shape[-1]
     return q_nope.new_empty(*q_nope.shape[:-1], d_v)
-
-
-# ---- RoPE inside the cached ops (fuse_rope_into_trtllm_mla) ----------------------------------
-
-# rope_style of the cached ops: no RoPE inside (q_pe / kpe arrive roped), or which RoPE op's math
-# they apply to the unroped q_pe / kpe (bsnd) with rope_cos / rope_sin (complex: rope_cos holds freqs_cis)
-ROPE_NONE, ROPE_ROTATE_HALF, ROPE_INTERLEAVED, ROPE_COMPLEX = -1, 0, 1, 2
-
-
-def apply_rope(q_pe: Tensor, kpe: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
-               style: int) -> Tuple[Tensor, Tensor]:
-    """``q_pe`` / ``kpe`` roped with the canonical RoPE op of ``style`` (unchanged for ``ROPE_NONE``)."""
-    rope = torch.ops.autodeploy
-    if style == ROPE_NONE:
-        return q_pe, kpe
-    if style == ROPE_ROTATE_HALF:
-        return rope.torch_rope_with_explicit_cos_sin(q_pe, kpe, cos, sin, 2)
-    if style == ROPE_INTERLEAVED:
-        return rope.torch_rope_with_qk_interleaving(q_pe, kpe, cos, sin, 2)
-    if style == ROPE_COMPLEX:
-        return rope.torch_rope_with_complex_freqs(q_pe, kpe, cos, 2)
-    raise ValueError(f"unknown rope_style {style}")
 
 
 # ---- the paged latent cache -----------------------------------------------------------------

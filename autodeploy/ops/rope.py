@@ -6,7 +6,7 @@ node per attention layer keeps later fusions (cached attention with RoPE inside)
 tensors, 2 for ``bsnd``.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -84,3 +84,29 @@ def torch_rope_with_complex_freqs(
 @torch_rope_with_complex_freqs.register_fake
 def _rope_complex_fake(q, k, freqs_cis, unsqueeze_dim=2):
     return torch.empty_like(q), torch.empty_like(k)
+
+
+# ---- RoPE inside cached attention ops (fuse_rope_into_trtllm_attention / _mla) ----------------
+
+# rope_style of the cached attention ops: no RoPE inside (q / k arrive roped), or which RoPE op's
+# math they apply to the unroped q / k (bsnd) with rope_cos / rope_sin (complex: rope_cos holds freqs_cis)
+ROPE_NONE, ROPE_ROTATE_HALF, ROPE_INTERLEAVED, ROPE_COMPLEX = -1, 0, 1, 2
+
+
+def apply_rope(q: Tensor, k: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], style: int,
+               rotary_dim: int = 0) -> Tuple[Tensor, Tensor]:
+    """bsnd ``q`` / ``k`` roped with the canonical RoPE op of ``style`` (unchanged for ``ROPE_NONE``);
+    ``rotary_dim`` > 0 ropes only the first that many features of each head (partial rotary)."""
+    if style == ROPE_NONE:
+        return q, k
+    if rotary_dim:
+        q_rot, k_rot = apply_rope(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin, style)
+        return torch.cat([q_rot, q[..., rotary_dim:]], dim=-1), torch.cat([k_rot, k[..., rotary_dim:]], dim=-1)
+    ops = torch.ops.autodeploy
+    if style == ROPE_ROTATE_HALF:
+        return ops.torch_rope_with_explicit_cos_sin(q, k, cos, sin, 2)
+    if style == ROPE_INTERLEAVED:
+        return ops.torch_rope_with_qk_interleaving(q, k, cos, sin, 2)
+    if style == ROPE_COMPLEX:
+        return ops.torch_rope_with_complex_freqs(q, k, cos, 2)
+    raise ValueError(f"unknown rope_style {style}")

@@ -73,6 +73,10 @@ def test_environment_is_read_and_checked(monkeypatch):
 # ---- two ranks ----------------------------------------------------------------------------------
 def _rank_main(rank: int, world: int, port: int, job: Callable[[int], Dict[str, Any]], results: Any) -> None:
     try:
+        if os.environ.get("_AUTODEPLOY_NOOP_ACTIVE"):  # a no-op mutation run (tests/noop_mutation.py) reaches the ranks
+            import noop_mutation
+
+            noop_mutation.install(noop_mutation.parse_keys(os.environ["_AUTODEPLOY_NOOP_ACTIVE"]))
         torch.set_num_threads(1)
         process_group.initialize(rank=rank, world_size=world, master_port=port, timeout_s=20)
         # plain lists: a tensor sent through the queue lives in this process's shared memory,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autodeploy.cache import build_sequence_info
-from autodeploy.ops.mla import ROPE_COMPLEX, ROPE_INTERLEAVED
+from autodeploy.ops.rope import ROPE_COMPLEX, ROPE_INTERLEAVED
 from autodeploy.utils.fx import copy_graph_module
 from autodeploy.transform.optimizer import build_transform
 from autodeploy.transform.interface import Stage

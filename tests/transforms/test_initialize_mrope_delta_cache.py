@@ -66,11 +66,13 @@ def test_rotary_tables_read_shifted_positions_and_attention_the_plain_ones(compa
     # the delta read per slot, and written back (0 at a sequence's first chunk)
     assert any(is_op(u, aten.index.Tensor) for u in delta.users)
     assert any(is_op(u, aten.index_put_) for u in delta.users)
-    ropes = [n for n in gm.graph.nodes if is_op(n, ROPE)]
-    assert ropes
-    for rope in ropes:
-        for table in rope.args[2:4]:
-            assert is_op(table, aten.embedding) and table.args[1] is shifted
+    # the cos/sin rows each RoPE reads: a RoPE node's, or a cached attention's that took its RoPE in
+    # (fuse_rope_into_trtllm_attention, which runs after this transform)
+    tables = [t for n in gm.graph.nodes if is_op(n, ROPE) for t in n.args[2:4]]
+    tables += [n.kwargs[k] for n in gm.graph.nodes for k in ("rope_cos", "rope_sin") if n.kwargs.get(k) is not None]
+    assert tables
+    for table in tables:
+        assert is_op(table, aten.embedding) and table.args[1] is shifted
     # the cached attention's cache-slot computation keeps the plain positions
     prepare = [u for u in position_ids.users if is_op(u, ad.torch_cached_attention_prepare_metadata)]
     assert prepare and not any(is_op(u, aten.embedding) for u in position_ids.users)

@@ -29,7 +29,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import fx
 
-from ...ops.mla import ROPE_COMPLEX, ROPE_INTERLEAVED, ROPE_NONE, ROPE_ROTATE_HALF
+from ...ops.rope import ROPE_COMPLEX, ROPE_INTERLEAVED, ROPE_NONE, ROPE_ROTATE_HALF
 from ..graph_utils import arg, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._attention_utils import is_transpose_12
@@ -50,7 +50,7 @@ class FuseRopeIntoMLAConfig(TransformConfig):
 @TransformRegistry.register("fuse_rope_into_trtllm_mla")
 class FuseRopeIntoMLA(BaseTransform):
     config_class = FuseRopeIntoMLAConfig
-    run_after = ("insert_cached_mla_attention", "optimize_rope")
+    run_after = ("insert_cached_mla_attention", "optimize_rope", "initialize_mrope_delta_cache")  # mRoPE shifts the cos/sin the op then reads
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         nodes = [n for n in gm.graph.nodes if is_op(n, CACHED_MLA)]

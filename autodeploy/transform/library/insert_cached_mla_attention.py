@@ -41,7 +41,7 @@ from torch import fx
 
 from ...cache import CachedSequenceInterface
 from ...cache.mla_backends import MLADescriptor, mla_backends
-from ...ops.mla import ROPE_NONE
+from ...ops.rope import ROPE_NONE
 from ...utils.errors import ConfigError
 from ...utils.logging import get_logger
 from ..graph_utils import arg, is_op
