@@ -74,6 +74,10 @@ KEYS: Dict[str, List[str]] = {
     "insert_cached_attention": ["transforms/test_insert_cached_attention.py"],
     "insert_cached_mla_attention": ["transforms/test_insert_cached_mla_attention.py"],
     "fuse_rope_into_trtllm_mla": ["transforms/test_fuse_rope_into_trtllm_mla.py"],
+    "fuse_rope_into_trtllm_attention": ["transforms/test_fuse_rope_into_trtllm_attention.py"],
+    "detect_sharding": ["distributed/test_sharding.py", "distributed/test_sharding_kv_replication.py",
+                        "distributed/test_expert_parallel.py"],
+    "sharding_transform_executor": ["distributed/test_sharding.py::test_two_ranks_hold_their_slices_and_match_hf"],
     "resize_kv_cache": ["transforms/test_resize_kv_cache.py"],
     "insert_cached_causal_conv": ["transforms/test_insert_cached_causal_conv.py"],
     "insert_cached_ssm_attention": ["transforms/test_insert_cached_ssm_attention.py"],
@@ -150,10 +154,19 @@ KEYS: Dict[str, List[str]] = {
                                "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[relu-cubed]",
                                "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[relu-read-elsewhere]",
                                "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[square-read-elsewhere]"],
+    # tensor parallelism (issue 16)
+    "fuse_allreduce_residual_rmsnorm": ["distributed/test_fuse_allreduce_residual_rmsnorm.py"],
 }
 
 # Survivors that are meant to survive a no-op of their transform: node-id prefix -> why.
 INTENDED: Dict[str, str] = {
+    # all-reduce + RMSNorm fusions (issue 16)
+    "distributed/test_fuse_allreduce_residual_rmsnorm.py::test_op_at_world_size_one_is_the_unfused_add_norm": "the fused ops, not the transform",
+    "distributed/test_fuse_allreduce_residual_rmsnorm.py::test_two_ranks_ops_sum_then_norm": "the fused ops on two ranks, not the transform",
+    "distributed/test_fuse_allreduce_residual_rmsnorm.py::test_norm_in_another_dtype_is_left_alone": "near miss (the Gemma dtype exclusion)",
+    "distributed/test_fuse_allreduce_residual_rmsnorm.py::test_an_all_reduce_read_elsewhere_is_not_folded_into_the_add_norm": "near miss",
+    "distributed/test_fuse_allreduce_residual_rmsnorm.py::test_compiled_norms_are_left_alone": "near miss (no all-reduce twin of the compile backend)",
+    "distributed/test_fuse_allreduce_residual_rmsnorm.py::test_plain_norm_whose_sum_is_read_before_it_is_left_alone": "near miss",
     # MLA (issue 18)
     "transforms/test_insert_cached_mla_attention.py::test_export_emits_torch_mla_for_each_layer":
         "the export route, before the transform",
@@ -164,6 +177,19 @@ INTENDED: Dict[str, str] = {
     "transforms/test_insert_cached_mla_attention.py::test_route_declines_a_biased_or_replaced_kv_b_proj":
         "the export route's helper",
     "transforms/test_fuse_rope_into_trtllm_mla.py::test_logits_equal_the_unfused_graph":
+        "numerics against the unfused graph (test_structure is the one that sees the fusion)",
+    # detect_sharding: these call the planning function directly (the transform's numerics are the 2-rank tests')
+    "distributed/test_sharding.py::test_plan_splits_attention_by_heads_and_the_mlp_and_leaves_the_rest":
+        "the planning function, called directly",
+    "distributed/test_sharding.py::test_sizes_the_world_size_does_not_divide_are_an_error_naming_those_that_do":
+        "the planning function, called directly",
+    "distributed/test_sharding.py::test_a_projection_with_another_reader_is_left_whole": "the planning function",
+    "distributed/test_sharding_kv_replication.py::test_kv_heads_fewer_than_ranks_are_replicated":
+        "the planning function, called directly",
+    "distributed/test_sharding_kv_replication.py::test_a_tied_lm_head_stays_whole": "the planning function",
+    "distributed/test_expert_parallel.py::test_plan_splits_whole_experts_when_the_world_size_divides_them":
+        "the planning function, called directly",
+    "transforms/test_fuse_rope_into_trtllm_attention.py::test_logits_equal_the_unfused_graph":
         "numerics against the unfused graph (test_structure is the one that sees the fusion)",
     # quantization (issue 15): near misses and settings that must leave the graph alone
     "transforms/test_fuse_fp8_linear_scaled_mm.py::test_op_equals_the_canonical_op": "the op, not the transform",

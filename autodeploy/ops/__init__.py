@@ -10,6 +10,7 @@ from . import gdn_gating, l2norm  # noqa: F401
 from . import hidden_states  # noqa: F401
 from . import quant  # noqa: F401
 from . import collectives  # noqa: F401
+from . import collective_fusions  # noqa: F401  (after collectives and quant: it fuses their ops)
 from . import dsa, mla  # noqa: F401
 from . import moe_onednn  # noqa: F401  (after quant: its op reuses the quantized MoE input quantizer)
 
