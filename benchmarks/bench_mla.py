@@ -12,8 +12,8 @@ rounds with its min-max range):
   cache holds ``kv_lora_rank + qk_rope_head_dim`` values per token and layer, the expanded one
   ``heads x (qk_nope + qk_rope + v_head)``;
 - the largest batch of ``--pool-seq-len``-token sequences a fixed pool (``--pool-mib``) holds:
-  each build made with ``resize_kv_cache.cpu_max_cache_gb`` at that size and ``max_batch_size``
-  left to the builder, which reports what fits;
+  each build made with ``resize_kv_cache.cpu_max_cache_gb`` at that size, its pages divided by the
+  pages one such sequence needs;
 - decode tokens/s at batch 1 and 32 after a ``--history``-token prompt, for
   ``autodeploy-mla`` (the default pipeline: latent cache, absorbed decode), ``autodeploy-expanded``
   (export patch ``mla_latent_attention`` off: HF's expansion cached per head), HF eager's cached
@@ -96,9 +96,10 @@ def pool_capacity(path: str, expanded: bool, pool_mib: float, seq_len: int) -> D
     engine = MLADecoder("pool", path, seq_len, None, expanded, pool_mib)
     info = engine.info
     del engine
+    pages_per_sequence = -(-seq_len // info["page_size"])
     return {"pool_mib": pool_mib, "seq_len": seq_len, "kv_bytes_per_token": info["kv_bytes_per_token"],
             "pages": info["pages"], "tokens": info["pages"] * info["page_size"],
-            "max_batch_size": info["max_batch_size"]}
+            "sequences": info["pages"] // pages_per_sequence}
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
@@ -155,7 +156,7 @@ def markdown(data: Dict[str, Any]) -> str:
              "| cache | KV bytes / token | pages in a {} MiB pool | tokens | largest batch at {} tokens |".format(
                  mla["pool_mib"], mla["seq_len"]), "|---|---|---|---|---|"]
     for name, c in cap.items():
-        lines.append(f"| {name} | {c['kv_bytes_per_token']:,} | {c['pages']} | {c['tokens']:,} | {c['max_batch_size']} |")
+        lines.append(f"| {name} | {c['kv_bytes_per_token']:,} | {c['pages']} | {c['tokens']:,} | {c['sequences']} |")
     lines += ["", f"Latent over expanded: {exp['kv_bytes_per_token'] / mla['kv_bytes_per_token']:.2f}x fewer bytes "
               f"per token.", "",
               "| engine | " + " | ".join(f"decode tok/s b{b} (vs HF eager)" for b in meta["batch_sizes"]) + " |",
@@ -182,7 +183,7 @@ def plot(data: Dict[str, Any], path: str) -> Optional[str]:
     left.bar(names, [cap[n]["kv_bytes_per_token"] / 1024 for n in names], color=["tab:blue", "tab:orange"])
     left.set_ylabel("KV cache KiB / token (all layers)")
     for i, n in enumerate(names):
-        left.annotate(f"batch {cap[n]['max_batch_size']} fits", (i, cap[n]["kv_bytes_per_token"] / 1024),
+        left.annotate(f"{cap[n]['sequences']} sequences fit", (i, cap[n]["kv_bytes_per_token"] / 1024),
                       ha="center", va="bottom", fontsize=8)
     left.set_title(f"cache size ({cap[names[0]]['pool_mib']} MiB pool, {cap[names[0]]['seq_len']}-token sequences)")
     batches = meta["batch_sizes"]
