@@ -35,7 +35,7 @@ from .utils.errors import ConfigError
 from .utils.logging import get_logger
 
 if TYPE_CHECKING:
-    from .distributed.step_broadcast import StepSender
+    from .runtime.step_broadcast import StepSender
 
 logger = get_logger(__name__)
 
@@ -79,7 +79,7 @@ class LLM:
             self._engine = Engine(self.build.graph, cache, tokenizer=self.tokenizer_handle,
                                   eos_token_ids=self._eos_token_ids())
             return
-        from .distributed.step_broadcast import StepSender, agree_on_capacity
+        from .runtime.step_broadcast import StepSender, agree_on_capacity
 
         pages, sequences = agree_on_capacity(cache)  # every rank, in the same order
         if self.rank == 0:
@@ -125,7 +125,7 @@ class LLM:
         ran. Raises ``RankFailure`` when rank 0 is gone or hung for longer than the group's timeout."""
         if self.is_driver:
             raise ConfigError("follow() is for the ranks other than 0; this process runs the engine (llm.is_driver)")
-        from .distributed.worker import follow
+        from .runtime.follower import follow
 
         return follow(self.build.graph, self.build.cache)
 

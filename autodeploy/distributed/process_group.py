@@ -127,7 +127,7 @@ def initialize(rank: Optional[int] = None, world_size: Optional[int] = None, dev
 def timeout_s() -> float:
     """Seconds a collective of this process's group waits for the other ranks before it fails:
     what ``initialize`` was given (``DEFAULT_TIMEOUT_S`` for a group made elsewhere). Idle ranks
-    must hear from rank 0 more often than this (``step_broadcast`` sends keep-alives)."""
+    must hear from rank 0 more often than this (``autodeploy.runtime.step_broadcast`` sends keep-alives)."""
     return _timeout_s if _timeout_s is not None else DEFAULT_TIMEOUT_S
 
 

@@ -4,14 +4,15 @@ The DSA families (DeepSeek-V3.2, GLM-MoE-DSA, AXK2, Dots3) compute, per layer, a
 returns ``topk(min(index_topk, T))`` key indices: a width that follows the sequence length, so
 ``torch.export`` specialises it (the graph then refuses one-token steps and the model ran in
 recompute mode). The ``dsa_indexer`` export patch replaces the indexer's forward, for one
-export on the ``autodeploy`` attention route, by the same computation ending in the fixed-width
+export on the ``autodeploy`` attention route (any implementation but eager/sdpa, for which HF's
+attention code scatters the indices into a mask), by the same computation ending in the fixed-width
 canonical op (``autodeploy.ops.dsa``); the attention route then hands the indices to
 ``torch_mla`` as ``topk_indices`` (``hf_attention``), and ``insert_cached_mla_attention`` gives
 the indexer keys a paged cache of their own.
 
 The indexers of the four families differ only in their RoPE (half-split for DeepSeek-V3.2 and
 AXK2, interleaved for GLM-MoE-DSA and Dots3): the patched forward calls the function the
-family's own forward calls, found in its module. On any other route (the exporter's sdpa
+family's own forward calls, found in its module. On the eager/sdpa routes (the exporter's
 retry, HF eager runs) the original forward runs.
 """
 
@@ -29,6 +30,8 @@ _ROPE_FUNCTIONS = ("apply_rotary_pos_emb_interleave", "apply_rotary_pos_emb")
 _LINEARS = ("wq_b", "wk", "weights_proj")
 _SIZES = ("n_heads", "head_dim", "qk_rope_head_dim", "index_topk")
 
+# attention implementations for which HF's DSA code scatters the indices into a mask
+_MASKING_IMPLS = ("eager", "sdpa")
 # id(indices torch_dsa_indexer returned) -> the tensor, for the current export
 _INDICES: Dict[int, torch.Tensor] = {}
 
@@ -54,9 +57,9 @@ def _indexer_forward(original: Callable, rope_function: Callable) -> Callable:
     def forward(self: nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor, position_embeddings,
                 attention_mask: torch.Tensor, position_ids: Optional[torch.Tensor] = None, past_key_values=None,
                 **kwargs) -> torch.Tensor:
-        from .hf_attention import AD_ATTN_IMPL  # (hf_attention imports this module)
-
-        if getattr(self.config, "_attn_implementation", None) != AD_ATTN_IMPL or past_key_values is not None:
+        # HF's attention code turns the indices into a mask for eager/sdpa (the exporter's retry
+        # route, eager runs): only the other implementations (our route) get them as indices
+        if getattr(self.config, "_attn_implementation", None) in _MASKING_IMPLS or past_key_values is not None:
             return original(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,
                             past_key_values=past_key_values, **kwargs)
         batch, seq, _ = hidden_states.shape

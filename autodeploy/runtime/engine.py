@@ -28,7 +28,7 @@ from .scheduler import ScheduledStep, Scheduler
 from .sequence import Sequence
 
 if TYPE_CHECKING:
-    from ..distributed.step_broadcast import StepSender
+    from .step_broadcast import StepSender
 
 logger = get_logger(__name__)
 

@@ -12,8 +12,8 @@ token buffers), it also hands each sequence that asked for them
 overwrites them.
 
 Under tensor parallelism the runner of rank 0 is given a ``StepSender``
-(``autodeploy.distributed.step_broadcast``): each step's ``SequenceInfo`` goes to the other
-ranks, which run their shard of the graph with it (``autodeploy.distributed.worker``), while
+(``autodeploy.runtime.step_broadcast``): each step's ``SequenceInfo`` goes to the other
+ranks, which run their shard of the graph with it (``autodeploy.runtime.follower``), while
 rank 0 runs its own.
 """
 
@@ -28,7 +28,7 @@ from .scheduler import ScheduledStep
 from .sequence import Sequence
 
 if TYPE_CHECKING:
-    from ..distributed.step_broadcast import StepSender
+    from .step_broadcast import StepSender
 
 
 @dataclass

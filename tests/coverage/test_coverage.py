@@ -28,7 +28,14 @@ FAST_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gemma2"
 CACHE_MODES = {"lfm2": "paged_kv+state", "mamba": "state"}
 
 
-@pytest.mark.parametrize("model_type", FAST_FAMILIES)
+# Suite time: six of them by default (distinct features: GQA + RoPE, soft-capping, partial rotary,
+# a short-conv state cache, multi-query attention, a Mamba state), the rest with -m slow; the
+# coverage sweep runs them all.
+DEFAULT_RUN = {"llama", "gemma2", "phi3", "lfm2", "falcon", "mamba"}
+
+
+@pytest.mark.parametrize("model_type", [t if t in DEFAULT_RUN else pytest.param(t, marks=pytest.mark.slow)
+                                        for t in FAST_FAMILIES])
 def test_fast_families_pass_end_to_end(model_type):
     result = run_check(model_type, CACHE)
     assert result.status == "pass", f"{model_type}: {result.outcome} at {result.stage}: {result.error}"

@@ -99,7 +99,7 @@ PROMPTS = [[3, 17, 29, 41, 5], [7, 8, 9]]
 
 def _generate_job(rank: int):
     from autodeploy import LLM, SamplingParams
-    from autodeploy.distributed.step_broadcast import StepSender
+    from autodeploy.runtime.step_broadcast import StepSender
 
     # rank 0 schedules and samples; rank 1 runs the steps it sends. Rank 1's pool is smaller:
     # the group schedules within the smallest rank's.

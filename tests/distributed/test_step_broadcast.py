@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from autodeploy.cache.interface import CachedSequenceInterface
 from autodeploy.cache.sequence_info import build_sequence_info
 from autodeploy.distributed import process_group
-from autodeploy.distributed.step_broadcast import FIELDS, StepSender, pack, payload_numel, unpack
+from autodeploy.runtime.step_broadcast import FIELDS, StepSender, pack, payload_numel, unpack
 from autodeploy.utils.errors import RankFailure
 from test_collectives import _free_port
 
@@ -105,7 +105,7 @@ def _drive_job(rank: int) -> Dict[str, Any]:
             seen.append(inputs[0].reshape(-1).tolist() + inputs[9].tolist())  # input ids + logits rows
             return _graph(*inputs)
 
-        from autodeploy.distributed.worker import follow
+        from autodeploy.runtime.follower import follow
 
         return {"steps": follow(graph, _cache()), "seen": seen}
     sender = StepSender(torch.device("cpu"), keepalive_s=0.2)
@@ -141,7 +141,7 @@ def test_followers_run_every_step_rank_zero_sends_through_idle_time_until_stop()
 
 def _dying_follower_job(rank: int) -> Dict[str, Any]:
     if rank == 1:
-        from autodeploy.distributed.step_broadcast import StepReceiver
+        from autodeploy.runtime.step_broadcast import StepReceiver
 
         receiver = StepReceiver(torch.device("cpu"))
         for _ in range(2):
@@ -184,7 +184,7 @@ def test_a_follower_that_dies_mid_run_fails_rank_zero_with_an_error_not_a_hang()
 
 def _hanging_follower_job(rank: int) -> Dict[str, Any]:
     if rank == 1:
-        from autodeploy.distributed.step_broadcast import StepReceiver
+        from autodeploy.runtime.step_broadcast import StepReceiver
 
         receiver = StepReceiver(torch.device("cpu"))
         for _ in range(2):

@@ -27,8 +27,14 @@ def hf_models():
     return get
 
 
-@pytest.mark.parametrize("route", ["autodeploy", "sdpa", "eager"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# Suite time: the default route (autodeploy) for every family, HF's sdpa and eager routes for
+# three of them by default (all six with -m slow).
+ROUTE_FAMILIES = {"llama", "gemma", "phi3"}
+ROUTES = [pytest.param(f, r, marks=() if r == "autodeploy" or f in ROUTE_FAMILIES else pytest.mark.slow)
+          for f in sorted(FAMILIES) for r in ("autodeploy", "sdpa", "eager")]
+
+
+@pytest.mark.parametrize("family, route", ROUTES)
 def test_canonical_graph_matches_hf(family, route, hf_models):
     ckpt = family_checkpoint(family)
     n_layers = FAMILIES[family]["num_hidden_layers"]

@@ -95,7 +95,9 @@ def test_logits_equal_the_dequantized_reference(model, fmt, backend):
     _assert_logits_match(gm, qe.reference_model(model, fmt))
 
 
-@pytest.mark.parametrize("model,fmt", CASES)
+# Suite time: DeepSeek-V3's greedy runs (5-7 s each) with -m slow; its logits tests stay in the default run
+@pytest.mark.parametrize("model,fmt", [c if c[0] != "deepseek_v3" else pytest.param(*c, marks=pytest.mark.slow)
+                                       for c in CASES])
 def test_greedy_tokens_equal_the_reference(model, fmt):
     llm = LLM(qe.quantized_checkpoint(model, fmt), log_summary=False, **LIMITS)
     ids = llm.tokenizer(qe.GREEDY_PROMPT[model])["input_ids"]

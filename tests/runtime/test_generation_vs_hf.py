@@ -49,8 +49,14 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# Suite time: every family runs the default backend (sdpa); the reference backend and the
+# torch-compile pipeline run by default for two families each, all six with -m slow.
+DEFAULT_RUN = {"sdpa": set(FAMILIES), "torch": {"llama", "gemma"}, "torch-compile": {"llama", "qwen3"}}
+CASES = [pytest.param(f, v, marks=() if f in DEFAULT_RUN[v] else pytest.mark.slow)
+         for f in sorted(FAMILIES) for v in sorted(VARIANTS)]
+
+
+@pytest.mark.parametrize("family, variant", CASES)
 def test_greedy_generation_matches_hf(family, variant, hf_reference):
     llm = LLM(family_checkpoint(family), max_seq_len=96, max_batch_size=4, max_num_tokens=128, **VARIANTS[variant])
     backend = variant

@@ -126,6 +126,7 @@ def rolling_windows(tokens: List[int], prefix: int, window: int) -> List[Tuple[L
 
 
 # ---- the test ----------------------------------------------------------------------------------
+@pytest.mark.slow  # 16 s; suite time: the completions and prompt-logprob contract it reads is tested in tests/serve and tests/runtime/test_prompt_logprobs.py
 def test_lm_eval_scores_match_hf(demo_server, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -57,6 +57,9 @@ from .recompute_fallback import export_shape_problem
 
 logger = get_logger(__name__)
 
+# gm.meta key: the kv_cache_dtype the user asked for, read by insert_cached_mla_attention
+KV_CACHE_DTYPE_REQUESTED = "autodeploy_kv_cache_dtype_requested"
+
 
 class InsertCachedAttentionConfig(TransformConfig):
     stage: Stage = Stage.CACHE_INIT
@@ -89,6 +92,7 @@ class InsertCachedAttention(BaseTransform):
                 f"available: {', '.join(sorted(attention_backends()))}"
             )
         backend = get_attention_backend(cfg.backend)
+        gm.meta[KV_CACHE_DTYPE_REQUESTED] = cfg.kv_cache_dtype  # for the other KV caches' transforms (MLA)
         device = torch.device(ctx.device)
         if device.type not in backend.devices:
             raise ConfigError(f"attention backend '{backend.name}' does not run on {device.type}")

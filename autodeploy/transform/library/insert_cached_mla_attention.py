@@ -29,8 +29,8 @@ Like the KV cache, a graph that cannot take a step's tokens as one row (static o
 length export), or that ``insert_cached_attention`` already declared uncacheable, is left
 alone for ``recompute_fallback``; a non-causal ``torch_mla`` is an error or recompute
 (``on_uncacheable``), never a silently wrong answer. An FP8 KV cache
-(``insert_cached_attention.kv_cache_dtype: fp8``) does not apply to the latent cache, which is
-kept in the model's dtype (logged).
+(``insert_cached_attention.kv_cache_dtype: fp8``) is not built for the latent cache, which is
+kept in the model's dtype (a warning says so).
 """
 
 from typing import List, Literal, Optional
@@ -47,6 +47,7 @@ from ...utils.logging import get_logger
 from ..graph_utils import arg, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._cache_inputs import add_cache_input, step_inputs
+from .insert_cached_attention import KV_CACHE_DTYPE_REQUESTED
 from .recompute_fallback import export_shape_problem
 
 logger = get_logger(__name__)
@@ -90,9 +91,10 @@ class InsertCachedMLAAttention(BaseTransform):
                 raise ConfigError(problem)
             ctx.uncached_reason = problem
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason=problem)
-        if (gm.meta.get("autodeploy_cached") or {}).get("kv_cache_dtype") == "fp8":
-            logger.warning("kv_cache_dtype fp8 applies to the KV cache only; the MLA latent cache stays in %s",
-                           ctx.dtype)
+        if gm.meta.get(KV_CACHE_DTYPE_REQUESTED, "auto") != "auto":
+            logger.warning("kv_cache_dtype %s is not built for the MLA latent cache: it stays in %s (an ordinary "
+                           "attention's KV cache, if any, gets %s)", gm.meta[KV_CACHE_DTYPE_REQUESTED],
+                           str(ctx.dtype).replace("torch.", ""), gm.meta[KV_CACHE_DTYPE_REQUESTED])
         self._replace(gm, ctx, backend, nodes)
         meta = gm.meta.setdefault("autodeploy_cached", {})
         meta.update({"mla_backend": backend.name, "mla_layers": len(nodes)})

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..cache.sequence_info import METADATA_NAMES, SequenceInfo
 from ..utils.errors import RankFailure
 from ..utils.logging import get_logger
-from . import process_group
+from ..distributed import process_group
 
 if TYPE_CHECKING:
     from ..cache.interface import CachedSequenceInterface

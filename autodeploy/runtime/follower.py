@@ -13,7 +13,7 @@ import torch
 
 from ..cache.interface import CachedSequenceInterface
 from ..utils.logging import get_logger
-from . import process_group
+from ..distributed import process_group
 from .step_broadcast import StepReceiver
 
 logger = get_logger(__name__)
