@@ -224,7 +224,7 @@ def test_plain_norm_whose_sum_is_read_before_it_is_left_alone():
 
 
 def test_world_size_one_pipeline_has_no_all_reduce_and_skips():
-    result = build(family_checkpoint("llama"), up_to=Stage.POST_LOAD_FUSION)
+    result = build(family_checkpoint("llama"), up_to=Stage.POST_LOAD_FUSION, overrides={KEY: {"enabled": True}})
     record = {r.key: r for r in result.context.history}[KEY]
     assert record.status.startswith("skipped") and record.num_matches == 0
 
@@ -256,7 +256,7 @@ def _layer0_attention_reduce(gm):
 
 def _graph_job(rank: int, family: str = "llama") -> Dict[str, Any]:
     checkpoint = family_checkpoint(family)
-    fused = build(checkpoint, up_to=Stage.POST_LOAD_FUSION, world_size=2)
+    fused = build(checkpoint, up_to=Stage.POST_LOAD_FUSION, world_size=2, overrides={KEY: {"enabled": True}})
     unfused = build(checkpoint, up_to=Stage.POST_LOAD_FUSION, world_size=2, overrides={KEY: {"enabled": False}})
     fgm, ugm = fused.graph_module, unfused.graph_module
     record = {r.key: r for r in fused.context.history}[KEY]
