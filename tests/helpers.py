@@ -2,6 +2,7 @@
 
 import copy
 import os
+import random
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
@@ -121,6 +122,27 @@ def build(model: str, *, up_to: Optional[Stage] = None, route: str = "autodeploy
         transforms[key] = {**(transforms.get(key) or {}), **raw}
     cfg = cfg.model_copy(update={"transforms": transforms})
     return build_graph(cfg, log_summary=False)
+
+
+def prefill_then_decode(res: BuildResult, seqs: Sequence[Sequence[int]], lengths: Sequence[int],
+                        decodes: int = 3) -> torch.Tensor:
+    """Run a cached build on a fresh pool (pages from a shuffled free list): one step prefilling
+    every sequence's first ``lengths`` tokens, then ``decodes`` steps decoding the next token of
+    each; the logits rows of all steps, concatenated."""
+    from autodeploy.cache import build_sequence_info
+
+    cache = res.cache
+    cache.allocate(cache.num_pages)
+    free = list(range(cache.num_pages))
+    random.Random(0).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-len(s) // cache.page_size))] for s in seqs]
+    steps = [([list(s[:n]) for s, n in zip(seqs, lengths)], [0] * len(seqs))]
+    steps += [([[s[n + e]] for s, n in zip(seqs, lengths)], [n + e for n in lengths]) for e in range(decodes)]
+    rows = []
+    for tokens, starts in steps:
+        with torch.no_grad():
+            rows.append(res.graph(*cache.graph_args(build_sequence_info(tokens, starts, tables)))[0])
+    return torch.cat(rows)
 
 
 def moe_config(family: str, **overrides: Any) -> Any:

@@ -138,8 +138,9 @@ def _select_pages(cache: Tensor, pages: Tensor) -> Tensor:
     return cache.index_select(0, pages)
 
 
-def _gather(cache: Tensor, pages: Tensor, length: int) -> Tensor:
-    """The first ``length`` cached positions of one sequence, ``[length, heads, dim]``."""
+def gather_sequence(cache: Tensor, pages: Tensor, length: int) -> Tensor:
+    """The first ``length`` cached positions of one sequence, ``[length, heads, dim]``, from its
+    pages (shared by every paged cache: KV, the MLA latent, DSA's indexer keys)."""
     page_size = cache.shape[1]
     needed = pages[: (length + page_size - 1) // page_size].long()
     # index_select, not cache[needed]: advanced indexing measured 3-8x slower for this copy.
@@ -152,8 +153,8 @@ def _load(stored: Tensor, scale: Optional[float], dtype: torch.dtype) -> Tensor:
 
 
 def _read(cache: Tensor, pages: Tensor, length: int, scale: Optional[float], dtype: torch.dtype) -> Tensor:
-    """``_gather`` in ``dtype``, dequantized when the cache is fp8."""
-    return _load(_gather(cache, pages, length), scale, dtype)
+    """``gather_sequence`` in ``dtype``, dequantized when the cache is fp8."""
+    return _load(gather_sequence(cache, pages, length), scale, dtype)
 
 
 @torch.library.custom_op(
@@ -376,6 +377,7 @@ __all__: List[str] = [
     "KV_FP8_DTYPE",
     "KV_FP8_MAX",
     "dequantize_kv",
+    "gather_sequence",
     "quantize_kv",
     "torch_cached_attention_prepare_metadata",
     "torch_cached_attention_with_cache",

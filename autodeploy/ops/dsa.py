@@ -27,6 +27,8 @@ from typing import List
 import torch
 from torch import Tensor
 
+from .cached_attention import gather_sequence
+
 
 def index_scores(q: Tensor, k: Tensor, w: Tensor, scale: float) -> Tensor:
     """``[b, s, t]`` float32 scores of queries ``q [b, s, H, d]`` against keys ``k [b, t, d]``,
@@ -88,12 +90,10 @@ def torch_cached_dsa_indexer(
     d = index_cache.shape[-1]
     index_cache.view(-1, d).index_copy_(0, slot_mapping, k.reshape(-1, d).to(index_cache.dtype))
     out = q.new_full((1, q.shape[1], topk), -1, dtype=torch.int32)
-    page_size = index_cache.shape[1]
     lengths, starts, offsets = seq_len.tolist(), input_pos.tolist(), cu_seqlen.tolist()
     for i, (n, start) in enumerate(zip(lengths, starts)):
         total = start + n
-        pages = page_table[i, : (total + page_size - 1) // page_size].long()
-        keys = index_cache.index_select(0, pages).reshape(-1, d)[:total].to(q.dtype)
+        keys = gather_sequence(index_cache, page_table[i], total)[:, 0].to(q.dtype)
         rows = slice(offsets[i], offsets[i] + n)
         scores = index_scores(q[:, rows], keys[None], weights[:, rows], scale)
         out[:, rows] = select_top(scores, start, topk)

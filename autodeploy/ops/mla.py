@@ -46,6 +46,7 @@ from torch import Tensor
 
 from . import attention  # noqa: F401  (torch_attention, the math of the reference paths)
 from .rope import ROPE_NONE, apply_rope
+from .cached_attention import gather_sequence
 from .dsa import topk_keep_mask
 
 
@@ -114,13 +115,6 @@ def _write_latent(compressed_kv: Tensor, kpe: Tensor, slots: Tensor, cache: Tens
     return rows
 
 
-def _gather_latent(cache: Tensor, pages: Tensor, length: int) -> Tensor:
-    """The first ``length`` cached latent rows of one sequence, ``[length, L + d_rope]``."""
-    page_size, width = cache.shape[1], cache.shape[-1]
-    needed = pages[: (length + page_size - 1) // page_size].long()
-    return cache.index_select(0, needed).reshape(-1, width)[:length]
-
-
 def _attend_expanded(q_nope: Tensor, q_pe: Tensor, latent: Tensor, weight: Tensor, d_nope: int, d_v: int,
                      scale: Optional[float], keep: Optional[Tensor] = None) -> Tensor:
     """``[n_q, n, d_v]``: one sequence's last ``n_q`` queries against its latent rows ``[total, L + d_rope]``,
@@ -163,7 +157,7 @@ def torch_cached_mla_with_cache(
     lengths, starts, offsets = seq_len.tolist(), input_pos.tolist(), cu_seqlen.tolist()
     for i, (n, start) in enumerate(zip(lengths, starts)):
         rows = slice(offsets[i], offsets[i] + n)
-        latent = _gather_latent(mla_cache, page_table[i], start + n)
+        latent = gather_sequence(mla_cache, page_table[i], start + n)[:, 0]
         keep = None if topk_indices is None else topk_keep_mask(topk_indices[0, rows], start + n)
         out[0, rows] = _attend_expanded(q_nope[0, rows], q_pe[0, rows], latent, kv_b_proj_weight, d_nope, d_v, scale,
                                         keep)
@@ -263,7 +257,7 @@ def _prefill(q_nope: Tensor, q_pe: Tensor, rows: Tensor, out: Tensor, num_prefil
     for i in range(num_prefill):
         n, start = lengths[i], starts[i]
         toks = slice(offsets[i], offsets[i] + n)
-        latent = rows[toks] if start == 0 else _gather_latent(cache, page_table[i], start + n)
+        latent = rows[toks] if start == 0 else gather_sequence(cache, page_table[i], start + n)[:, 0]
         latent = latent.to(q_nope.dtype)
         k, v = _expand(latent[:, :lora], latent[:, lora:], weight, d_nope, d_v)  # [total, n, d]
         q = torch.cat([q_nope[toks], q_pe[toks].to(q_nope.dtype)], dim=-1)

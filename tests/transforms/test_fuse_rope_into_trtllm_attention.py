@@ -8,17 +8,15 @@ its own fusion (test_fuse_rope_into_trtllm_mla.py).
 """
 
 import operator
-import random
 
 import pytest
 import torch
 
-from autodeploy.cache import build_sequence_info
 from autodeploy.ops.rope import ROPE_ROTATE_HALF
 from autodeploy.transform.interface import Stage
 from autodeploy.transform.optimizer import build_transform
 from autodeploy.utils.fx import copy_graph_module
-from helpers import FAMILIES, _cached_checkpoint, build, count_op, rel_rmse
+from helpers import FAMILIES, _cached_checkpoint, build, count_op, prefill_then_decode, rel_rmse
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -64,26 +62,12 @@ def test_structure(pair):
         assert node.kwargs["rope_cos"].target == node.kwargs["rope_sin"].target == aten.embedding.default
 
 
-def _run(res, seqs, lengths):
-    res.cache.allocate(res.cache.num_pages)
-    free = list(range(res.cache.num_pages))
-    random.Random(0).shuffle(free)
-    tables = [[free.pop() for _ in range(-(-len(s) // LIMITS["page_size"]))] for s in seqs]
-    steps = [([s[:n] for s, n in zip(seqs, lengths)], [0] * len(seqs))]
-    steps += [([[s[n + e]] for s, n in zip(seqs, lengths)], [n + e for n in lengths]) for e in range(3)]
-    rows = []
-    for tokens, starts in steps:
-        with torch.no_grad():
-            rows.append(res.graph(*res.cache.graph_args(build_sequence_info(tokens, starts, tables)))[0])
-    return torch.cat(rows)
-
-
 @pytest.mark.parametrize("lengths", [(6,), (9, 3)])
 def test_logits_equal_the_unfused_graph(pair, lengths):
     _, fused, unfused = pair
     gen = torch.Generator().manual_seed(sum(lengths))
     seqs = [torch.randint(0, FAMILIES["llama"]["vocab_size"], (n + 3,), generator=gen).tolist() for n in lengths]
-    assert rel_rmse(_run(fused, seqs, lengths), _run(unfused, seqs, lengths)) < 1e-6
+    assert rel_rmse(prefill_then_decode(fused, seqs, lengths), prefill_then_decode(unfused, seqs, lengths)) < 1e-6
 
 
 def test_a_rope_output_with_another_reader_is_left_alone(pair):
