@@ -55,6 +55,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): float32 on CPU, the checkpoint's dtype on CUDA")
+    p.add_argument("--mode", choices=["graph", "transformers"],
+                   help="graph (default): export and optimise the graph; transformers: run the HF module eagerly with "
+                        "cached attention over the paged KV cache (for models that do not export)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint repo")
     p.add_argument("--allow-pickle", action="store_true", help="allow pickled .bin/.pt weights")
 
@@ -104,6 +107,7 @@ def config_from_args(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
         "world_size": world_size,
         "device": getattr(args, "device", None),
         "dtype": getattr(args, "dtype", None),
+        "mode": getattr(args, "mode", None),
         "trust_remote_code": True if getattr(args, "trust_remote_code", False) else None,
         "allow_pickle": True if getattr(args, "allow_pickle", False) else None,
     }

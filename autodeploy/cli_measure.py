@@ -175,6 +175,8 @@ def _command_line(args: argparse.Namespace, recipes: List[str]) -> str:
                                                ("--recipes", ",".join(recipes))))
     if args.mutate:
         command += f" --mutate {args.mutate}"
+    if args.mode != "graph":
+        command += f" --mode {args.mode}"
     if args.only:
         command += " --only " + " ".join(args.only)
     return command
@@ -185,7 +187,7 @@ def _write_coverage(args: argparse.Namespace, results: List[Any], recipes: List[
     from .coverage.report import default_meta, write_report
 
     command = _command_line(args, recipes)
-    meta = default_meta(command, wall)
+    meta = default_meta(command, wall, mode=args.mode)
     previous = os.path.splitext(args.out)[0] + ".json"
     if args.update and os.path.exists(previous):
         from .coverage.report import load_results, merge_results
@@ -203,11 +205,12 @@ def cmd_coverage(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
     model_types = _check_coverage_inputs(args)
     recipes = _recipes(args.recipes)
-    print(f"checking {len(model_types)} model types at recipe(s) {', '.join(recipes)} with {args.jobs} job(s), "
+    print(f"checking {len(model_types)} model types at recipe(s) {', '.join(recipes)} in mode {args.mode} with "
+          f"{args.jobs} job(s), "
           f"{args.timeout:.0f} s per check" + (f", mutation {args.mutate}" if args.mutate else ""), flush=True)
     start = time.perf_counter()
     results = run_sweep(model_types, jobs=args.jobs, timeout_s=args.timeout, cache_dir=args.cache_dir,
-                        include_excluded=args.include_excluded, recipes=recipes, mutate=args.mutate,
+                        include_excluded=args.include_excluded, recipes=recipes, mutate=args.mutate, mode=args.mode,
                         on_result=_progress_printer(model_types, recipes, args.include_excluded))
     wall = time.perf_counter() - start
     paths, results = _write_coverage(args, results, recipes, wall)
@@ -280,6 +283,9 @@ def _add_coverage_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--recipes", default="a,b",
                    help="size recipes of the tiny configs, comma-separated (default a,b: regular sizes, and odd ones "
                         "where models are sensitive; a type passes only if it passes at every recipe)")
+    p.add_argument("--mode", default="graph", choices=("graph", "transformers"),
+                   help="deployment mode every check builds: graph (export, the default) or transformers (the HF "
+                        "module eagerly with cached attention; committed as docs/coverage_transformers.md)")
     p.add_argument("--mutate", default=None, metavar="NAME",
                    help="test the sweep itself: break the pipeline on purpose in every check (rope_sign, or "
                         "noop:<transform key>); the report must then show failures. Never use for a real report")

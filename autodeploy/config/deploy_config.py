@@ -12,6 +12,7 @@ from .checks import check_settings, check_shortcut_value
 from .merge import deep_merge, load_yaml_file, parse_dotted_overrides
 
 DEFAULT_YAML = os.path.join(os.path.dirname(__file__), "default.yaml")
+TRANSFORMERS_YAML = os.path.join(os.path.dirname(__file__), "transformers.yaml")
 logger = get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,6 +24,13 @@ class DeployConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     model: str = Field(description="Preset name, local HF checkpoint directory, or hub id (org/name).")
+    mode: Literal["graph", "transformers"] = Field(
+        default="graph",
+        description="graph: export the model and optimise the graph (the fast path). transformers: no export; the "
+        "HF module runs eagerly with its attention swapped for the cached attention over the paged KV cache "
+        "(config/transformers.yaml's pipeline), for models that do not export; models whose attention the cache "
+        "cannot serve run in recompute mode.",
+    )
     revision: Optional[str] = Field(default=None, description="Hub revision (branch, tag or commit).")
     tokenizer: Optional[str] = Field(default=None, description="Tokenizer source if not the model's own.")
     trust_remote_code: bool = Field(default=False, description="Allow running model code from the checkpoint repo.")
@@ -152,6 +160,8 @@ def load_deploy_config(
         parsed = parse_dotted_overrides(overrides) if not isinstance(overrides, Mapping) else dict(overrides)
         user = deep_merge(user, parsed)
     data = deep_merge(base, user)
+    if data.get("mode") == "transformers":
+        data["transforms"] = _transformers_mode_transforms(user)
     try:
         config = DeployConfig.model_validate(data)
     except ValidationError as err:
@@ -164,6 +174,18 @@ def load_deploy_config(
 
         check_world_size(entry, config.world_size, launching=launching)
     return config
+
+
+def _transformers_mode_transforms(user: Mapping[str, Any]) -> Dict[str, Any]:
+    """transformers.yaml's pipeline with the user's fields for its keys; a user's key of the graph
+    pipeline would silently do nothing here, so it is an error."""
+    own = load_yaml_file(TRANSFORMERS_YAML)["transforms"]
+    user_transforms = dict(user.get("transforms") or {})
+    foreign = sorted(k for k in user_transforms if k not in own)
+    if foreign:
+        raise ConfigError(f"transforms {', '.join(foreign)} do not run in mode 'transformers' (its pipeline: "
+                          f"{', '.join(own)}); drop them or use mode 'graph'")
+    return deep_merge(own, user_transforms)
 
 
 def registry_layer(entry: Any) -> Dict[str, Any]:
@@ -210,7 +232,10 @@ def _apply_shortcuts(config: DeployConfig, user: Mapping[str, Any]) -> Dict[str,
     transform field the user also set is an error (no silent winner)."""
     transforms = {k: dict(v or {}) for k, v in config.transforms.items()}
     user_transforms = user.get("transforms") or {}
-    for setting, (key, field) in SHORTCUTS.items():
+    shortcuts = dict(SHORTCUTS)
+    if config.mode == "transformers":  # the one shortcut whose transform this mode has
+        shortcuts["attn_backend"] = ("transformers_replace_cached_attn", "backend")
+    for setting, (key, field) in shortcuts.items():
         value = getattr(config, setting)
         if value is None:
             continue

@@ -153,9 +153,9 @@ def rel_rmse(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # ---- the check ----------------------------------------------------------------------------------
 def run_check(model_type: str, cache_dir: Optional[str] = None, *, recipe: str = "a", include_excluded: bool = False,
-              on_progress: Optional[Callable[[CheckResult], None]] = None) -> CheckResult:
-    """Check one model type at one size recipe; never raises for a model's failure (it is in
-    the result)."""
+              on_progress: Optional[Callable[[CheckResult], None]] = None, mode: str = "graph") -> CheckResult:
+    """Check one model type at one size recipe, built in deployment ``mode``; never raises for a
+    model's failure (it is in the result)."""
     from .checkpoints import default_cache_dir
 
     cache_dir = cache_dir or default_cache_dir()
@@ -171,7 +171,7 @@ def run_check(model_type: str, cache_dir: Optional[str] = None, *, recipe: str =
         return result
     start = time.perf_counter()
     try:
-        _run_stages(result, cache_dir, notify)
+        _run_stages(result, cache_dir, notify, mode)
     except Exception as exc:  # noqa: BLE001 - every model failure becomes a table row
         result.status = ERROR
         result.error = error_line(exc)
@@ -187,7 +187,7 @@ def run_check(model_type: str, cache_dir: Optional[str] = None, *, recipe: str =
     return result
 
 
-def _run_stages(result: CheckResult, cache_dir: str, notify: Callable[[CheckResult], None]) -> None:
+def _run_stages(result: CheckResult, cache_dir: str, notify: Callable[[CheckResult], None], mode: str = "graph") -> None:
     from .checkpoints import ensure_checkpoint
     from .configs import tiny_config
     from .reference import hf_greedy_reference, load_hf_eager
@@ -214,7 +214,7 @@ def _run_stages(result: CheckResult, cache_dir: str, notify: Callable[[CheckResu
     t = _lap(result, "hf_reference", t)
 
     enter("factory")  # from here the stage is the failing transform's (see run_check)
-    llm = _build_llm(checkpoint)
+    llm = _build_llm(checkpoint, mode)
     result.cache_mode = llm.build.context.cache_mode
     result.cache_mode_reason = llm.build.context.recompute_reason or ""
     result.latent_cache = any(name.startswith("mla_cache_") for name in llm.build.cache.paged_names)
@@ -263,12 +263,12 @@ def _greedy_params(max_tokens: int) -> Any:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
-def _build_llm(checkpoint: str) -> Any:
-    """The default pipeline, fp32 on CPU, sized for the two prompts."""
+def _build_llm(checkpoint: str, mode: str = "graph") -> Any:
+    """The default pipeline of ``mode``, fp32 on CPU, sized for the two prompts."""
     from ..llm import LLM
 
     return LLM(checkpoint, dtype="float32", device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch_size=len(PROMPT_LENGTHS),
-               max_num_tokens=MAX_SEQ_LEN)
+               max_num_tokens=MAX_SEQ_LEN, mode=mode)
 
 
 @torch.inference_mode()
@@ -323,6 +323,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--recipe", default="a", help="size recipe of the tiny config (coverage/recipes.py)")
     parser.add_argument("--mutate", default=None,
                         help="break the pipeline on purpose (coverage/mutations.py): the check must then fail")
+    parser.add_argument("--mode", default="graph", choices=("graph", "transformers"), help="deployment mode")
     parser.add_argument("--result", required=True, help="JSON file the result is (re)written to")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--threads", type=int, default=None)
@@ -340,7 +341,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         apply_mutation(args.mutate)
     result = run_check(args.model_type, args.cache_dir, recipe=args.recipe, include_excluded=args.include_excluded,
-                       on_progress=lambda r: _write_json(args.result, r.to_dict()))
+                       mode=args.mode, on_progress=lambda r: _write_json(args.result, r.to_dict()))
     _write_json(args.result, result.to_dict())
     if result.status == ERROR:  # the traceback goes to the child's log
         logger.warning("%s: error at %s: %s", result.model_type, result.stage, result.error)

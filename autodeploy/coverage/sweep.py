@@ -84,7 +84,7 @@ def _child_env(threads: int) -> dict:
 
 def run_one_in_subprocess(model_type: str, cache_dir: str, timeout_s: float, threads: int = 1,
                           include_excluded: bool = False, recipe: str = "a",
-                          mutate: Optional[str] = None) -> CheckResult:
+                          mutate: Optional[str] = None, mode: str = "graph") -> CheckResult:
     """Check one model type at one size recipe in a child process with a time limit
     (``mutate``: a deliberate breakage the check must catch, see ``mutations``)."""
     log_dir = os.path.join(cache_dir, "logs")
@@ -98,6 +98,8 @@ def run_one_in_subprocess(model_type: str, cache_dir: str, timeout_s: float, thr
         cmd.append("--include-excluded")
     if mutate:
         cmd += ["--mutate", mutate]
+    if mode != "graph":
+        cmd += ["--mode", mode]
     log_path = os.path.join(log_dir, f"{model_type}.{recipe}.log")
     start = time.perf_counter()
     timed_out = False
@@ -167,6 +169,7 @@ def run_sweep(
     include_excluded: bool = False,
     recipes: Sequence[str] = DEFAULT_RECIPES,
     mutate: Optional[str] = None,
+    mode: str = "graph",
     on_result: Optional[Callable[[CheckResult], None]] = None,
 ) -> List[CheckResult]:
     """Check every model type at every size recipe (children in parallel), results sorted by
@@ -175,6 +178,8 @@ def run_sweep(
     Excluded (not decoder-only) types are classified here without a child (one result, at the
     first recipe), unless ``include_excluded`` asks to run them too. ``on_result`` is called as
     each one finishes. ``mutate`` breaks the pipeline on purpose in every child (``mutations``).
+    ``mode``: the deployment mode every child builds (``graph``, or ``transformers``: the HF module
+    with cached attention, no export).
     """
     recipes = [get_recipe(r).name for r in recipes]  # unknown names fail here, not in every child
     from .checkpoints import default_cache_dir
@@ -199,7 +204,8 @@ def run_sweep(
         else:
             todo.extend((model_type, recipe) for recipe in recipes)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(run_one_in_subprocess, t, cache_dir, timeout_s, threads, include_excluded, r, mutate):
+        futures = {pool.submit(run_one_in_subprocess, t, cache_dir, timeout_s, threads, include_excluded, r, mutate,
+                               mode):
                    (t, r) for t, r in todo}
         for future in as_completed(futures):
             try:

@@ -157,7 +157,7 @@ class PipelineContext:
     compile_backend: str = "torch-simple"
     # insert_cached_attention -> recompute_fallback: the graph as it was before the cached ops
     # went in (recompute_fallback's way back; it drops it once it has decided) ...
-    uncached_graph: Optional[fx.GraphModule] = None
+    uncached_graph: Optional[fx.GraphModule] = None  # (transformers mode: the HF module behind the same interface)
     # ... or, when insert_cached_attention left the graph uncached, why.
     uncached_reason: Optional[str] = None
     # recompute_fallback's decision: the cached graph serves the model with a paged KV cache
@@ -171,6 +171,9 @@ class PipelineContext:
     # the process group; 1 and 0 without one).
     world_size: int = 1
     rank: int = 0
+    # detect_hf_attn_layers -> transformers_replace_cached_attn (the "transformers" mode): the HF
+    # model's attention layers (``autodeploy.models.transformers_mode.HFAttentionLayer``).
+    hf_attention_layers: Optional[List[Any]] = None
     # detect_sharding -> sharding_transform_executor: the plan (``library._sharding.ShardingPlan``).
     sharding_plan: Optional["ShardingPlan"] = None
     # sharding_transform_executor -> load_weights: parameter name -> the slice of its checkpoint

@@ -59,10 +59,11 @@ class InferenceOptimizer:
             if not t.config.enabled:
                 continue
             key = t.get_transform_key()
-            for dep in t.requires:
-                if dep not in position:
-                    raise ConfigError(f"transform '{key}' requires '{dep}' to be enabled")
-            for dep in (*t.requires, *t.run_after):
+            for dep in t.requires:  # "a|b": either of them
+                if not any(alt in position for alt in dep.split("|")):
+                    shown = " or ".join(f"'{alt}'" for alt in dep.split("|"))
+                    raise ConfigError(f"transform '{key}' requires {shown} to be enabled")
+            for dep in (alt for d in (*t.requires, *t.run_after) for alt in d.split("|")):
                 if dep in position and position[dep] > i:
                     dep_stage = self.transforms[position[dep]].config.stage.value
                     raise ConfigError(

@@ -52,7 +52,7 @@ def too_few_pages_error(num_pages: int, cache) -> ConfigError:
 @TransformRegistry.register("initialize_cache")
 class InitializeCache(BaseTransform):
     config_class = InitializeCacheConfig
-    requires = ("insert_cached_attention",)
+    requires = ("insert_cached_attention|transformers_replace_cached_attn",)
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         cfg: InitializeCacheConfig = self.config  # type: ignore[assignment]
