@@ -10,27 +10,9 @@ from __future__ import annotations
 
 from typing import Dict
 
-_CHUNKED_SCAN = (
-    "HF's chunked scan pads the sequence to a multiple of the chunk size and reshapes it into chunks; "
-    "torch.export cannot keep the sequence dynamic through that, the fallback export bakes in the chunk count of "
-    "the export example, and recompute_fallback's consistency check stops the build at the first other length. "
-    "Recipe a passes only because its chunk ({chunk}) is longer than every sequence. Fix: canonical SSM / "
-    "recurrent ops with state caches (issue 14)."
-)
-
 CAUSES: Dict[str, str] = {
-    "xlstm": _CHUNKED_SCAN.format(chunk="64 tokens").replace("HF's chunked scan", "xLSTM's chunkwise mLSTM scan"),
     "blt": "the byte patcher chooses patch boundaries from the data (entropy thresholds): export cannot guard on "
            "the data-dependent patch count.",
-    "cpmant": "its position bias lets a position see later tokens, so the static-length graph (the model does not "
-              "export with a dynamic sequence) changes its answer with the padding; refused, not served wrong.",
-    "deepseek_v4": "the model's attention code pins the sequence dimension to a single value during export "
-                   "(min = max = 2), so no dynamic sequence dimension can be created.",
-    "doge": "switches to a top-k dynamic mask once the sequence passes keep_window_size (8 at recipe a): the "
-            "static-length graph cannot follow the branch; refused, not served wrong. At recipe b (window 4) both "
-            "prompts are past the switch and it passes.",
-    "qwen4_exp_text": "the sparse-attention indexer's token budget is data-dependent (u0 // 4 blocks): export "
-                      "cannot guard on it.",
 }
 
 
@@ -41,6 +23,13 @@ RECOMPUTE_NEEDS: Dict[str, str] = {
                "o = q S), computed in blocks by a Python loop over the sequence. Needs a canonical decayed "
                "linear-attention op with a [slots, h, dk, dv] state (the delta-rule step driver fits) and an "
                "export patch for MiniMaxLightningAttention.",
+    "qwen4_exp_text": "QSA sparse attention: each indexed-attention layer attends only to the tokens its indexer "
+                      "selects (the best indexer_budget // C blocks of C tokens, plus the query's incomplete block), "
+                      "exported as torch_qsa_indexer (hf_qsa) and an explicit mask on torch_attention. Needs a cached "
+                      "QSA indexer with a paged cache of the raw index keys (one head_dim vector a token, like "
+                      "torch_cached_dsa_indexer) and a cached attention taking the selected token indices; with PLE "
+                      "layers also an n-gram token-context state and a dilated-conv state. The GatedDeltaNet layers "
+                      "already export as torch_gated_delta_rule / torch_causal_conv1d and the MoE as torch_moe.",
     "recurrent_gemma": "the RG-LRU recurrence (a gated diagonal linear recurrence over the LRU width) and a "
                        "temporal conv written as nn.Conv1d, not HF's causal_conv1d_fn. Needs an RG-LRU op with a "
                        "[slots, width] state, and an export patch for its recurrent block emitting that op and "
@@ -48,9 +37,9 @@ RECOMPUTE_NEEDS: Dict[str, str] = {
     "rwkv": "the WKV recurrence (per-channel exponential decay with a numerator, denominator and running-max "
             "state) and token shift (each layer mixes in the previous token). Needs a WKV op with "
             "[slots, 3, hidden] state and a token-shift state [slots, hidden] per block.",
-    "xlstm": "the chunkwise mLSTM scan (matrix memory with exponential gates and a stabiliser). Needs an mLSTM op "
-             "with C [slots, h, dk, dv], n [slots, h, dk] and m [slots, h] states; recipe b fails today because "
-             "the export bakes in the chunk count.",
+    "xlstm": "the mLSTM (matrix memory with exponential gates and a stabiliser), which the lean custom model "
+             "computes in its parallel form. Needs an mLSTM op with C [slots, h, dk, dv], n [slots, h, dk] and "
+             "m [slots, h] states.",
     "zaya": "Compressed Convolutional Attention: q/k pass through a depthwise then a grouped causal conv (window "
             "(cca_time0 - 1) + (cca_time1 - 1), written as nn.Conv1d) and half of each value head is the previous "
             "token's projection. Needs a grouped causal conv op (the conv-state cache fits) and a one-token shift "

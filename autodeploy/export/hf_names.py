@@ -19,12 +19,22 @@ logger = get_logger(__name__)
 
 def conversions(model: nn.Module) -> List[Any]:
     """transformers' weight conversions for ``model`` as ``save_pretrained`` uses them (no legacy
-    renamings, no prefix changes); empty for models transformers has none for."""
+    renamings, no prefix changes); empty for models transformers has none for. A custom model
+    (not a ``PreTrainedModel``) gets its ``config.model_type``'s mapping: it carries HF's module
+    names, so the checkpoint on disk is named as for the HF class."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange
 
-        return [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        if isinstance(model, PreTrainedModel):
+            convs = get_model_conversion_mapping(model, add_legacy=False)
+        else:  # a lean custom model keeps the HF module names: its type's root mapping applies as is
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+            convs = (get_checkpoint_conversion_mapping(model_type) or []) if model_type else []
+        return [c for c in convs if not isinstance(c, PrefixChange)]
     except Exception as exc:  # noqa: BLE001 - custom models, or a transformers without the mapping
         logger.debug("no weight conversion mapping for %s: %s", type(model).__name__, exc)
         return []

@@ -199,6 +199,11 @@ class ModelFactory:
             if custom_cls is not None:
                 logger.info("building custom model %s for %s", custom_cls.__name__, type(config).__name__)
                 model = custom_cls(config)
+                # HF classes take the dtype in from_config; a custom model is built in the default
+                # dtype, so its float parameters are cast here (buffers such as RoPE tables keep theirs)
+                for param in model.parameters():
+                    if param.is_floating_point() and param.dtype != dtype:
+                        param.data = param.data.to(dtype)
                 self.load_hooks.extend(getattr(custom_cls, "load_hooks", lambda: [])())
             else:
                 from transformers import AutoModelForCausalLM

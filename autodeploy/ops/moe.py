@@ -21,7 +21,8 @@ wrote them, and arrive here as ``selected_experts`` ``[T, K]`` (int) and ``routi
 ``[T, K]``. Shared experts stay ordinary MLPs beside the op.
 
 Activations (``act``): ``"silu"`` is ``silu(gate) * up``; ``"swiglu_oai"`` is GPT-OSS's clamped
-variant ``g = min(gate, limit); u = clamp(up, -limit, limit); (u + 1) * g * sigmoid(alpha * g)``.
+variant ``g = min(gate, limit); u = clamp(up, -limit, limit); (u + 1) * g * sigmoid(alpha * g)``;
+``"silu_clamp"`` is DeepSeek-V4's ``silu(min(gate, limit)) * clamp(up, -limit, limit)``.
 Optional biases (GPT-OSS) come per expert (lists) or stacked (``[E, 2I]``, ``[E, H]``).
 
 Dtypes: the expert GEMMs run in ``x``'s dtype; the routing weights may be float32 (HF routes in
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-MOE_ACTIVATIONS = ("silu", "swiglu_oai")
+MOE_ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamp")
 
 
 def expert_activation(gate: Tensor, up: Tensor, act: str, alpha: float, limit: float) -> Tensor:
@@ -47,6 +48,8 @@ def expert_activation(gate: Tensor, up: Tensor, act: str, alpha: float, limit: f
         gate = gate.clamp(min=None, max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if act == "silu_clamp":  # DeepSeek-V4: silu's gate clamped from above, up clamped both ways
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     raise ValueError(f"unknown MoE activation '{act}'; known: {MOE_ACTIVATIONS}")
 
 

@@ -45,9 +45,20 @@ def test_fast_families_pass_end_to_end(model_type):
 
 
 def test_a_model_that_branches_on_sequence_length_is_an_error_not_a_wrong_answer():
-    """Doge only exports with a static length and switches to a top-k mask above 8 tokens: the
-    padded graph cannot reproduce it, and the eager check at build time says so."""
-    result = run_check("doge", CACHE)
+    """HF's Doge class only exports with a static length and switches to a top-k mask above 8
+    tokens: the padded graph cannot reproduce it, and the eager check at build time says so. (The
+    lean custom Doge, which passes, is unregistered here so that the HF class is what gets built.)"""
+    from transformers import DogeConfig
+
+    from autodeploy.models.custom import custom_model_for, register_custom_model, unregister_custom_model
+
+    lean = custom_model_for(DogeConfig())
+    assert lean is not None
+    unregister_custom_model("DogeConfig")
+    try:
+        result = run_check("doge", CACHE)
+    finally:
+        register_custom_model("DogeConfig")(lean)
     assert result.status == "error" and result.stage == "cache_init"
     assert result.failed_transform == "recompute_fallback"
     assert "logits differ from the eager model" in result.error

@@ -72,8 +72,8 @@ def test_a_type_passes_only_if_every_recipe_passes():
     assert ("| only_a | FAIL | pass | FAIL: error at cache_init (recompute_fallback) | recompute / - | 1.0e-07 / - | "
             "b: RuntimeError: shape '[1, 7, -1]' is invalid |") in md
     assert "* **only_a** (b): not investigated yet." in md  # every failure gets a cause line
-    named = markdown([CheckResult("xlstm", recipe="b", status="error", stage="cache_init", error="x")])
-    assert "* **xlstm** (b): xLSTM's chunkwise mLSTM scan pads the sequence" in named
+    named = markdown([CheckResult("blt", recipe="b", status="error", stage="export", error="x")])
+    assert "* **blt** (b): the byte patcher chooses patch boundaries from the data" in named
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2", "falcon"])

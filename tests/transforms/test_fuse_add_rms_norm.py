@@ -137,3 +137,29 @@ def test_near_misses_are_left_alone():
     assert gm.code == reference.code
     assert_same_outputs(reference, gm, [(torch.randn(2, 5, D), torch.randn(2, 5, D)),
                                         (torch.randn(1, 3, D), torch.randn(1, 3, D))])
+
+
+class SumUsedBeforeTheNorm(nn.Module):
+    """Doge's order: the scaled residual is computed before the sublayer reads ``norm(h)``, so a
+    user of the sum precedes the norm in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D))
+        self.scale = nn.Parameter(torch.randn(D))
+        self.mlp = nn.Linear(D, D)
+
+    def forward(self, x, r):
+        h = x + r
+        return self.scale * h + self.mlp(ad.torch_rmsnorm(h, self.w, 1e-6))
+
+
+def test_a_user_of_the_sum_before_the_norm_reads_a_defined_value():
+    x, r = torch.randn(2, 5, D), torch.randn(2, 5, D)
+    gm = export_gm(SumUsedBeforeTheNorm().eval(), x, r)
+    reference = copy.deepcopy(gm)
+    gm, record = apply_transform("fuse_add_rms_norm", gm)
+    assert record.num_matches == 1 and count_op(gm, ad.torch_fused_add_rmsnorm) == 1
+    gm.graph.lint()  # every node's inputs are defined before it
+    assert_same_outputs(reference, gm, [(torch.randn(2, 5, D), torch.randn(2, 5, D)),
+                                        (torch.randn(1, 3, D), torch.randn(1, 3, D))])

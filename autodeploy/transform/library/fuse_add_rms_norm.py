@@ -11,7 +11,9 @@ After::
     y, s = autodeploy.torch_fused_add_rmsnorm(x, residual, w, eps)
 
 Every other user of the sum takes the op's second output, so several users of the add or of
-the norm stay correct. An add that is not normalised, an add with ``alpha``, or a norm of
+the norm stay correct. The fused op goes in right after the add, so a user of the sum placed
+between the add and the norm (``scale * residual + sublayer(norm(residual))``, Doge's order)
+still reads a value defined before it; the norm's weight, a ``get_attr``, is moved up with it. An add that is not normalised, an add with ``alpha``, or a norm of
 something other than an add is left alone.
 """
 
@@ -47,7 +49,10 @@ class FuseAddRMSNorm(BaseTransform):
             x, residual = add.args
             if not isinstance(x, fx.Node) or not isinstance(residual, fx.Node):
                 continue
-            with graph.inserting_before(norm):
+            anchor = _insertion_point(graph, add, norm)
+            if anchor is None:
+                continue
+            with graph.inserting_before(anchor):
                 fused = graph.call_function(
                     torch.ops.autodeploy.torch_fused_add_rmsnorm.default, (x, residual, norm.args[1], norm.args[2])
                 )
@@ -59,3 +64,16 @@ class FuseAddRMSNorm(BaseTransform):
             graph.erase_node(add)
             count += 1
         return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=count == 0)
+
+
+def _insertion_point(graph: fx.Graph, add: fx.Node, norm: fx.Node):
+    """The node to insert the fused op before: the one after ``add``, with the norm's weight moved
+    above the add if it is a parameter read placed later. ``None`` (leave the pair alone) when the
+    weight is computed after the add, so no single point has every input and precedes every user."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for arg in norm.args[1:]:
+        if isinstance(arg, fx.Node) and position[arg] > position[add]:
+            if arg.op != "get_attr":
+                return None
+            add.prepend(arg)
+    return add.next
