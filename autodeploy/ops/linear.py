@@ -34,6 +34,49 @@ def _torch_linear_simple_fake(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+# Tensor-parallel modes a ``torch_linear_with_hint`` may state (``apply_sharding_hints``).
+TP_MODES: Tuple[str, ...] = ("none", "colwise", "rowwise", "colwise_gather")
+
+
+def check_sharding_hint(tp_mode: str, tp_min_local_shape: int) -> None:
+    """Raise ``ValueError`` naming the allowed values for a hint that cannot mean anything.
+
+    Checked in the op itself (so a wrong hint fails at the first eager call or at export, in
+    the model author's code) and again by ``apply_sharding_hints`` for graphs built by hand."""
+    if tp_mode not in TP_MODES:
+        raise ValueError(f"torch_linear_with_hint: tp_mode {tp_mode!r} is not one of {list(TP_MODES)}")
+    if tp_min_local_shape < 1:
+        raise ValueError(f"torch_linear_with_hint: tp_min_local_shape must be >= 1, got {tp_min_local_shape}")
+
+
+@torch.library.custom_op("autodeploy::torch_linear_with_hint", mutates_args=())
+def torch_linear_with_hint(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, tp_mode: str = "none",
+                           tp_min_local_shape: int = 1, layer_type: str = "") -> Tensor:
+    """``x @ weight.T + bias`` that states how tensor parallelism splits it.
+
+    Why: a model that knows its own sharding (a custom model written with the canonical ops)
+    says so in the graph instead of leaving it to ``detect_sharding``'s pattern search.
+    ``tp_mode``: ``"colwise"`` splits the output features (each rank its heads / hidden slice, no
+    communication), ``"rowwise"`` the input features (an all-reduce completes the partial sums),
+    ``"colwise_gather"`` a column split whose slices are all-gathered (the vocab-parallel LM
+    head), ``"none"`` keeps it whole. ``tp_min_local_shape``: the smallest output slice a column
+    split may leave on one rank (a K/V projection's head_dim: with fewer key/value heads than
+    ranks each head is then replicated rather than cut). ``layer_type`` ("attention", "mlp",
+    "moe", "lm_head", ...) lets ``apply_sharding_hints.shard_layers`` pick what to split.
+
+    On one rank, and wherever the hint is not applied, it is exactly ``F.linear``;
+    ``apply_sharding_hints`` lowers it to ``aten.linear`` after reading the hint.
+    """
+    check_sharding_hint(tp_mode, tp_min_local_shape)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@torch_linear_with_hint.register_fake
+def _torch_linear_with_hint_fake(x, weight, bias=None, tp_mode="none", tp_min_local_shape=1, layer_type=""):
+    check_sharding_hint(tp_mode, tp_min_local_shape)
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 @torch.library.custom_op("autodeploy::blas_linear", mutates_args=())
 def blas_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``x @ weight.T + bias`` through NumPy's BLAS (OpenBLAS in the NumPy wheels).

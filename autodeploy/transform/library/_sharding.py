@@ -17,8 +17,8 @@ A plan is a list of decisions over graph nodes, each a plain dataclass:
   the ranks' partial outputs.
 
 Why a plan and not a rewrite in one pass: the same objects are what a model's own sharding hints
-will produce (a later ``apply_sharding_hints``), so there is one executor. Nodes are named, not
-held, so a plan can be logged and compared.
+produce (``apply_sharding_hints``, from ``torch_linear_with_hint``), so there is one executor.
+Nodes are named, not held, so a plan can be logged and compared.
 """
 
 import operator
@@ -38,6 +38,11 @@ ad = torch.ops.autodeploy
 LAYOUT_OPS = (aten.view.default, aten.reshape.default, aten.transpose.int, aten.contiguous.default,
               aten.clone.default, aten._unsafe_view.default)
 
+
+# gm.meta key set by apply_sharding_hints on a graph whose own hints planned its sharding: the
+# hints are the whole truth for that graph (what they leave whole stays whole), so detect_sharding
+# leaves it alone.
+SHARDING_HINTS_META = "autodeploy_sharding_hints"
 
 # RoPE ops rotate q (output 0, from input 0) and k (output 1, from input 1) head by head
 ROPE_OPS = (ad.torch_rope_with_explicit_cos_sin.default, ad.torch_rope_with_qk_interleaving.default,
@@ -130,6 +135,17 @@ def weight_target(gm: fx.GraphModule, node: object) -> Optional[str]:
         if isinstance(value, torch.Tensor) and value.dim() in (1, 2):
             return str(node.target)
     return None
+
+
+def linear_weights(gm: fx.GraphModule, linear: fx.Node) -> Optional[Tuple[str, Optional[str]]]:
+    """``(weight, bias)`` get_attr targets of a linear (bias None when it has none), or None when
+    the weight or bias is computed rather than stored (nothing to split at load time)."""
+    weight = weight_target(gm, linear.args[1])
+    bias_arg = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    bias = weight_target(gm, bias_arg) if bias_arg is not None else None
+    if weight is None or (bias_arg is not None and bias is None):
+        return None
+    return weight, bias
 
 
 def producing_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:

@@ -19,7 +19,8 @@ rank routes only the pairs of its experts, an all-reduce sums the ranks' outputs
 head split by vocabulary with an all-gather of the logits (``shard_lm_head``). What it cannot split stays replicated on every rank, which is correct and
 only costs memory: the embedding, the norms, a tied LM head, and any projection it does not
 recognise. Head or feature counts that the world size does not split are an error listing the
-world sizes that would work.
+world sizes that would work. A graph whose model stated its own sharding (``torch_linear_with_hint``)
+was planned by ``apply_sharding_hints`` and is skipped here.
 """
 
 from typing import List, Optional, Tuple
@@ -32,8 +33,9 @@ from ...utils.errors import ConfigError
 from ...utils.logging import get_logger
 from ..graph_utils import arg
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._sharding import (ColumnShard, ExpertShard, RowShard, ShardingPlan, SwigluShard, consuming_linear, literal_dims,
-                        producing_linear, sizes_that_divide, weight_target)
+from ._sharding import (SHARDING_HINTS_META, ColumnShard, ExpertShard, RowShard, ShardingPlan, SwigluShard,
+                        consuming_linear, linear_weights, literal_dims, producing_linear, sizes_that_divide,
+                        weight_target)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -47,15 +49,6 @@ class DetectShardingConfig(TransformConfig):
         description="Vocab-parallel LM head: each rank computes its slice of the vocabulary and an all-gather joins "
         "them (1/world_size of the head's weight per rank). Off keeps the whole head on every rank. A head tied to "
         "the embedding is always kept whole.")
-
-
-def _linear_weights(gm: fx.GraphModule, linear: fx.Node):
-    weight = weight_target(gm, linear.args[1])
-    bias_arg = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
-    bias = weight_target(gm, bias_arg) if bias_arg is not None else None
-    if weight is None or (bias_arg is not None and bias is None):
-        return None
-    return weight, bias
 
 
 def _head_count(node: fx.Node, index: int) -> Optional[int]:
@@ -88,13 +81,13 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
     projections = []
     for i in range(3):
         linear = producing_linear(attn.args[i], chains[i])
-        weights = _linear_weights(gm, linear) if linear is not None else None
+        weights = linear_weights(gm, linear) if linear is not None else None
         if weights is None:
             return False
         projections.append((linear, weights))
     out_chain: List[fx.Node] = []
     out_linear = consuming_linear(attn, out_chain)
-    out_weights = _linear_weights(gm, out_linear) if out_linear is not None else None
+    out_weights = linear_weights(gm, out_linear) if out_linear is not None else None
     heads, kv_heads = _head_count(attn, 0), _head_count(attn, 1)
     if out_weights is None or heads is None or kv_heads is None:
         return False
@@ -164,7 +157,7 @@ def plan_lm_head(gm: fx.GraphModule, plan: ShardingPlan) -> bool:
         node = inputs[0] if len(inputs) == 1 else None
     if not isinstance(node, fx.Node) or node.target != aten.linear.default:
         return False
-    weights = _linear_weights(gm, node)
+    weights = linear_weights(gm, node)
     if weights is None:
         return False
     readers = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == weights[0] for _ in n.users]
@@ -196,11 +189,16 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True)
 @TransformRegistry.register("detect_sharding")
 class DetectSharding(BaseTransform):
     config_class = DetectShardingConfig
+    run_after = ("apply_sharding_hints",)
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         if ctx.world_size == 1:
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
                                  reason="not needed: world_size 1")
+        if gm.meta.get(SHARDING_HINTS_META):
+            # one path: the model's hints already produced this graph's plan (the same objects)
+            return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
+                                 reason="planned from the graph's sharding hints (apply_sharding_hints)")
         cfg: DetectShardingConfig = self.config  # type: ignore[assignment]
         plan = detect(gm, ctx.world_size, ctx.rank, lm_head=cfg.shard_lm_head)
         logger.info("sharding plan for rank %d of %d: %s", ctx.rank, ctx.world_size, plan.summary())

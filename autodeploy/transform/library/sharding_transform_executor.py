@@ -146,7 +146,7 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
 @TransformRegistry.register("sharding_transform_executor")
 class ShardingTransformExecutor(BaseTransform):
     config_class = ShardingExecutorConfig
-    run_after = ("detect_sharding",)
+    run_after = ("apply_sharding_hints", "detect_sharding")
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         plan = ctx.sharding_plan
