@@ -4,12 +4,14 @@ transformers 5 routes every attention call of most models through ``AttentionInt
 every mask through ``AttentionMaskInterface``. During export we use both hooks:
 
 * Masks: for ``sdpa``, ``eager`` and ``autodeploy``, the mask builder is replaced by one that
-  reads the meaning of HF's mask function (plain causal, or causal with a sliding window) and
-  emits one ``torch_causal_mask`` node carrying that meaning. It produces exactly HF's mask
-  values, so the graph before canonicalisation is still HF's computation; matchers then read
-  causality and the window from one node. A mask it does not understand (chunked, bidirectional
-  overlays, padding) is built by HF's own function and left to the generic path, so nothing is
-  silently reinterpreted.
+  reads the meaning of HF's mask function (plain causal, causal with a sliding window, or Llama 4's
+  chunked-local causal mask) and emits one ``torch_causal_mask`` node carrying that meaning. It
+  produces exactly HF's mask values, so the graph before canonicalisation is still HF's
+  computation; matchers then read causality and the window from one node (a chunked mask is
+  read only by the ``autodeploy`` route, which passes ``attention_chunk`` to ``torch_attention``;
+  the matchers leave it explicit). A mask it does not understand (bidirectional overlays,
+  padding) is built by HF's own function and left to the generic path, so nothing is silently
+  reinterpreted.
 * Attention: the ``autodeploy`` implementation calls ``torch_attention`` directly with the
   module's own scale, window, soft-cap and sinks, in ``bsnd`` layout, with k/v unexpanded (and
   ``torch_mla`` over the latent for an MLA module's expanded k/v: ``hf_mla``). The
@@ -31,9 +33,9 @@ logger = get_logger(__name__)
 AD_ATTN_IMPL = "autodeploy"
 SUPPORTED_ATTN_IMPLS = (AD_ATTN_IMPL, "sdpa", "eager")
 
-# Masks emitted during the current export: id(tensor) -> (tensor, sliding_window). The tensor is
-# kept so its id cannot be reused while the export runs.
-_EMITTED_MASKS: Dict[int, Tuple[torch.Tensor, Optional[int]]] = {}
+# Masks emitted during the current export: id(tensor) -> (tensor, sliding_window, attention_chunk).
+# The tensor is kept so its id cannot be reused while the export runs.
+_EMITTED_MASKS: Dict[int, Tuple[torch.Tensor, Optional[int], Optional[int]]] = {}
 
 
 class RouteUnsupportedError(NotImplementedError):
@@ -49,17 +51,8 @@ def classify_mask_function(mask_function: Callable) -> Tuple[bool, Optional[int]
     """
     from transformers import masking_utils as mu
 
-    fn = mask_function
+    fn = unwrap_packed(mask_function)
     name = getattr(fn, "__qualname__", "")
-    if name == "and_masks.<locals>.and_mask":
-        parts = _closure(fn).get("mask_functions", ())
-        names = [getattr(p, "__qualname__", "") for p in parts]
-        if names == [
-            "packed_sequence_mask_function.<locals>.inner_mask",
-            "remap_positions_for_packed_sequence.<locals>.inner_mask",
-        ]:
-            fn = _closure(parts[1]).get("mask_function")
-            name = getattr(fn, "__qualname__", "")
     if fn is mu.causal_mask_function:
         return True, None
     if name == "and_masks.<locals>.and_mask":
@@ -71,6 +64,39 @@ def classify_mask_function(mask_function: Callable) -> Tuple[bool, Optional[int]
                 if isinstance(window, int):
                     return True, window
     return False, None
+
+
+def unwrap_packed(mask_function: Callable) -> Callable:
+    """The mask function inside HF's packed-sequence wrapper (several sequences in one row, told
+    apart by their positions), or ``mask_function`` itself. The wrapper changes nothing where each
+    row is one sequence (export), and the cached ops keep sequences apart by the step metadata."""
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return mask_function
+    parts = _closure(mask_function).get("mask_functions", ())
+    names = [getattr(p, "__qualname__", "") for p in parts]
+    if names == ["packed_sequence_mask_function.<locals>.inner_mask",
+                 "remap_positions_for_packed_sequence.<locals>.inner_mask"]:
+        return _closure(parts[1]).get("mask_function")
+    return mask_function
+
+
+def chunk_of_mask_function(mask_function: Callable) -> Optional[int]:
+    """The chunk size of HF's chunked-local causal mask (``and_masks(chunked_overlay(C, pad),
+    causal)``, Llama 4), or ``None`` for any other mask. Its left padding is not inspected (a
+    traced value): callers use the chunk only when no attention mask was given, where HF's left
+    padding is zero by construction."""
+    from transformers import masking_utils as mu
+
+    mask_function = unwrap_packed(mask_function)
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = _closure(mask_function).get("mask_functions", ())
+    if len(parts) != 2 or parts[1] is not mu.causal_mask_function:
+        return None
+    if getattr(parts[0], "__qualname__", "") != "chunked_overlay.<locals>.inner_mask":
+        return None
+    chunk = _closure(parts[0]).get("chunk_size")
+    return chunk if isinstance(chunk, int) and chunk >= 1 else None
 
 
 def _closure(fn: Callable) -> Dict[str, Any]:
@@ -97,13 +123,14 @@ def _make_mask_builder(impl: str, hf_builder: Optional[Callable]) -> Callable:
         **kwargs: Any,
     ) -> Optional[torch.Tensor]:
         understood, window = classify_mask_function(mask_function) if mask_function is not None else (False, None)
+        chunk = chunk_of_mask_function(mask_function) if mask_function is not None and not understood else None
         plain = attention_mask is None and _is_zero(q_offset) and _is_zero(kv_offset)
-        if understood and plain:
+        if (understood or chunk is not None) and plain:
             mask_dtype = torch.bool if impl == "sdpa" else dtype
             mask = torch.ops.autodeploy.torch_causal_mask(
-                batch_size, q_length, kv_length, window, mask_dtype, torch.device(device)
+                batch_size, q_length, kv_length, window, mask_dtype, torch.device(device), chunk
             )
-            _EMITTED_MASKS[id(mask)] = (mask, window)
+            _EMITTED_MASKS[id(mask)] = (mask, window, chunk)
             return mask
         if hf_builder is None:
             raise RouteUnsupportedError(
@@ -155,6 +182,7 @@ def autodeploy_attention(
         )
     sinks = kwargs.get("sinks", s_aux)
     emitted = _EMITTED_MASKS.get(id(attention_mask)) if attention_mask is not None else None
+    chunk = emitted[2] if emitted is not None else None
     if attention_mask is None or emitted is not None:
         mask = None
         is_causal = bool(getattr(module, "is_causal", True))
@@ -170,7 +198,7 @@ def autodeploy_attention(
         # A mask we did not build: keep it explicit, the op honours any mask.
         mask, is_causal = attention_mask, False
     mla = claimed_mla(module, query, key)
-    if mla is not None and mask is None and sliding_window is None and not softcap and sinks is None:
+    if mla is not None and mask is None and sliding_window is None and not softcap and sinks is None and chunk is None:
         return mla_attention(mla, query, is_causal, scaling, topk_indices), None
     if topk_indices is not None:
         raise RouteUnsupportedError(f"attention of {type(module).__name__} takes DSA top-k indices, which the "
@@ -186,6 +214,7 @@ def autodeploy_attention(
         sinks,
         sliding_window,
         softcap,
+        **({"attention_chunk": chunk} if chunk is not None else {}),
     )
     return out, None
 

@@ -11,7 +11,7 @@ sequence's new tokens, ``position_ids`` their positions); the step's metadata an
 caches reach the attention function through a step context set around the call.
 
 What this mode cannot see it refuses rather than guesses: a layer whose mask is not plain
-causal (or causal with a sliding window), a tensor argument the cached op does not express (an
+causal (or causal with a sliding window, or chunked-local), a tensor argument the cached op does not express (an
 additive position bias), a non-causal layer, state outside attention (``detect_hf_attn_layers``
 records the first three; the cache consistency check catches the last). Those models run in
 recompute mode instead: the HF module with its own attention over each sequence's whole history.
@@ -45,6 +45,7 @@ class HFAttentionLayer:
     v_head_dim: int
     sliding_window: Optional[int] = None
     problems: List[str] = field(default_factory=list)  # why the cached op cannot serve this layer
+    attention_chunk: Optional[int] = None  # chunked-local attention (Llama 4)
 
 
 @dataclass
@@ -60,8 +61,9 @@ class _StepContext:
 
 
 _STATE = threading.local()
-# Masks our builder emitted during the current call: id(marker) -> (marker, sliding window or a problem)
-_MASKS: Dict[int, Tuple[torch.Tensor, Optional[int], Optional[str]]] = {}
+# Masks our builder emitted during the current call: id(marker) -> (marker, sliding window, attention
+# chunk, why the cached op cannot honour it)
+_MASKS: Dict[int, Tuple[torch.Tensor, Optional[int], Optional[int], Optional[str]]] = {}
 
 
 def _context() -> Optional[_StepContext]:
@@ -87,16 +89,18 @@ def _mask_builder(batch_size: int, q_length: int, kv_length: int, q_offset: Any 
     meaning (causal, its window) or for why the cached op cannot honour it. The cached op knows
     each sequence's extent from the step metadata, so a dense mask over the row would be wrong
     anyway (it would let sequences see each other)."""
-    from ..export.hf_attention import classify_mask_function
+    from ..export.hf_attention import chunk_of_mask_function, classify_mask_function
 
     understood, window = classify_mask_function(mask_function) if mask_function is not None else (False, None)
+    chunk = chunk_of_mask_function(mask_function) if mask_function is not None and not understood else None
     problem = None
-    if not understood:
-        problem = f"mask {getattr(mask_function, '__qualname__', mask_function)} is not causal or sliding-window"
+    if not understood and chunk is None:
+        problem = (f"mask {getattr(mask_function, '__qualname__', mask_function)} is not causal, sliding-window or "
+                   "chunked-local")
     elif attention_mask is not None and not bool(attention_mask.all()):
         problem = "a padding mask"
     marker = torch.empty(0, device=device)
-    _MASKS[id(marker)] = (marker, window, problem)
+    _MASKS[id(marker)] = (marker, window, chunk, problem)
     return marker
 
 
@@ -106,24 +110,24 @@ _IGNORED_TENSOR_KWARGS = frozenset({"position_ids", "cache_position", "cu_seq_le
 
 
 def _problems(module: nn.Module, attention_mask: Optional[torch.Tensor], kwargs: Dict[str, Any]) -> Tuple[
-        List[str], Optional[int]]:
-    """Why the cached op cannot compute this call exactly, and the window its mask implies."""
+        List[str], Optional[int], Optional[int]]:
+    """Why the cached op cannot compute this call exactly, and the window and chunk its mask implies."""
     problems: List[str] = []
-    window = None
+    window = chunk = None
     if attention_mask is not None:
         emitted = _MASKS.get(id(attention_mask))
         if emitted is None:
             problems.append("the model builds its own attention mask")
         else:
-            window = emitted[1]
-            if emitted[2]:
-                problems.append(emitted[2])
+            window, chunk = emitted[1], emitted[2]
+            if emitted[3]:
+                problems.append(emitted[3])
     if not bool(getattr(module, "is_causal", True)):
         problems.append("the layer is not causal")
     unknown = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _IGNORED_TENSOR_KWARGS)
     if unknown:
         problems.append(f"it passes {', '.join(unknown)}, which the cached attention does not take")
-    return problems, window
+    return problems, window, chunk
 
 
 def cached_hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -137,14 +141,15 @@ def cached_hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     if ctx is None:
         raise RuntimeError(f"{type(module).__name__} called the '{CACHED_ATTN_IMPL}' attention outside an autodeploy "
                            "step; run the model through autodeploy (LLM / the engine)")
-    problems, mask_window = _problems(module, attention_mask, kwargs)
+    problems, mask_window, chunk = _problems(module, attention_mask, kwargs)
     window = sliding_window if sliding_window is not None else mask_window
     sinks = kwargs.get("sinks", s_aux)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    extra = {"attention_chunk": chunk} if chunk is not None else {}
     if ctx.probe is not None:
-        layer = HFAttentionLayer("", int(k.shape[2]), int(k.shape[3]), int(v.shape[3]), window, problems)
+        layer = HFAttentionLayer("", int(k.shape[2]), int(k.shape[3]), int(v.shape[3]), window, problems, chunk)
         ctx.probe.append((module, layer))
-        out = torch.ops.autodeploy.torch_attention(q, k, v, None, 0.0, True, scaling, sinks, window, softcap)
+        out = torch.ops.autodeploy.torch_attention(q, k, v, None, 0.0, True, scaling, sinks, window, softcap, **extra)
         return out, None
     if problems:  # detect_hf_attn_layers saw none of these at build time, so the model changed course
         raise RuntimeError(f"attention {type(module).__name__} cannot be served from the KV cache: {'; '.join(problems)}")
@@ -154,7 +159,8 @@ def cached_hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     k_cache, v_cache = ctx.caches[index]
     m = ctx.metadata
     out = ctx.cached_op(q.contiguous(), k.contiguous(), v.contiguous(), m["batch_info"], m["seq_len"], m["input_pos"],
-                        m["cu_seqlen"], m["page_table"], ctx.slots, k_cache, v_cache, scaling, sinks, window, softcap)
+                        m["cu_seqlen"], m["page_table"], ctx.slots, k_cache, v_cache, scaling, sinks, window, softcap,
+                        **extra)
     return out, None
 
 

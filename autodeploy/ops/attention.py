@@ -30,10 +30,11 @@ def _additive_bias(
     is_causal: bool,
     sliding_window: Optional[int],
     device: torch.device,
+    attention_chunk: Optional[int] = None,
 ) -> Optional[Tensor]:
-    """Combine the explicit mask and the implied causal/window mask into one fp32 bias."""
+    """Combine the explicit mask and the implied causal/window/chunk mask into one fp32 bias."""
     bias = None
-    if is_causal or sliding_window is not None:
+    if is_causal or sliding_window is not None or attention_chunk is not None:
         q_pos = torch.arange(s_q, device=device)[:, None] + (s_kv - s_q)
         k_pos = torch.arange(s_kv, device=device)[None, :]
         keep = torch.ones(s_q, s_kv, dtype=torch.bool, device=device)
@@ -41,6 +42,8 @@ def _additive_bias(
             keep &= k_pos <= q_pos
         if sliding_window is not None:
             keep &= k_pos > q_pos - sliding_window
+        if attention_chunk is not None:
+            keep &= k_pos // attention_chunk == q_pos // attention_chunk
         bias = torch.zeros(s_q, s_kv, device=device).masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -73,6 +76,7 @@ def torch_attention(
     sliding_window: Optional[int] = None,
     logit_cap: Optional[float] = None,
     alibi_slopes: Optional[Tensor] = None,
+    attention_chunk: Optional[int] = None,
 ) -> Tensor:
     """Reference attention in ``bsnd`` layout, computed in fp32 and cast back to q's dtype.
 
@@ -82,6 +86,8 @@ def torch_attention(
     ``dropout_p`` exists for parity with SDPA; inference graphs always carry 0.
     ``alibi_slopes`` (``[n]``, one per query head) adds ``slope_h * (key_pos - query_pos)`` after
     the scale and soft-cap (positions bottom-right aligned like the causal mask).
+    ``attention_chunk`` (Llama 4's chunked-local attention): a query sees only the keys of its own
+    chunk of that many positions (``key_pos // chunk == query_pos // chunk``), with the same alignment.
     """
     if dropout_p != 0.0:
         raise ValueError("torch_attention is an inference op: dropout_p must be 0.0")
@@ -96,7 +102,7 @@ def torch_attention(
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
     if logit_cap is not None and logit_cap > 0:
         scores = logit_cap * torch.tanh(scores / logit_cap)
-    bias = _additive_bias(attn_mask, s_q, s_kv, is_causal, sliding_window, q.device)
+    bias = _additive_bias(attn_mask, s_q, s_kv, is_causal, sliding_window, q.device, attention_chunk)
     if alibi_slopes is not None:
         if alibi_slopes.numel() != n:
             raise ValueError(f"torch_attention: {alibi_slopes.numel()} ALiBi slopes for {n} query heads")
@@ -116,7 +122,7 @@ def torch_attention(
 
 @torch_attention.register_fake
 def _torch_attention_fake(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                          sinks=None, sliding_window=None, logit_cap=None, alibi_slopes=None):
+                          sinks=None, sliding_window=None, logit_cap=None, alibi_slopes=None, attention_chunk=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
@@ -128,8 +134,10 @@ def torch_causal_mask(
     sliding_window: Optional[int],
     dtype: torch.dtype,
     device: torch.device,
+    attention_chunk: Optional[int] = None,
 ) -> Tensor:
-    """The ``[batch, 1, q_len, kv_len]`` causal mask HF's mask interface would return.
+    """The ``[batch, 1, q_len, kv_len]`` causal mask HF's mask interface would return (with a
+    sliding window, or chunked-local: keys of the query's own chunk only).
 
     ``dtype=torch.bool`` gives SDPA's boolean mask (True = attend); a float dtype gives the
     eager additive mask (0 or the dtype's minimum), exactly like ``transformers.masking_utils``.
@@ -139,6 +147,8 @@ def torch_causal_mask(
     keep = k_pos <= q_pos
     if sliding_window is not None:
         keep = keep & (k_pos > q_pos - sliding_window)
+    if attention_chunk is not None:
+        keep = keep & (k_pos // attention_chunk == q_pos // attention_chunk)
     keep = keep.expand(batch, 1, q_len, kv_len)
     if dtype == torch.bool:
         return keep.clone()
@@ -147,5 +157,5 @@ def torch_causal_mask(
 
 
 @torch_causal_mask.register_fake
-def _torch_causal_mask_fake(batch, q_len, kv_len, sliding_window, dtype, device):
+def _torch_causal_mask_fake(batch, q_len, kv_len, sliding_window, dtype, device, attention_chunk=None):
     return torch.empty(batch, 1, q_len, kv_len, dtype=dtype, device=device)

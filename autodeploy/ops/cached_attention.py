@@ -40,6 +40,10 @@ ALiBi (``alibi_slopes``; BLOOM, MPT): each query head adds
 sits at ``input_pos``), exactly ``torch_attention``'s bias, so a sequence's logits do not depend
 on how its tokens were split into steps. The SDPA backend passes it as an additive mask; the
 native decode kernel has no bias input, so ALiBi decodes take the SDPA path.
+
+Chunked-local attention (``attention_chunk``; Llama 4's RoPE layers): a query sees only the keys
+of its own chunk of absolute positions (``key_pos // chunk == query_pos // chunk``). Both backends
+compute it with the per-sequence reference path (``torch_attention`` over the gathered pages).
 """
 
 import math
@@ -183,6 +187,7 @@ def torch_cached_attention_with_cache(
     rope_sin: Optional[Tensor] = None,
     rope_style: int = ROPE_NONE,
     rotary_dim: int = 0,
+    attention_chunk: Optional[int] = None,
 ) -> Tensor:
     """Reference: write the step's k/v, then attend each sequence separately. ``k_scale`` /
     ``v_scale``: the fp8 cache's per-tensor scales (module docstring); ignored for a float cache.
@@ -191,12 +196,13 @@ def torch_cached_attention_with_cache(
     _write_cache(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale)
     return _attend_each_sequence(
         q, v_cache.shape[-1], seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache,
-        scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes,
+        scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes, attention_chunk,
     )
 
 
 def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache, scale, sinks,
-                          sliding_window, logit_cap, k_scale=None, v_scale=None, alibi_slopes=None) -> Tensor:
+                          sliding_window, logit_cap, k_scale=None, v_scale=None, alibi_slopes=None,
+                          attention_chunk=None) -> Tensor:
     """Each sequence's queries against its gathered keys, with ``torch_attention``'s math."""
     out = q.new_empty(*q.shape[:-1], d_v)
     lengths, starts, offsets = seq_len.tolist(), input_pos.tolist(), cu_seqlen.tolist()
@@ -206,7 +212,8 @@ def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_c
         values = _read(v_cache, page_table[i], total, v_scale, q.dtype)[None]
         rows = slice(offsets[i], offsets[i] + n)
         out[:, rows] = torch.ops.autodeploy.torch_attention(
-            q[:, rows], keys, values, None, 0.0, True, scale, sinks, sliding_window, logit_cap, alibi_slopes
+            q[:, rows], keys, values, None, 0.0, True, scale, sinks, sliding_window, logit_cap, alibi_slopes,
+            attention_chunk,
         )
     return out
 
@@ -215,7 +222,7 @@ def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_c
 def _torch_cached_fake(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache,
                        v_cache, scale=None, sinks=None, sliding_window=None, logit_cap=None, k_scale=None,
                        v_scale=None, alibi_slopes=None, rope_cos=None, rope_sin=None,
-                       rope_style=-1, rotary_dim=0):
+                       rope_style=-1, rotary_dim=0, attention_chunk=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
@@ -253,6 +260,7 @@ def sdpa_cached_attention_with_cache(
     rope_sin: Optional[Tensor] = None,
     rope_style: int = ROPE_NONE,
     rotary_dim: int = 0,
+    attention_chunk: Optional[int] = None,
 ) -> Tensor:
     """Batched: fresh prefills with causal SDPA on their own k/v, all decodes in one SDPA.
     ``k_scale`` / ``v_scale``: the fp8 cache's per-tensor scales (module docstring); ignored for
@@ -260,7 +268,8 @@ def sdpa_cached_attention_with_cache(
     q, k = apply_rope(q, k, rope_cos, rope_sin, rope_style, rotary_dim)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    plain = sinks is None and (logit_cap is None or logit_cap <= 0)
+    # chunked-local attention (rare: Llama 4) takes the per-sequence reference path
+    plain = sinks is None and (logit_cap is None or logit_cap <= 0) and attention_chunk is None
     fp8 = k_cache.dtype == KV_FP8_DTYPE  # the native kernel reads float32 pages only
     native_ok = not fp8 and alibi_slopes is None  # ... and adds no ALiBi bias
     if plain and native_ok and q.device.type == "cpu" and q.shape[1] == seq_len.shape[0]:
@@ -273,7 +282,7 @@ def sdpa_cached_attention_with_cache(
     if not plain:
         return _attend_each_sequence(
             q, v_cache.shape[-1], seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache,
-            scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes,
+            scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes, attention_chunk,
         )
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     if q.shape[1] == seq_len.shape[0]:
@@ -369,7 +378,7 @@ def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tens
 def _sdpa_cached_fake(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache,
                       v_cache, scale=None, sinks=None, sliding_window=None, logit_cap=None, k_scale=None,
                       v_scale=None, alibi_slopes=None, rope_cos=None, rope_sin=None,
-                      rope_style=-1, rotary_dim=0):
+                      rope_style=-1, rotary_dim=0, attention_chunk=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 

@@ -59,6 +59,7 @@ def _run(
     window: Optional[int] = None,
     cap: Optional[float] = None,
     alibi: Optional[torch.Tensor] = None,
+    chunk: Optional[int] = None,
 ):
     """Runs the schedule; returns (per-sequence outputs, q, k, v, page tables, k_cache, v_cache)."""
     num_pages = sum(-(-t // page_size) for t in totals) + 3
@@ -78,7 +79,8 @@ def _run(
         slots = ad.torch_cached_attention_prepare_metadata(
             info.position_ids, info.seq_len, info.cu_seqlen, info.page_table, page_size)
         o = _op(backend)(q, k, v, info.batch_info, info.seq_len, info.input_pos, info.cu_seqlen, info.page_table,
-                         slots, k_cache, v_cache, scale, sinks, window, cap, alibi_slopes=alibi)
+                         slots, k_cache, v_cache, scale, sinks, window, cap, alibi_slopes=alibi,
+                         attention_chunk=chunk)
         assert o.shape == q.shape
         off = 0
         for i, s, e in step:
@@ -90,12 +92,12 @@ def _run(
 def _check(backend: str, totals=TOTALS, steps=MIXED_STEPS, **kw):
     outs, Q, K, V, *_ = _run(backend, totals, steps, **kw)
     n = Q[0].shape[1]
-    sinks, window, cap, scale, alibi = (kw.get(k) for k in ("sinks", "window", "cap", "scale", "alibi"))
+    sinks, window, cap, scale, alibi, chunk = (kw.get(k) for k in ("sinks", "window", "cap", "scale", "alibi", "chunk"))
     for i, t in enumerate(totals):
         got = torch.cat(outs[i])
         assert got.shape == (t, n, Q[0].shape[2])
         ref = ad.torch_attention(Q[i][None], K[i][None], V[i][None], None, 0.0, True, scale, sinks, window, cap,
-                                 alibi)[0]
+                                 alibi, chunk)[0]
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"sequence {i}: {m}")
 
 
@@ -134,6 +136,25 @@ def test_alibi_prefill_chunks_and_decodes_match_full_attention(backend, window):
     decode step included) gives what one uncached ``torch_attention`` gives on it whole. Slopes
     are large so that a position off by one would show."""
     _check(backend, alibi=torch.tensor([0.5, 0.25, -0.3, 1.0]), window=window)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_chunked_local_attention_matches_full_attention(backend, chunk):
+    """Llama 4's chunked-local attention at absolute positions: prefill chunks and decodes that
+    cross chunk boundaries give what one uncached ``torch_attention`` gives on the whole sequence."""
+    assert chunk < max(TOTALS)
+    _check(backend, chunk=chunk)
+
+
+def test_chunked_local_attention_is_not_a_window():
+    """The reference op itself: position 4 with chunks of 4 sees only itself; a window of 4 would see
+    positions 1-4 (a near miss that would make the test above pass for the wrong reason)."""
+    q, k = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
+    v = torch.eye(6).reshape(1, 6, 1, 6).expand(1, 6, 2, 6).contiguous()
+    out = ad.torch_attention(q, k, v, None, 0.0, True, None, None, None, None, None, 4)
+    torch.testing.assert_close(out[0, 4, 0], torch.eye(6)[4])  # only its own value
+    assert (out[0, 3, 0, :4] > 0).all() and (out[0, 3, 0, 4:] == 0).all()  # chunk 0: positions 0-3
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

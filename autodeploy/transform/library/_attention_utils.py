@@ -53,6 +53,8 @@ def read_mask(mask: Any) -> Tuple[Optional[fx.Node], bool, Optional[int]]:
     if mask is None:
         return None, False, None
     if is_op(mask, torch.ops.autodeploy.torch_causal_mask):
+        if arg(mask, 6, "attention_chunk") is not None:  # chunked-local: only the autodeploy route reads it
+            return mask, False, None
         return None, True, arg(mask, 3, "sliding_window")
     if hf_index_mask_is_causal(mask):
         return None, True, None

@@ -2,7 +2,8 @@
 
 Before (per layer; the graph takes ``input_ids``/``position_ids``)::
 
-    o = autodeploy.torch_attention(q, k, v, None, 0.0, True, scale, sinks, window, cap[, alibi_slopes=slopes])
+    o = autodeploy.torch_attention(q, k, v, None, 0.0, True, scale, sinks, window, cap[, alibi_slopes=slopes]
+                                   [, attention_chunk=C])
 
 After (one prepare node per graph; metadata and per-layer cache inputs added)::
 
@@ -148,14 +149,16 @@ class InsertCachedAttention(BaseTransform):
             )
         for node, cache_nodes, layer_scales in zip(attn_nodes, layer_caches, scales):
             q, k, v = node.args[:3]
-            alibi = arg(node, 10, "alibi_slopes")
+            alibi, chunk = arg(node, 10, "alibi_slopes"), arg(node, 11, "attention_chunk")
+            extra = {**({"alibi_slopes": alibi} if alibi is not None else {}),
+                     **({"attention_chunk": chunk} if chunk is not None else {})}
             with graph.inserting_before(node):
                 cached = graph.call_function(
                     backend.cached_op,
                     (q, k, v, *(meta[m] for m in backend.metadata), slots, *cache_nodes,
                      arg(node, 6, "scale"), arg(node, 7, "sinks"), arg(node, 8, "sliding_window"),
                      arg(node, 9, "logit_cap"), *layer_scales),
-                    {"alibi_slopes": alibi} if alibi is not None else {},
+                    extra,
                 )
             cached.meta["val"] = node.meta.get("val")
             node.replace_all_uses_with(cached)

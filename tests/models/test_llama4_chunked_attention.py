@@ -1,0 +1,61 @@
+"""Llama 4's chunked-local attention (its RoPE layers see only the keys of their own chunk of
+``attention_chunk_size`` positions; the NoPE layers see everything) served from the paged KV
+cache, in the graph mode and in the transformers mode: greedy tokens equal HF's for prompts and
+generations that cross chunk boundaries (the coverage config's chunk is 8 tokens)."""
+
+import pytest
+import torch
+
+from autodeploy import LLM, SamplingParams
+from helpers import coverage_checkpoint, hf_model
+
+PROMPTS = [[3, 17, 42, 9, 100, 7, 55, 21, 8, 13, 2], [5, 6, 7]]
+NEW = 10
+
+
+def _hf_greedy(path: str) -> list:
+    model = hf_model(path)
+    out = []
+    for p in PROMPTS:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def _greedy(llm: LLM) -> list:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    path, _ = coverage_checkpoint("llama4_text")
+    config = hf_model(path).config
+    assert config.attention_chunk_size < len(PROMPTS[0]) + NEW  # the chunks really cut the histories
+    assert "chunked_attention" in config.layer_types and "full_attention" in config.layer_types
+    return path
+
+
+def test_graph_mode_caches_chunked_attention_and_matches_hf(checkpoint):
+    llm = LLM(checkpoint, max_seq_len=64, max_batch_size=4)
+    assert llm.build.context.cache_mode == "paged_kv"
+    chunks = [n.kwargs.get("attention_chunk") for n in llm.build.graph_module.graph.nodes
+              if n.op == "call_function" and "cached_attention_with_cache" in str(n.target)]
+    chunk = hf_model(checkpoint).config.attention_chunk_size
+    layer_types = hf_model(checkpoint).config.layer_types
+    assert chunks == [chunk if t == "chunked_attention" else None for t in layer_types]
+    assert _greedy(llm) == _hf_greedy(checkpoint)
+
+
+def test_transformers_mode_caches_chunked_attention_and_matches_hf(checkpoint):
+    llm = LLM(checkpoint, mode="transformers", max_seq_len=64, max_batch_size=4)
+    assert llm.build.context.cache_mode == "paged_kv"
+    chunk = hf_model(checkpoint).config.attention_chunk_size
+    layer_types = hf_model(checkpoint).config.layer_types
+    assert [layer.attention_chunk for layer in llm.build.context.hf_attention_layers] == [
+        chunk if t == "chunked_attention" else None for t in layer_types]
+    assert _greedy(llm) == _hf_greedy(checkpoint)
