@@ -59,3 +59,15 @@ def test_transformers_mode_caches_chunked_attention_and_matches_hf(checkpoint):
     assert [layer.attention_chunk for layer in llm.build.context.hf_attention_layers] == [
         chunk if t == "chunked_attention" else None for t in layer_types]
     assert _greedy(llm) == _hf_greedy(checkpoint)
+
+
+@pytest.mark.slow  # ~10 s: a third build
+def test_the_sdpa_route_leaves_the_chunked_mask_explicit_and_runs_in_recompute_mode(checkpoint):
+    """Near miss: the matchers of HF's sdpa route do not read the chunk (only the autodeploy route
+    passes it to torch_attention), so that export keeps the mask explicit and the build falls back to
+    recompute mode, still token-identical; never a cached attention that ignores the chunk."""
+    llm = LLM(checkpoint, max_seq_len=64, max_batch_size=4,
+              transforms={"export_to_gm": {"attn_implementation": "sdpa"}})
+    assert llm.build.context.cache_mode == "recompute"
+    assert "explicit mask" in llm.build.context.recompute_reason
+    assert _greedy(llm) == _hf_greedy(checkpoint)
