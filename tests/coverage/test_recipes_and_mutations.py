@@ -76,7 +76,8 @@ def test_a_type_passes_only_if_every_recipe_passes():
     assert "* **blt** (b): the byte patcher chooses patch boundaries from the data" in named
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2", "falcon"])
+@pytest.mark.parametrize("model_type", ["llama", "falcon", pytest.param("qwen3", marks=pytest.mark.slow),
+                                        pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_fast_families_pass_at_the_odd_recipe(model_type):
     result = run_check(model_type, CACHE, recipe="b")
     assert result.status == "pass", f"{model_type}: {result.outcome} at {result.stage}: {result.error}"

@@ -115,6 +115,7 @@ def test_hf_model_exports_dynamically_and_equals_hf():
         assert err < 1e-5, f"rel rmse {err} against HF at (batch, seq) = {(batch, seq)}"
 
 
+@pytest.mark.slow  # ~14 s: the whole pipeline in recompute mode; the export test above stays default
 def test_llm_greedy_tokens_equal_hf():
     from autodeploy import LLM, SamplingParams
 

@@ -149,6 +149,7 @@ def test_yarn_compress_rope_and_tied_embeddings():
     assert_logits_match(hf, custom, _ids(2, 19))
 
 
+@pytest.mark.slow  # ~11 s: three layer kinds exported twice; the coverage sweep exports the type too
 def test_exports_at_two_shapes(pair):
     _, custom = pair
     gm = assert_exports_at_two_shapes(custom, VOCAB, shapes=((2, 19), (1, 3)))
@@ -166,6 +167,7 @@ def test_unsupported_options_raise():
 
 
 # ---- the full pipeline ------------------------------------------------------------------------------
+@pytest.mark.slow  # ~18 s: the whole pipeline in recompute mode (HF's generate is most of it)
 def test_llm_greedy_tokens_equal_hf_and_come_from_the_custom_model(tmp_path_factory, caplog):
     hf = _hf_model(seed=1)
     path = str(tmp_path_factory.mktemp("deepseek_v4"))

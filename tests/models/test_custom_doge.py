@@ -164,7 +164,8 @@ def _checkpoint(directory: str, form: str) -> str:
     return directory
 
 
-@pytest.mark.parametrize("form, cache_mode", [("channel", "paged_kv"), ("moe", "recompute")])
+@pytest.mark.parametrize("form, cache_mode", [("channel", "paged_kv"),
+                                              pytest.param("moe", "recompute", marks=pytest.mark.slow)])
 def test_llm_greedy_tokens_equal_hf(form, cache_mode, tmp_path, caplog):
     """Through ``autodeploy.LLM``: greedy tokens equal HF eager's full-forward greedy decoding
     (the coverage reference) for a prompt shorter and one longer than the window; the graph

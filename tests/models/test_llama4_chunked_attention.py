@@ -51,6 +51,7 @@ def test_graph_mode_caches_chunked_attention_and_matches_hf(checkpoint):
     assert _greedy(llm) == _hf_greedy(checkpoint)
 
 
+@pytest.mark.slow  # ~7 s; the transformers mode's chunk handling is also in its coverage sweep
 def test_transformers_mode_caches_chunked_attention_and_matches_hf(checkpoint):
     llm = LLM(checkpoint, mode="transformers", max_seq_len=64, max_batch_size=4)
     assert llm.build.context.cache_mode == "paged_kv"
