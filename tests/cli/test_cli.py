@@ -64,6 +64,7 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message, capsys):
     assert len(err.splitlines()) == 1
 
 
+@pytest.mark.slow  # ~10 s: a fresh interpreter; the in-process YAML error tests stay default
 def test_bad_yaml_file_through_the_real_console_script(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("transforms:\n  xyzzy_plugh: {}\n")

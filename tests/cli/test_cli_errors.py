@@ -254,6 +254,7 @@ def test_serve_on_a_port_in_use_fails_before_building(capsys):
     assert "loaded" not in captured.err and "transform" not in captured.out  # nothing was built
 
 
+@pytest.mark.slow  # ~8 s: a fresh interpreter; the in-process refusal tests stay default
 def test_refused_pickle_through_the_console_script(tmp_path):
     d = _checkpoint(tmp_path, lambda d: _to_pickle(d, {"w": RunsCode()}))
     proc = subprocess.run([AUTODEPLOY, "export", "--model", d, "--allow-pickle"], capture_output=True, text=True,

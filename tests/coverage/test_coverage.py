@@ -45,6 +45,7 @@ def test_fast_families_pass_end_to_end(model_type):
     assert result.cache_mode == CACHE_MODES.get(model_type, "paged_kv")
 
 
+@pytest.mark.slow  # ~12 s: builds HF's Doge twice over (suite time); recompute_fallback's own tests stay default
 def test_a_model_that_branches_on_sequence_length_is_an_error_not_a_wrong_answer():
     """HF's Doge class only exports with a static length and switches to a top-k mask above 8
     tokens: the padded graph cannot reproduce it, and the eager check at build time says so. (The

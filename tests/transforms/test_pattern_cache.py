@@ -67,6 +67,7 @@ def test_warm_cache_gives_what_tracing_gives_without_tracing(cache_dir, monkeypa
     assert _entries(cache_dir) == files
 
 
+@pytest.mark.slow  # ~9 s: traces every pattern again (suite time)
 def test_damaged_entries_are_retraced(cache_dir, monkeypatch):
     _fresh_pattern_sets(monkeypatch)
     cold = _apply_both()
