@@ -313,6 +313,28 @@ INTENDED: Dict[str, str] = {
         "near miss: HF models pass the activation into the conv already (0 matches)",
     "transforms/test_fuse_causal_conv_activation.py::test_stage_is_compile_before_compile_model":
         "config: the transform's stage and place (runs no transform)",
+    # apply_sharding_hints: these call its planning functions directly (the transform itself is seen by the
+    # world-size-1 lowering test, the shard_layers test and the 2-rank test)
+    "distributed/test_apply_sharding_hints.py::test_the_hint_op_is_a_linear_and_names_the_modes_it_allows":
+        "the op, not the transform",
+    "distributed/test_apply_sharding_hints.py::test_hints_give_the_plan_detection_gives": "the planning function",
+    "distributed/test_apply_sharding_hints.py::test_the_executor_inserts_the_collectives_the_hints_ask_for":
+        "the planning function, then the executor",
+    "distributed/test_apply_sharding_hints.py::test_the_moe_model_splits_whole_experts_and_keeps_its_router":
+        "the planning function",
+    "distributed/test_apply_sharding_hints.py::test_a_min_local_shape_above_the_local_slice_replicates":
+        "the planning helper (column_split)",
+    "distributed/test_apply_sharding_hints.py::test_sizes_the_world_size_does_not_split_are_an_error_naming_those_that_do":
+        "the planning helper",
+    "distributed/test_apply_sharding_hints.py::test_a_hint_mode_that_means_nothing_is_an_error_naming_the_modes":
+        "the op's and the planning helper's validation",
+    # the transformers mode: helpers and configuration, no transform runs
+    "models/test_transformers_mode.py::test_cached_attention_outside_a_step_is_an_error":
+        "the attention function, called without the pipeline",
+    "models/test_transformers_mode.py::test_graph_transforms_are_refused_in_transformers_mode":
+        "configuration validation (runs no transform)",
+    "models/test_transformers_mode.py::test_probe_records_what_the_cached_op_cannot_honour":
+        "the probe helper, called directly",
 }
 
 
