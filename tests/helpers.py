@@ -3,7 +3,7 @@
 import copy
 import os
 import random
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import fx
@@ -200,6 +200,21 @@ def hf_model(checkpoint: str) -> torch.nn.Module:
 
         _HF_MODELS[checkpoint] = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     return _HF_MODELS[checkpoint]
+
+
+def hf_greedy_tokens(checkpoint: str, prompts: Sequence[Sequence[int]], new_tokens: int) -> List[List[int]]:
+    """HF eager's greedy continuation of each prompt (one at a time, EOS ignored: the tests' side
+    passes ``ignore_eos``; ``min_new_tokens`` would instead forbid EOS, another answer where EOS is
+    the argmax)."""
+    model = hf_model(checkpoint)
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
 
 
 def assert_matches_hf(graph: Callable, reference: Union[str, torch.nn.Module],

@@ -10,7 +10,7 @@ from typing import Any, Dict
 import pytest
 import torch
 
-from helpers import FAMILIES, MOE_FAMILIES, family_checkpoint, hf_model, moe_family_checkpoint
+from helpers import MOE_FAMILIES, family_checkpoint, hf_greedy_tokens, hf_model, moe_family_checkpoint
 from test_collectives import _run_ranks
 
 PROMPTS = [[3, 17, 29, 41, 5, 11, 2], [7, 8, 9]]
@@ -42,16 +42,7 @@ def _job(rank: int, family: str, world: int) -> Dict[str, Any]:
 
 
 def _hf_greedy(family: str) -> list:
-    """HF's greedy tokens with EOS ignored (``ignore_eos`` on our side; ``min_new_tokens`` would instead
-    forbid EOS, a different answer where EOS is the argmax)."""
-    hf = hf_model(_checkpoint(family))
-    expected = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            ids = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected.append(ids[0, len(prompt):].tolist())
-    return expected
+    return hf_greedy_tokens(_checkpoint(family), PROMPTS, NEW)
 
 
 @pytest.mark.slow  # 15-40 s each on 2 cores: every rank builds the engine

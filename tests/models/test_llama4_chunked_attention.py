@@ -4,25 +4,16 @@ cache, in the graph mode and in the transformers mode: greedy tokens equal HF's 
 generations that cross chunk boundaries (the coverage config's chunk is 8 tokens)."""
 
 import pytest
-import torch
 
 from autodeploy import LLM, SamplingParams
-from helpers import coverage_checkpoint, hf_model
+from helpers import coverage_checkpoint, hf_greedy_tokens, hf_model
 
 PROMPTS = [[3, 17, 42, 9, 100, 7, 55, 21, 8, 13, 2], [5, 6, 7]]
 NEW = 10
 
 
 def _hf_greedy(path: str) -> list:
-    model = hf_model(path)
-    out = []
-    for p in PROMPTS:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
-    return out
+    return hf_greedy_tokens(path, PROMPTS, NEW)
 
 
 def _greedy(llm: LLM) -> list:

@@ -9,22 +9,15 @@ from autodeploy import LLM, SamplingParams
 from autodeploy.config import load_deploy_config
 from autodeploy.models.transformers_mode import CACHED_ATTN_IMPL, detect_attention_layers
 from autodeploy.utils.errors import ConfigError
-from helpers import FAMILIES, MOE_FAMILIES, family_checkpoint, hf_model, moe_family_checkpoint, stateful_checkpoint
+from helpers import (FAMILIES, MOE_FAMILIES, family_checkpoint, hf_greedy_tokens, hf_model, moe_family_checkpoint,
+                     stateful_checkpoint)
 
 PROMPTS = [[3, 17, 42, 9, 100, 7, 55, 21, 8, 13, 2], [5, 6, 7], [11, 12, 13, 14, 15, 16]]
 NEW = 8
 
 
 def hf_greedy(path: str, prompts=PROMPTS, new: int = NEW) -> list:
-    model = hf_model(path)
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
-    return out
+    return hf_greedy_tokens(path, prompts, new)
 
 
 def ours(llm: LLM, prompts=PROMPTS, new: int = NEW) -> list:
