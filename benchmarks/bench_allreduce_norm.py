@@ -31,25 +31,21 @@ import argparse
 import json
 import logging
 import os
-import socket
+import sys
 import time
 from datetime import datetime
 from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ranks import run_ranks  # noqa: E402
 
 logger = logging.getLogger("bench_allreduce_norm")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KEY = "fuse_allreduce_residual_rmsnorm"
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _checkpoint(model: str) -> str:
@@ -163,28 +159,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.smoke:
         args.model, args.rounds, args.iters = "tiny-llama", 2, 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, args, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: Dict[int, Any] = {}
-    deadline = time.monotonic() + 1800
-    while len(results) < WORLD and time.monotonic() < deadline:
-        try:
-            rank, value = queue.get(timeout=1)
-            results[rank] = value
-        except Exception:  # noqa: BLE001 - queue.Empty: stop waiting once every rank is gone
-            if all(not p.is_alive() for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    failed = {r: v for r, v in results.items() if isinstance(v, str)}
-    if failed or 0 not in results:
-        raise SystemExit(f"benchmark failed: {failed or 'rank 0 reported nothing'}")
+    results = run_ranks(_rank_main, WORLD, (args,))
     rows = results[0]
     table = _table(rows)
     logger.info("torch %s, world size %d (gloo, loopback), %d thread(s) per rank, model %s\n%s",

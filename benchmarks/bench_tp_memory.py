@@ -19,23 +19,18 @@ import argparse
 import json
 import logging
 import os
-import socket
-import time
+import sys
 from datetime import datetime
 from typing import Any, Dict, List
 
 import torch
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ranks import run_ranks  # noqa: E402
 
 logger = logging.getLogger("bench_tp_memory")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MiB = 2**20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _checkpoint(model: str) -> str:
@@ -73,7 +68,7 @@ def _measure(model: str, world: int) -> Dict[str, Any]:
             "sharded_tensors": len(sharded)}
 
 
-def _rank_main(rank: int, world: int, port: int, model: str, queue: Any) -> None:
+def _rank_main(rank: int, port: int, world: int, model: str, queue: Any) -> None:
     from autodeploy.distributed import process_group
 
     try:
@@ -89,28 +84,7 @@ def _rank_main(rank: int, world: int, port: int, model: str, queue: Any) -> None
 
 
 def _run(model: str, world: int) -> List[Dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, model, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: Dict[int, Any] = {}
-    deadline = time.monotonic() + 1800
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            rank, value = queue.get(timeout=1)
-            results[rank] = value
-        except Exception:  # noqa: BLE001 - queue.Empty: stop waiting once every rank is gone
-            if all(not p.is_alive() for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    failed = {r: v for r, v in results.items() if isinstance(v, str)}
-    if failed or len(results) < world:
-        raise SystemExit(f"world size {world} failed: {failed or 'a rank reported nothing'}")
+    results = run_ranks(_rank_main, world, (world, model))
     return [results[r] for r in range(world)]
 
 

@@ -13,7 +13,8 @@ After::
 Every other user of the sum takes the op's second output, so several users of the add or of
 the norm stay correct. The fused op goes in right after the add, so a user of the sum placed
 between the add and the norm (``scale * residual + sublayer(norm(residual))``, Doge's order)
-still reads a value defined before it; the norm's weight, a ``get_attr``, is moved up with it. An add that is not normalised, an add with ``alpha``, or a norm of
+still reads a value defined before it; the norm's weight, a ``get_attr``, is moved up with it (a
+computed weight such as Gemma's ``1 + w`` is waited for instead). An add that is not normalised, an add with ``alpha``, or a norm of
 something other than an add is left alone.
 """
 
@@ -67,13 +68,18 @@ class FuseAddRMSNorm(BaseTransform):
 
 
 def _insertion_point(graph: fx.Graph, add: fx.Node, norm: fx.Node):
-    """The node to insert the fused op before: the one after ``add``, with the norm's weight moved
-    above the add if it is a parameter read placed later. ``None`` (leave the pair alone) when the
-    weight is computed after the add, so no single point has every input and precedes every user."""
+    """The node to insert the fused op before: right after the add or after the norm's computed
+    weight (Gemma's ``1 + w``), whichever comes later; a weight that is a parameter read placed
+    later is moved above the add instead. ``None`` (leave the pair alone) when a user of the sum
+    comes before that point, so no single place has every input and precedes every user."""
     position = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = add
     for arg in norm.args[1:]:
         if isinstance(arg, fx.Node) and position[arg] > position[add]:
-            if arg.op != "get_attr":
-                return None
-            add.prepend(arg)
-    return add.next
+            if arg.op == "get_attr":
+                add.prepend(arg)
+            elif position[arg] > position[anchor]:
+                anchor = arg
+    if any(user is not norm and position[user] <= position[anchor] for user in add.users):
+        return None
+    return anchor.next
