@@ -163,3 +163,28 @@ def test_a_user_of_the_sum_before_the_norm_reads_a_defined_value():
     gm.graph.lint()  # every node's inputs are defined before it
     assert_same_outputs(reference, gm, [(torch.randn(2, 5, D), torch.randn(2, 5, D)),
                                         (torch.randn(1, 3, D), torch.randn(1, 3, D))])
+
+
+class ComputedNormWeight(nn.Module):
+    """Gemma's norm: the weight is computed (``1 + w``) between the add and the norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D))
+        self.mlp = nn.Linear(D, D)
+
+    def forward(self, x, r):
+        h = x + r
+        y = ad.torch_rmsnorm(h, 1.0 + self.w, 1e-6)
+        return h + self.mlp(y)
+
+
+def test_a_computed_norm_weight_is_waited_for_not_a_reason_to_skip():
+    x, r = torch.randn(2, 5, D), torch.randn(2, 5, D)
+    gm = export_gm(ComputedNormWeight().eval(), x, r)
+    reference = copy.deepcopy(gm)
+    gm, record = apply_transform("fuse_add_rms_norm", gm)
+    assert record.num_matches == 1 and count_op(gm, ad.torch_fused_add_rmsnorm) == 1
+    gm.graph.lint()
+    assert_same_outputs(reference, gm, [(torch.randn(2, 5, D), torch.randn(2, 5, D)),
+                                        (torch.randn(1, 3, D), torch.randn(1, 3, D))])
