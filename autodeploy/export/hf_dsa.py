@@ -24,7 +24,7 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 from torch import nn
 
-from .patch_registry import register_export_patch
+from .patch_registry import register_export_patch, replaced_forwards
 
 _ROPE_FUNCTIONS = ("apply_rotary_pos_emb_interleave", "apply_rotary_pos_emb")
 _LINEARS = ("wq_b", "wk", "weights_proj")
@@ -88,18 +88,11 @@ def _indexer_forward(original: Callable, rope_function: Callable) -> Callable:
 @contextmanager
 def _dsa_indexer(model: nn.Module) -> Iterator[None]:
     classes = {type(m) for m in model.modules() if is_dsa_indexer(m)}
-    originals = {cls: cls.__dict__.get("forward") for cls in classes}
     ropes = {cls: _rope_function(next(m for m in model.modules() if type(m) is cls)) for cls in classes}
-    for cls in classes:
-        cls.forward = _indexer_forward(cls.forward, ropes[cls])
     try:
-        yield
+        with replaced_forwards({cls: _indexer_forward(cls.forward, ropes[cls]) for cls in classes}):
+            yield
     finally:
-        for cls, original in originals.items():
-            if original is None:
-                del cls.forward
-            else:
-                cls.forward = original
         _INDICES.clear()
 
 

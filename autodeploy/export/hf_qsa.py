@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.dsa import topk_keep_mask
-from .patch_registry import register_export_patch
+from .patch_registry import register_export_patch, replaced_forwards
 
 _SIZES = ("index_n_heads", "index_kv_heads", "index_head_dim", "token_budget", "compress_ratio", "block_topk")
 
@@ -158,17 +158,8 @@ def _qsa_indexer(model: nn.Module) -> Iterator[None]:
     for m in model.modules():
         if type(m) not in found and is_qsa_indexer(m):
             found[type(m)] = _rope_function(m)
-    originals = {cls: cls.__dict__.get("forward") for cls in found}
-    for cls, rope in found.items():
-        cls.forward = _indexer_forward(cls.forward, rope)
-    try:
+    with replaced_forwards({cls: _indexer_forward(cls.forward, rope) for cls, rope in found.items()}):
         yield
-    finally:
-        for cls, original in originals.items():
-            if original is None:
-                del cls.forward
-            else:
-                cls.forward = original
 
 
 __all__: List[str] = ["is_qsa_indexer", "torch_qsa_indexer"]

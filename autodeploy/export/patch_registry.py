@@ -47,3 +47,21 @@ def apply_export_patches(model: nn.Module, enabled: Mapping[str, bool]) -> Itera
             if enabled.get(patch.name, True):
                 stack.enter_context(patch.factory(model))
         yield
+
+
+@contextmanager
+def replaced_forwards(forwards: Mapping[type, Callable]) -> Iterator[None]:
+    """Each class's ``forward`` replaced for the block and restored after (also when the class
+    only inherited it: the override is then deleted again) — what a patch that rewrites one
+    module type's forward for the export needs."""
+    originals = {cls: cls.__dict__.get("forward") for cls in forwards}
+    for cls, forward in forwards.items():
+        cls.forward = forward
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            if original is None:
+                del cls.forward
+            else:
+                cls.forward = original
