@@ -2,6 +2,7 @@
 
 import copy
 import os
+import shutil
 import random
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -70,13 +71,20 @@ def _cached_checkpoint(name: str, config: Dict[str, Any]) -> str:
         os.makedirs(CKPT_CACHE, exist_ok=True)
         tmp = path + f".tmp{os.getpid()}"
         write_random_checkpoint(config, tmp, seed=1)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process wrote the same checkpoint first (same config, same seed)
+            if not os.path.exists(os.path.join(path, "model.safetensors")):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
-def moe_family_checkpoint(family: str) -> str:
-    """Like ``family_checkpoint`` for ``MOE_FAMILIES`` (experts saved per expert, as transformers saves them)."""
-    return _cached_checkpoint(f"moe-{family}", MOE_FAMILIES[family])
+def moe_family_checkpoint(family: str, **overrides: Any) -> str:
+    """Like ``family_checkpoint`` for ``MOE_FAMILIES`` (experts saved per expert, as transformers saves them);
+    ``overrides`` change config entries (e.g. the expert count) and name their own directory."""
+    suffix = "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+    return _cached_checkpoint(f"moe-{family}{suffix}", {**MOE_FAMILIES[family], **overrides})
 
 
 # Models with state outside attention (issue 7): LFM2's short-convolution layers next to an

@@ -76,8 +76,10 @@ KEYS: Dict[str, List[str]] = {
     "fuse_rope_into_trtllm_mla": ["transforms/test_fuse_rope_into_trtllm_mla.py"],
     "fuse_rope_into_trtllm_attention": ["transforms/test_fuse_rope_into_trtllm_attention.py"],
     "detect_sharding": ["distributed/test_sharding.py", "distributed/test_sharding_kv_replication.py",
-                        "distributed/test_expert_parallel.py"],
-    "sharding_transform_executor": ["distributed/test_sharding.py::test_two_ranks_hold_their_slices_and_match_hf"],
+                        "distributed/test_expert_parallel.py", "distributed/test_sharding_quantized.py"],
+    "sharding_transform_executor": ["distributed/test_sharding.py::test_two_ranks_hold_their_slices_and_match_hf",
+                                    "distributed/test_sharding_quantized.py::"
+                                    "test_two_ranks_of_an_fp8_model_hold_their_slices_and_match_the_float_reference"],
     "resize_kv_cache": ["transforms/test_resize_kv_cache.py"],
     "insert_cached_causal_conv": ["transforms/test_insert_cached_causal_conv.py"],
     "insert_cached_ssm_attention": ["transforms/test_insert_cached_ssm_attention.py"],
@@ -194,6 +196,13 @@ INTENDED: Dict[str, str] = {
     "distributed/test_sharding_kv_replication.py::test_a_tied_lm_head_stays_whole": "the planning function",
     "distributed/test_expert_parallel.py::test_plan_splits_whole_experts_when_the_world_size_divides_them":
         "the planning function, called directly",
+    **{f"distributed/test_sharding_quantized.py::{name}": "the planning function, called directly" for name in (
+        "test_quantized_linears_split_with_the_scales_of_their_format[fp8]",
+        "test_quantized_linears_split_with_the_scales_of_their_format[gptq]",
+        "test_quantized_linears_split_with_the_scales_of_their_format[nvfp4]",
+        "test_fine_grained_fp8_blocks_a_split_would_cut_stay_whole",
+        "test_an_mlp_whose_gate_has_another_reader_stays_whole",
+        "test_fewer_experts_than_ranks_split_inside_the_experts")},
     "transforms/test_fuse_rope_into_trtllm_attention.py::test_logits_equal_the_unfused_graph":
         "numerics against the unfused graph (test_structure is the one that sees the fusion)",
     # quantization (issue 15): near misses and settings that must leave the graph alone

@@ -15,6 +15,15 @@ A plan is a list of decisions over graph nodes, each a plain dataclass:
 * ``ExpertShard``: expert parallelism; each rank holds ``num_experts / world_size`` whole experts
   of a ``torch_moe``, computes the (token, expert) pairs routed to them, and one all-reduce sums
   the ranks' partial outputs.
+* ``ExpertTensorShard``: tensor parallelism inside the experts, for a ``torch_moe`` whose experts
+  the world size does not divide (fewer experts than ranks): every rank holds every expert's
+  slice of the hidden features (gate/up rows, down columns), one all-reduce after.
+
+Linears are ``aten.linear`` or one of the quantized linears (``torch_quant_*_linear``): a
+:class:`LinearLayout` says which of the op's tensors split with the output features (a column
+shard) or the input features (a row shard), and the block or group a split must not cut (a
+fine-grained FP8 tile, an NVFP4 or int4 group). Per-tensor scales are whole on every rank; they
+are the same numbers on every slice.
 
 Why a plan and not a rewrite in one pass: the same objects are what a model's own sharding hints
 produce (``apply_sharding_hints``, from ``torch_linear_with_hint``), so there is one executor.
@@ -23,11 +32,12 @@ Nodes are named, not held, so a plan can be logged and compared.
 
 import operator
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import fx
 
+from ...ops.quant import linear as _quant_linear  # noqa: F401  (registers the quantized linears)
 from ..graph_utils import get_attr_value
 
 aten = torch.ops.aten
@@ -68,6 +78,42 @@ class WeightShard:
 
 
 @dataclass(frozen=True)
+class LinearLayout:
+    """Where a linear op keeps its tensors (argument indices) and how they split."""
+
+    column: Tuple[Tuple[int, int], ...]  # (argument, dim) split with the output features, the weight first
+    row: Tuple[Tuple[int, int], ...]  # (argument, dim) split with the input features, the weight first
+    whole: Tuple[int, ...] = ()  # per-tensor scales: one element, the same on every rank
+    # the (output, input) feature granularity a split must keep whole (block or group size)
+    granularity: Callable[[fx.Node], Tuple[int, int]] = lambda node: (1, 1)
+
+
+_QUANT = {
+    "fp8": LinearLayout(column=((1, 0),), row=((1, 1),), whole=(3, 4)),
+    "finegrained_fp8": LinearLayout(column=((1, 0), (3, 0)), row=((1, 1), (3, 1)),
+                                    granularity=lambda n: (int(_arg(n, 4, 128)), int(_arg(n, 5, 128)))),
+    "nvfp4": LinearLayout(column=((1, 0), (4, 0)), row=((1, 1), (4, 1)), whole=(3, 5), granularity=lambda n: (1, 16)),
+    "int4": LinearLayout(column=((1, 0), (3, 0), (4, 0)), row=((1, 1), (3, 1), (4, 1)),
+                         granularity=lambda n: (1, int(_arg(n, 5, 1)))),
+    "int8": LinearLayout(column=((1, 0), (3, 0)), row=((1, 1),)),
+}
+_FLOAT = LinearLayout(column=((1, 0),), row=((1, 1),))
+LINEAR_LAYOUTS: Dict[object, LinearLayout] = {
+    aten.linear.default: _FLOAT,
+    **{getattr(ad, f"torch_quant_{name}_linear").default: layout for name, layout in _QUANT.items()},
+}
+
+
+def _arg(node: fx.Node, index: int, default: object) -> object:
+    return node.args[index] if len(node.args) > index else default
+
+
+def is_linear(node: object) -> bool:
+    """An ``aten.linear`` or a quantized linear the sharding can split."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in LINEAR_LAYOUTS
+
+
+@dataclass(frozen=True)
 class ColumnShard:
     node: str  # the aten.linear node
     weight: str  # get_attr target
@@ -80,6 +126,8 @@ class ColumnShard:
     # all_gather the ranks' slices after the linear (the vocab-parallel LM head: every rank then
     # holds all the logits)
     gather: bool = False
+    # a quantized linear's other tensors split with the weight's rows: (get_attr target, dim)
+    extra: Tuple[Tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +135,8 @@ class RowShard:
     node: str
     weight: str
     bias: Optional[str] = None
+    # a quantized linear's other tensors split with the weight's columns: (get_attr target, dim)
+    extra: Tuple[Tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,7 +159,22 @@ class ExpertShard:
     dropped: Tuple[str, ...]  # get_attr targets of the other ranks' experts
 
 
-Decision = Union[ColumnShard, RowShard, SwigluShard, ExpertShard]
+@dataclass(frozen=True)
+class ExpertTensorShard:
+    """Tensor parallelism inside every expert of one ``torch_moe``: each rank keeps its slice of
+    each expert's hidden features (gate/up weight rows and biases, down weight columns); the down
+    biases stay on rank 0 only, so the all-reduce after the op adds them once."""
+
+    node: str  # the torch_moe node
+    gate: Tuple[str, ...]  # get_attr targets, one per expert (empty for an ungated activation)
+    up: Tuple[str, ...]
+    down: Tuple[str, ...]
+    gate_bias: Tuple[str, ...] = ()
+    up_bias: Tuple[str, ...] = ()
+    down_bias: Tuple[str, ...] = ()
+
+
+Decision = Union[ColumnShard, RowShard, SwigluShard, ExpertShard, ExpertTensorShard]
 
 
 @dataclass
@@ -148,15 +213,57 @@ def linear_weights(gm: fx.GraphModule, linear: fx.Node) -> Optional[Tuple[str, O
     return weight, bias
 
 
+LinearSplit = Tuple[str, Optional[str], Tuple[Tuple[str, int], ...]]
+
+
+def linear_split(gm: fx.GraphModule, linear: fx.Node, rows: bool, parts: int) -> Optional[LinearSplit]:
+    """``(weight, bias, extra)`` for splitting ``linear`` into ``parts`` along its output features
+    (``rows`` False: a column shard) or its input features (``rows`` True: a row shard), with
+    ``extra`` the quantized format's other tensors that split with it. None when the linear cannot
+    be split that way: a computed weight, a feature count ``parts`` does not divide into whole
+    blocks or groups of its format, or a scale that is not one number per tensor."""
+    layout = LINEAR_LAYOUTS.get(linear.target)
+    weights = linear_weights(gm, linear) if layout is not None else None
+    if layout is None or weights is None:
+        return None
+    weight_value = get_attr_value(gm, linear.args[1])
+    n = int(weight_value.shape[0])
+    x_val = linear.args[0].meta.get("val") if isinstance(linear.args[0], fx.Node) else None
+    k = int(x_val.shape[-1]) if x_val is not None else (int(weight_value.shape[1]) if layout is _FLOAT else -1)
+    block_n, block_k = layout.granularity(linear)
+    features, block = (k, block_k) if rows else (n, block_n)
+    if features <= 0 or features % parts or (features // parts) % block:
+        return None
+    extra = []
+    for index, dim in (layout.row if rows else layout.column)[1:]:
+        target = _tensor_target(gm, linear, index)
+        value = get_attr_value(gm, linear.args[index]) if target is not None else None
+        if value is None or value.shape[dim] % parts:
+            return None
+        extra.append((target, dim))
+    for index in layout.whole:
+        value = get_attr_value(gm, linear.args[index]) if _tensor_target(gm, linear, index) else None
+        if value is None or value.numel() != 1:
+            return None  # a per-row scale (after a GEMM fusion): not split here
+    return weights[0], weights[1], tuple(extra)
+
+
+def _tensor_target(gm: fx.GraphModule, node: fx.Node, index: int) -> Optional[str]:
+    value = node.args[index] if len(node.args) > index else None
+    if isinstance(value, fx.Node) and value.op == "get_attr" and isinstance(get_attr_value(gm, value), torch.Tensor):
+        return str(value.target)
+    return None
+
+
 def producing_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
-    """The ``aten.linear`` an attention input comes from, through layout ops, per-head norms and
+    """The linear (``aten.linear`` or quantized) an attention input comes from, through layout ops, per-head norms and
     RoPE (whose q output comes from its first input and k output from its second); ``path`` collects the
     layout nodes passed. None when the chain is anything else, or when a node on it has another
     reader (that reader would get this rank's slice instead of the whole tensor)."""
     while isinstance(node, fx.Node):
-        if len(node.users) != 1 and node.target in (aten.linear.default, *LAYOUT_OPS):
+        if len(node.users) != 1 and (is_linear(node) or node.target in LAYOUT_OPS):
             return None  # another reader would see this rank's slice only: leave the projection whole
-        if node.target == aten.linear.default:
+        if is_linear(node):
             return node
         if node.target in LAYOUT_OPS:
             path.append(node)
@@ -182,10 +289,10 @@ def _per_head(norm: fx.Node) -> bool:
 
 
 def consuming_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
-    """The ``aten.linear`` the attention output feeds, through single-user layout ops."""
+    """The linear the attention output feeds, through single-user layout ops."""
     while len(node.users) == 1:
         (user,) = node.users
-        if user.target == aten.linear.default and user.args[0] is node:
+        if is_linear(user) and user.args[0] is node:
             return user
         if user.target not in LAYOUT_OPS:
             return None

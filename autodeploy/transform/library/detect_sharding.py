@@ -13,17 +13,23 @@ for the q/k/v projections (each rank its heads) and ``RowShard`` for the output 
 
 The heuristic is Megatron's: attention split by heads (query and key/value heads alike, so each
 rank keeps its own GQA groups; key/value heads fewer than the ranks are replicated, each rank
-holding the one head its query heads read), gated MLPs by their hidden features, one all-reduce
-after each block, mixture-of-experts layers split by whole experts (expert parallelism: each
-rank routes only the pairs of its experts, an all-reduce sums the ranks' outputs), and the LM
-head split by vocabulary with an all-gather of the logits (``shard_lm_head``). What it cannot split stays replicated on every rank, which is correct and
-only costs memory: the embedding, the norms, a tied LM head, and any projection it does not
-recognise. Head or feature counts that the world size does not split are an error listing the
-world sizes that would work. A graph whose model stated its own sharding (``torch_linear_with_hint``)
-was planned by ``apply_sharding_hints`` and is skipped here.
+holding the one head its query heads read), gated MLPs by their hidden features (``torch_swiglu_mlp``,
+and any ``down(f(gate(x), up(x)))`` with an element-wise ``f``: GeGLU, relu², quantized
+gate/up/down), one all-reduce after each block, mixture-of-experts layers split by whole experts
+(expert parallelism: each rank routes only the pairs of its experts, an all-reduce sums the ranks'
+outputs) or, when the world size does not divide the experts (fewer experts than ranks), inside
+every expert by its hidden features, and the LM head split by vocabulary with an all-gather of the
+logits (``shard_lm_head``). Quantized linears (FP8, fine-grained FP8, NVFP4, int4, int8) split like
+float ones, their block or group scales with them, where the split keeps whole blocks (a
+fine-grained FP8 linear whose 128-wide tiles a rank would cut stays whole). What it cannot split
+stays replicated on every rank, which is correct and only costs memory: the embedding, the norms,
+a tied LM head, quantized MoE experts, MLA attention, and any projection it does not recognise.
+Head or feature counts that the world size does not split are an error listing the world sizes
+that would work. A graph whose model stated its own sharding (``torch_linear_with_hint``) was
+planned by ``apply_sharding_hints`` and is skipped here.
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 import torch
 from pydantic import Field
@@ -31,15 +37,25 @@ from torch import fx
 
 from ...utils.errors import ConfigError
 from ...utils.logging import get_logger
-from ..graph_utils import arg
+from ..graph_utils import arg, get_attr_value
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._sharding import (SHARDING_HINTS_META, ColumnShard, ExpertShard, RowShard, ShardingPlan, SwigluShard,
-                        consuming_linear, linear_weights, literal_dims, producing_linear, sizes_that_divide,
-                        weight_target)
+from ._sharding import (SHARDING_HINTS_META, ColumnShard, ExpertShard, ExpertTensorShard, RowShard, ShardingPlan,
+                        SwigluShard, consuming_linear, is_linear, linear_split, linear_weights, literal_dims,
+                        producing_linear, sizes_that_divide, weight_target)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
 logger = get_logger(__name__)
+
+# per-feature ops an MLP's activation is made of: a column split of their inputs is a column split
+# of their output (``plan_mlp``)
+ELEMENTWISE = frozenset({
+    aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default,
+    aten.erf.default, aten.exp.default, aten.neg.default, aten.square.default, aten.pow.Tensor_Scalar,
+    aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar,
+    aten.div.Tensor, aten.div.Scalar, aten.clamp.default, aten.minimum.default, aten.maximum.default,
+    aten._to_copy.default, aten.to.dtype, aten.clone.default,
+})
 
 
 class DetectShardingConfig(TransformConfig):
@@ -72,33 +88,38 @@ def _kv_split(heads: int, kv_heads: int, world_size: int, rank: int, name: str) 
 
 def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> bool:
     """Add the decisions for one ``torch_attention`` node; False (nothing added) when its
-    projections are not plain linears over stored weights, or when it carries ALiBi slopes (one
-    per query head: splitting the heads would need the slopes split with them, not done yet, so
-    such an attention stays whole on every rank rather than reading another rank's slopes)."""
+    projections are not linears over stored weights (plain or quantized, each splittable into whole
+    blocks of its format), or when it carries ALiBi slopes (one per query head: splitting the heads
+    would need the slopes split with them, not done yet, so such an attention stays whole on every
+    rank rather than reading another rank's slopes)."""
     if arg(attn, 10, "alibi_slopes") is not None:
         return False
     chains: List[List[fx.Node]] = [[], [], []]
-    projections = []
-    for i in range(3):
-        linear = producing_linear(attn.args[i], chains[i])
-        weights = linear_weights(gm, linear) if linear is not None else None
-        if weights is None:
-            return False
-        projections.append((linear, weights))
+    projections = [producing_linear(attn.args[i], chains[i]) for i in range(3)]
     out_chain: List[fx.Node] = []
     out_linear = consuming_linear(attn, out_chain)
-    out_weights = linear_weights(gm, out_linear) if out_linear is not None else None
     heads, kv_heads = _head_count(attn, 0), _head_count(attn, 1)
-    if out_weights is None or heads is None or kv_heads is None:
+    if any(p is None or linear_weights(gm, p) is None for p in (*projections, out_linear)):
+        return False
+    if heads is None or kv_heads is None:
         return False
     parts, index = _kv_split(heads, kv_heads, plan.world_size, plan.rank, attn.name)
-    for i, (linear, (weight, bias)) in enumerate(projections):
+    splits = [linear_split(gm, p, rows=False, parts=parts if i > 0 else plan.world_size)
+              for i, p in enumerate(projections)]
+    out_split = linear_split(gm, out_linear, rows=True, parts=plan.world_size)
+    if out_split is None or any(s is None for s in splits):
+        logger.info("attention %s kept whole on every rank: a quantized projection does not split into whole blocks "
+                    "of its format at world_size %d", attn.name, plan.world_size)
+        return False
+    for i, (linear, (weight, bias, extra)) in enumerate(zip(projections, splits)):  # type: ignore[misc]
         kv = i > 0 and parts != plan.world_size
-        plan.decisions.append(ColumnShard(linear.name, weight, bias, parts if kv else None, index if kv else None))
+        plan.decisions.append(ColumnShard(linear.name, weight, bias, parts if kv else None, index if kv else None,
+                                          extra=extra))
         count = kv_heads if i > 0 else heads
         features = int(linear.meta["val"].shape[-1]) if "val" in linear.meta else -1
         _fix_layouts(plan, chains[i], (count, features), parts if i > 0 else plan.world_size)
-    plan.decisions.append(RowShard(out_linear.name, *out_weights))
+    weight, bias, extra = out_split
+    plan.decisions.append(RowShard(out_linear.name, weight, bias, extra=extra))
     _fix_layouts(plan, out_chain, (heads, int(out_linear.args[0].meta["val"].shape[-1])
                                    if "val" in out_linear.args[0].meta else -1), plan.world_size)
     return True
@@ -128,22 +149,98 @@ def plan_swiglu(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> bool:
 
 def plan_moe(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> bool:
     """Expert parallelism for one ``torch_moe`` (per-expert weight lists): each rank keeps a
-    contiguous block of whole experts. Experts the world size does not divide stay replicated
-    (logged): tensor parallelism inside the experts is not built."""
-    lists = [node.args[i] for i in range(3, 9)]
-    experts = len(lists[0])
-    targets = [[weight_target(gm, a) for a in group] for group in lists if group]
+    contiguous block of whole experts. Experts the world size does not divide (fewer experts than
+    ranks, say) are split inside instead: tensor parallelism over each expert's hidden features."""
+    groups = [list(node.args[i]) for i in range(3, 9)]
+    experts = len(groups[2])
+    targets = [[weight_target(gm, a) for a in group] for group in groups]
     if any(t is None for group in targets for t in group):
         return False
     if experts % plan.world_size:
-        logger.info("MoE %s kept whole on every rank: %d experts, world_size %d (world sizes that split them: %s)",
-                    node.name, experts, plan.world_size, sizes_that_divide([experts]))
-        return False
+        return _plan_moe_inside(gm, node, groups, targets, plan)  # type: ignore[arg-type]
     per_rank = experts // plan.world_size
     start, end = plan.rank * per_rank, (plan.rank + 1) * per_rank
     dropped = tuple(t for group in targets for e, t in enumerate(group) if not start <= e < end)
     plan.decisions.append(ExpertShard(node.name, start, end, dropped))  # type: ignore[arg-type]
     return True
+
+
+def _plan_moe_inside(gm: fx.GraphModule, node: fx.Node, groups: List[List[fx.Node]], targets: List[List[str]], plan: ShardingPlan) -> bool:
+    """``ExpertTensorShard`` for a ``torch_moe`` whose experts the world size does not divide: each
+    expert's hidden features (its down weight's columns) split across all ranks."""
+    down = get_attr_value(gm, groups[2][0]) if groups[2] else None
+    hidden = int(down.shape[1]) if down is not None and down.dim() == 2 else 0
+    experts = len(groups[2])
+    if not hidden or hidden % plan.world_size:
+        logger.info("MoE %s kept whole on every rank: %d experts and %d hidden features per expert, which world_size "
+                    "%d splits neither way (world sizes that split the experts: %s, their features: %s)", node.name,
+                    experts, hidden, plan.world_size, sizes_that_divide([experts]), sizes_that_divide([hidden]))
+        return False
+    gate, up, down_t, gate_b, up_b, down_b = (tuple(t) for t in targets)
+    plan.decisions.append(ExpertTensorShard(node.name, gate, up, down_t, gate_b, up_b, down_b))
+    return True
+
+
+def plan_mlp(gm: fx.GraphModule, down: fx.Node, plan: ShardingPlan, taken: Set[str]) -> bool:
+    """Megatron's MLP split for any ``down(f(a(x), b(x), ...))`` whose inner function ``f`` is
+    element-wise over the hidden features (SiLU/GELU gating, squared ReLU, casts, scalar
+    arithmetic) and whose leaves ``a, b, ...`` are linears, plain or quantized, that nothing else
+    reads: the leaves split by output features, ``down`` by input features, one all-reduce. Covers
+    the MLPs ``torch_swiglu_mlp`` does not (quantized gate/up/down, GeGLU, relu² MLPs). Anything
+    else on the way (a reduction, a tensor that is not per feature, another reader) leaves it
+    whole."""
+    if down.name in taken or not is_linear(down) or not isinstance(down.args[0], fx.Node):
+        return False
+    x_val = down.args[0].meta.get("val")
+    if x_val is None:
+        return False
+    features = int(x_val.shape[-1])
+    inner, leaves = _elementwise_region(gm, down.args[0], features)
+    if not inner or not leaves or any(leaf.name in taken for leaf in leaves):
+        return False
+    region = set(inner) | set(leaves)
+    if any(u not in region and u is not down for n in region for u in n.users):
+        return False  # another reader would see this rank's slice only
+    splits = [linear_split(gm, leaf, rows=False, parts=plan.world_size) for leaf in leaves]
+    down_split = linear_split(gm, down, rows=True, parts=plan.world_size)
+    if down_split is None or any(s is None for s in splits):
+        logger.info("MLP %s kept whole on every rank: %d features do not split into whole blocks at world_size %d",
+                    down.name, features, plan.world_size)
+        return False
+    for leaf, (weight, bias, extra) in zip(leaves, splits):  # type: ignore[misc]
+        plan.decisions.append(ColumnShard(leaf.name, weight, bias, extra=extra))
+    plan.decisions.append(RowShard(down.name, down_split[0], down_split[1], extra=down_split[2]))
+    taken.update([down.name, *(leaf.name for leaf in leaves)])
+    return True
+
+
+def _elementwise_region(gm: fx.GraphModule, start: fx.Node, features: int) -> Tuple[List[fx.Node], List[fx.Node]]:
+    """The element-wise nodes between ``start`` and the linears it is computed from (``inner``,
+    ``leaves``), every value ``features`` wide; ``([], [])`` when anything else is on the way."""
+    inner: List[fx.Node] = []
+    leaves: List[fx.Node] = []
+    stack, seen = [start], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        value = node.meta.get("val")
+        if value is None or value.dim() == 0 or int(value.shape[-1]) != features:
+            return [], []
+        if is_linear(node):
+            leaves.append(node)
+            continue
+        if node.op != "call_function" or node.target not in ELEMENTWISE:
+            return [], []
+        inner.append(node)
+        for a in (*node.args, *node.kwargs.values()):
+            if not isinstance(a, fx.Node):
+                continue  # a Python scalar, a dtype
+            if a.op == "get_attr" and getattr(get_attr_value(gm, a), "numel", lambda: 0)() == 1:
+                continue  # a scalar tensor constant: the same on every slice
+            stack.append(a)
+    return inner, leaves
 
 
 def plan_lm_head(gm: fx.GraphModule, plan: ShardingPlan) -> bool:
@@ -152,10 +249,10 @@ def plan_lm_head(gm: fx.GraphModule, plan: ShardingPlan) -> bool:
     to the embedding (the lookup needs every row), or a vocabulary the world size does not divide."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     node = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target != aten.linear.default:
+    while isinstance(node, fx.Node) and node.op == "call_function" and not is_linear(node):
         inputs = node.all_input_nodes
         node = inputs[0] if len(inputs) == 1 else None
-    if not isinstance(node, fx.Node) or node.target != aten.linear.default:
+    if not isinstance(node, fx.Node) or not is_linear(node):
         return False
     weights = linear_weights(gm, node)
     if weights is None:
@@ -166,7 +263,11 @@ def plan_lm_head(gm: fx.GraphModule, plan: ShardingPlan) -> bool:
         logger.info("LM head kept whole on every rank: %s", "tied to the embedding" if len(readers) != 1 else
                     f"vocabulary {vocab} not divisible by world_size {plan.world_size}")
         return False
-    plan.decisions.append(ColumnShard(node.name, weights[0], weights[1], gather=True))
+    split = linear_split(gm, node, rows=False, parts=plan.world_size)
+    if split is None:
+        logger.info("LM head kept whole on every rank: its quantized weight does not split into whole blocks")
+        return False
+    plan.decisions.append(ColumnShard(node.name, split[0], split[1], gather=True, extra=split[2]))
     return True
 
 
@@ -183,6 +284,10 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True)
             plan_moe(gm, node, plan)
     if lm_head:
         plan_lm_head(gm, plan)
+    taken = {d.node for d in plan.decisions}
+    for node in list(gm.graph.nodes):
+        if is_linear(node):
+            plan_mlp(gm, node, plan, taken)
     return plan
 
 

@@ -12,12 +12,18 @@ After, on rank r of n::
     y = add(autodeploy.torch_dist_all_reduce(linear(a, Wo)), bo)      # Wo [hidden, H*D/n]
     m = autodeploy.torch_dist_all_reduce(autodeploy.torch_swiglu_mlp(h, Wg, Wu, Wd))  # Wg/Wu rows, Wd columns
 
-Expert parallelism (``ExpertShard``) keeps this rank's block of experts in the ``torch_moe``
-lists and routes the other pairs nowhere::
+A quantized linear's block or group scales (``extra``) split with its weight, its per-tensor
+scales stay whole. Expert parallelism (``ExpertShard``) keeps this rank's block of experts in the
+``torch_moe`` lists and routes the other pairs nowhere::
 
     mine = (sel >= e0) & (sel < e1)
     m = autodeploy.torch_dist_all_reduce(autodeploy.torch_moe(x, where(mine, sel - e0, -1),
                                                                where(mine, w, 0), gates[e0:e1], ...))
+
+Experts the world size does not divide (``ExpertTensorShard``) are split inside: each rank keeps
+every expert's slice of the hidden features, the down biases on rank 0 only::
+
+    m = autodeploy.torch_dist_all_reduce(autodeploy.torch_moe(x, sel, w, [Wg_e rows], [Wu_e rows], [Wd_e cols], ...))
 
 Parameters are still on the meta device here: each is replaced by one of its shard's shape, and
 ``ctx.weight_shards`` tells ``load_weights`` which slice of the checkpoint tensor this rank reads
@@ -30,14 +36,15 @@ sizes need nothing. The vocab-parallel LM head is a column shard whose slices an
     logits = autodeploy.torch_dist_all_gather(linear(h, W_lm), -1)     # W_lm [vocab/n, hidden]
 """
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch import fx, nn
 
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._quant_from_config import GRAPH_IGNORED_TENSORS
-from ._sharding import ColumnShard, ExpertShard, RowShard, ShardingPlan, SwigluShard, WeightShard
+from ._sharding import (ColumnShard, ExpertShard, ExpertTensorShard, RowShard, ShardingPlan, SwigluShard,
+                        WeightShard)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -92,15 +99,35 @@ def _keep_local_experts(gm: fx.GraphModule, node: fx.Node, shard: ExpertShard) -
     lists = [list(group)[shard.start:shard.end] if group else [] for group in node.args[3:9]]
     node.args = (node.args[0], local, kept, *lists, *node.args[9:])
     _all_reduce_after(gm, node)
+    _drop(gm, shard.dropped)
+
+
+def _split_inside_experts(gm: fx.GraphModule, node: fx.Node, shard: ExpertTensorShard, plan: ShardingPlan,
+                          shards: Dict[str, WeightShard]) -> None:
+    """Every expert's slice of the hidden features on this rank: gate/up rows (and their biases),
+    down columns; the down biases only on rank 0, so the all-reduce after the op adds them once."""
+    for target in (*shard.gate, *shard.up, *shard.gate_bias, *shard.up_bias):
+        _shard_param(gm, target, 0, plan, shards)
+    for target in shard.down:
+        _shard_param(gm, target, 1, plan, shards)
+    if shard.down_bias and plan.rank != 0:
+        node.args = (*node.args[:8], [], *node.args[9:])
+        _drop(gm, shard.down_bias)
+    _all_reduce_after(gm, node)
+
+
+def _drop(gm: fx.GraphModule, targets: Sequence[str]) -> None:
+    """Remove tensors this rank does not hold from the module, their unused ``get_attr`` nodes from
+    the graph, and account for their checkpoint tensors (not loaded, not reported unused)."""
     ignored = gm.meta.setdefault(GRAPH_IGNORED_TENSORS, [])
-    for target in shard.dropped:
+    for target in targets:
         *path, leaf = target.split(".")
         owner: nn.Module = gm.get_submodule(".".join(path)) if path else gm
         delattr(owner, leaf)
         ignored.append(target)
-    for get_attr in [n for n in graph.nodes if n.op == "get_attr" and n.target in set(shard.dropped)]:
+    for get_attr in [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in set(targets)]:
         if not get_attr.users:
-            graph.erase_node(get_attr)
+            gm.graph.erase_node(get_attr)
 
 
 def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
@@ -112,14 +139,21 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
             _shard_param(gm, decision.weight, 0, plan, shards, decision.parts, decision.index)
             if decision.bias is not None:
                 _shard_param(gm, decision.bias, 0, plan, shards, decision.parts, decision.index)
+            for target, dim in decision.extra:  # a quantized linear's block/group scales
+                _shard_param(gm, target, dim, plan, shards, decision.parts, decision.index)
             if decision.gather:
                 with gm.graph.inserting_after(node):
                     gathered = gm.graph.call_function(ad.torch_dist_all_gather.default, (node, -1))
                 node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
         elif isinstance(decision, RowShard):
             _shard_param(gm, decision.weight, 1, plan, shards)
+            for target, dim in decision.extra:
+                _shard_param(gm, target, dim, plan, shards)
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            node.args, node.kwargs = (node.args[0], node.args[1]), {}
+            if node.target == aten.linear.default:
+                node.args, node.kwargs = (node.args[0], node.args[1]), {}
+            else:  # a quantized linear: its scales follow the bias argument
+                node.args = (*node.args[:2], None, *node.args[3:])
             reduced = _all_reduce_after(gm, node)
             if bias is not None:  # added once, after the partial sums are summed
                 with gm.graph.inserting_after(reduced):
@@ -132,6 +166,8 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
             _all_reduce_after(gm, node)
         elif isinstance(decision, ExpertShard):
             _keep_local_experts(gm, node, decision)
+        elif isinstance(decision, ExpertTensorShard):
+            _split_inside_experts(gm, node, decision, plan, shards)
     for name, divisors in plan.layout_fixes.items():
         node = nodes[name]
         shape = list(node.args[1])
