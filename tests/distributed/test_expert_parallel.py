@@ -2,8 +2,8 @@
 this rank's block (and loads only its weights), routes the other ranks' pairs nowhere and
 all-reduces the partial outputs.
 
-One process: the plan for Mixtral at world size 2, and at 3, which does not divide its 4
-experts, so they stay whole. Two real gloo ranks (``-m slow``): Mixtral's and Qwen3-MoE's logits at
+One process: the plan for Mixtral at world size 2, and at 3, which divides neither its 4 experts
+nor their 128 hidden features: an error naming the world sizes that work. Two real gloo ranks (``-m slow``): Mixtral's and Qwen3-MoE's logits at
 world size 2 equal HF eager's at two shapes, each rank holding two of the four experts.
 """
 
@@ -13,6 +13,7 @@ import torch
 from autodeploy.transform.interface import Stage
 from autodeploy.transform.library._sharding import ExpertShard, ShardingPlan
 from autodeploy.transform.library.detect_sharding import detect, plan_moe
+from autodeploy.utils.errors import ConfigError
 from helpers import MOE_FAMILIES, MOE_LAYERS, build, count_op, moe_family_checkpoint
 from test_collectives import _run_ranks
 
@@ -28,10 +29,14 @@ def test_plan_splits_whole_experts_when_the_world_size_divides_them():
         other = {0: ("experts.2.", "experts.3."), 1: ("experts.0.", "experts.1.")}[rank]
         assert all(any(o in t for o in other) for d in shards for t in d.dropped)
         assert len(shards[0].dropped) == 2 * 3  # two experts' gate, up and down weights
-    # near miss: 4 experts over 3 ranks stay whole on every rank
+    # 4 experts of 128 hidden features over 3 ranks: split neither way, an error naming the sizes that work
     moe = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target == ad.torch_moe.default)
     plan = ShardingPlan(world_size=3, rank=0)
-    assert not plan_moe(gm, moe, plan) and plan.decisions == []
+    with pytest.raises(ConfigError, match=r"4 experts of 128 hidden features each, which world_size 3 splits neither "
+                                          r"by whole experts nor inside them; world sizes that split them: "
+                                          r"\[1, 2, 4, 8, 16, 32, 64\]"):
+        plan_moe(gm, moe, plan)
+    assert plan.decisions == []
 
 
 def _ep_job(rank: int, family: str):

@@ -167,15 +167,18 @@ def plan_moe(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> bool:
 
 def _plan_moe_inside(gm: fx.GraphModule, node: fx.Node, groups: List[List[fx.Node]], targets: List[List[str]], plan: ShardingPlan) -> bool:
     """``ExpertTensorShard`` for a ``torch_moe`` whose experts the world size does not divide: each
-    expert's hidden features (its down weight's columns) split across all ranks."""
+    expert's hidden features (its down weight's columns) split across all ranks; an error listing
+    the world sizes that work when it does not divide those either."""
     down = get_attr_value(gm, groups[2][0]) if groups[2] else None
     hidden = int(down.shape[1]) if down is not None and down.dim() == 2 else 0
     experts = len(groups[2])
-    if not hidden or hidden % plan.world_size:
-        logger.info("MoE %s kept whole on every rank: %d experts and %d hidden features per expert, which world_size "
-                    "%d splits neither way (world sizes that split the experts: %s, their features: %s)", node.name,
-                    experts, hidden, plan.world_size, sizes_that_divide([experts]), sizes_that_divide([hidden]))
+    if not hidden:
         return False
+    if hidden % plan.world_size:
+        works = sorted(set(sizes_that_divide([experts])) | set(sizes_that_divide([hidden])))
+        raise ConfigError(f"MoE {node.name} has {experts} experts of {hidden} hidden features each, which world_size "
+                          f"{plan.world_size} splits neither by whole experts nor inside them; world sizes that split "
+                          f"them: {works}")
     gate, up, down_t, gate_b, up_b, down_b = (tuple(t) for t in targets)
     plan.decisions.append(ExpertTensorShard(node.name, gate, up, down_t, gate_b, up_b, down_b))
     return True
