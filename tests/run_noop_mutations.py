@@ -76,7 +76,8 @@ KEYS: Dict[str, List[str]] = {
     "fuse_rope_into_trtllm_mla": ["transforms/test_fuse_rope_into_trtllm_mla.py"],
     "fuse_rope_into_trtllm_attention": ["transforms/test_fuse_rope_into_trtllm_attention.py"],
     "detect_sharding": ["distributed/test_sharding.py", "distributed/test_sharding_kv_replication.py",
-                        "distributed/test_expert_parallel.py", "distributed/test_sharding_quantized.py"],
+                        "distributed/test_expert_parallel.py", "distributed/test_sharding_quantized.py",
+                        "distributed/test_sharding_mla.py"],
     "sharding_transform_executor": ["distributed/test_sharding.py::test_two_ranks_hold_their_slices_and_match_hf",
                                     "distributed/test_sharding_quantized.py::"
                                     "test_two_ranks_of_an_fp8_model_hold_their_slices_and_match_the_float_reference"],
@@ -203,6 +204,10 @@ INTENDED: Dict[str, str] = {
         "test_fine_grained_fp8_blocks_a_split_would_cut_stay_whole",
         "test_an_mlp_whose_gate_has_another_reader_stays_whole",
         "test_fewer_experts_than_ranks_split_inside_the_experts")},
+    **{f"distributed/test_sharding_mla.py::{name}": "the planning function, called directly" for name in (
+        "test_mla_splits_by_heads_and_keeps_the_latent_whole",
+        "test_a_query_with_another_reader_leaves_the_layer_whole",
+        "test_heads_the_world_size_does_not_divide_are_an_error")},
     "transforms/test_fuse_rope_into_trtllm_attention.py::test_logits_equal_the_unfused_graph":
         "numerics against the unfused graph (test_structure is the one that sees the fusion)",
     # quantization (issue 15): near misses and settings that must leave the graph alone

@@ -174,7 +174,17 @@ class ExpertTensorShard:
     down_bias: Tuple[str, ...] = ()
 
 
-Decision = Union[ColumnShard, RowShard, SwigluShard, ExpertShard, ExpertTensorShard]
+@dataclass(frozen=True)
+class HeadWeightShard:
+    """A stored weight an attention op reads itself, split by heads with the op's query heads:
+    ``torch_mla``'s ``kv_b_proj`` weight, ``[heads * (d_nope + d_v), L]``, rows head by head."""
+
+    node: str  # the op reading it
+    weight: str  # get_attr target
+    dim: int = 0
+
+
+Decision = Union[ColumnShard, RowShard, SwigluShard, ExpertShard, ExpertTensorShard, HeadWeightShard]
 
 
 @dataclass
@@ -279,6 +289,62 @@ def producing_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
                 continue
         return None
     return None
+
+
+def head_source(starts: Sequence[fx.Node], sink: fx.Node) -> Optional[Tuple[fx.Node, List[fx.Node]]]:
+    """The one linear that the per-head inputs ``starts`` of ``sink`` are computed from, through
+    ops that keep each head's values to that head (layout ops; slices, splits and concatenations of
+    the last, per-head feature dim; RoPE; per-head norms), and the layout nodes on the way. MLA's
+    query takes this shape: ``q_b_proj`` -> heads -> split into a nope and a rope part -> RoPE on
+    one -> concatenated -> sliced again into ``q_nope`` and ``q_pe``. None when anything else is on
+    the way, when the inputs come from several linears, or when a value on the way has a reader
+    outside it (which would see this rank's heads only)."""
+    visited: set = set()
+    passthrough: set = set()  # multi-output ops entered through one output (RoPE: q or k)
+    linears: List[fx.Node] = []
+    stack = list(starts)
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, fx.Node):
+            return None
+        if node in visited:
+            continue
+        visited.add(node)
+        if is_linear(node):
+            linears.append(node)
+            continue
+        target = node.target
+        if target in LAYOUT_OPS:
+            stack.append(node.args[0])
+        elif target == ad.torch_rmsnorm.default and _per_head(node):
+            stack.append(node.args[0])
+        elif target == aten.slice.Tensor and _last_dim(node.args[0], node.args[1]):
+            stack.append(node.args[0])
+        elif target == aten.cat.default and _last_dim(node.args[0][0], node.args[1] if len(node.args) > 1 else 0):
+            stack.extend(node.args[0])
+        elif target is operator.getitem and isinstance(node.args[0], fx.Node):
+            source, index = node.args
+            if source.target in ROPE_OPS and index in (0, 1):
+                passthrough.add(source)
+                stack.append(source.args[index])
+            elif source.target == aten.split_with_sizes.default and _last_dim(source.args[0], _arg(source, 2, 0)):
+                visited.add(source)
+                stack.append(source.args[0])
+            else:
+                return None
+        else:
+            return None
+    if len(set(linears)) != 1:
+        return None
+    if any(u not in visited and u is not sink and u not in passthrough for n in visited for u in n.users):
+        return None
+    return linears[0], [n for n in visited if n.target in LAYOUT_OPS]
+
+
+def _last_dim(value: object, dim: object) -> bool:
+    """``dim`` names the last dim of ``value``'s tensor (the per-head features)."""
+    val = value.meta.get("val") if isinstance(value, fx.Node) else None
+    return isinstance(dim, int) and val is not None and dim in (-1, val.dim() - 1)
 
 
 def _per_head(norm: fx.Node) -> bool:

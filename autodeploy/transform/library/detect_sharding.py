@@ -21,9 +21,12 @@ outputs) or, when the world size does not divide the experts (fewer experts than
 every expert by its hidden features, and the LM head split by vocabulary with an all-gather of the
 logits (``shard_lm_head``). Quantized linears (FP8, fine-grained FP8, NVFP4, int4, int8) split like
 float ones, their block or group scales with them, where the split keeps whole blocks (a
-fine-grained FP8 linear whose 128-wide tiles a rank would cut stays whole). What it cannot split
-stays replicated on every rank, which is correct and only costs memory: the embedding, the norms,
-a tied LM head, quantized MoE experts, MLA attention, and any projection it does not recognise.
+fine-grained FP8 linear whose 128-wide tiles a rank would cut stays whole). MLA attention
+(``torch_mla``) is split by heads too: the query projection and ``kv_b_proj``'s per-head rows, the
+output projection by input features; the latent and the shared roped key stay whole (each rank
+caches the whole latent). What it cannot split stays replicated on every rank, which is correct
+and only costs memory: the embedding, the norms, a tied LM head, quantized MoE experts, and any
+projection it does not recognise.
 Head or feature counts that the world size does not split are an error listing the world sizes
 that would work. A graph whose model stated its own sharding (``torch_linear_with_hint``) was
 planned by ``apply_sharding_hints`` and is skipped here.
@@ -39,9 +42,9 @@ from ...utils.errors import ConfigError
 from ...utils.logging import get_logger
 from ..graph_utils import arg, get_attr_value
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._sharding import (SHARDING_HINTS_META, ColumnShard, ExpertShard, ExpertTensorShard, RowShard, ShardingPlan,
-                        SwigluShard, consuming_linear, is_linear, linear_split, linear_weights, literal_dims,
-                        producing_linear, sizes_that_divide, weight_target)
+from ._sharding import (SHARDING_HINTS_META, ColumnShard, ExpertShard, ExpertTensorShard, HeadWeightShard, RowShard,
+                        ShardingPlan, SwigluShard, consuming_linear, head_source, is_linear, linear_split,
+                        linear_weights, literal_dims, producing_linear, sizes_that_divide, weight_target)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -122,6 +125,38 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
     plan.decisions.append(RowShard(out_linear.name, weight, bias, extra=extra))
     _fix_layouts(plan, out_chain, (heads, int(out_linear.args[0].meta["val"].shape[-1])
                                    if "val" in out_linear.args[0].meta else -1), plan.world_size)
+    return True
+
+
+def plan_mla(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> bool:
+    """Split one ``torch_mla`` by heads: the query projection (``q_b_proj`` or ``q_proj``) by output
+    features, ``kv_b_proj``'s weight (read by the op itself) by its per-head rows, the output
+    projection by input features. The latent and the shared roped key (``kv_a_proj``) are the same
+    for every head and stay whole, so each rank caches the whole latent (the MLA cache is per token,
+    not per head) and attends with its own heads."""
+    heads = _head_count(mla, 0)
+    kv_b = mla.args[4]
+    kv_b_target = weight_target(gm, kv_b)
+    found = head_source([mla.args[0], mla.args[1]], mla)
+    out_chain: List[fx.Node] = []
+    out_linear = consuming_linear(mla, out_chain)
+    if heads is None or kv_b_target is None or len(kv_b.users) != 1 or found is None or out_linear is None:
+        return False
+    if heads % plan.world_size:
+        raise ConfigError(f"MLA attention {mla.name} has {heads} heads, which world_size {plan.world_size} does not "
+                          f"divide; world sizes that split them: {sizes_that_divide([heads])}")
+    q_linear, chain = found
+    q_split = linear_split(gm, q_linear, rows=False, parts=plan.world_size)
+    out_split = linear_split(gm, out_linear, rows=True, parts=plan.world_size)
+    if q_split is None or out_split is None:
+        return False
+    plan.decisions.append(ColumnShard(q_linear.name, q_split[0], q_split[1], extra=q_split[2]))
+    plan.decisions.append(HeadWeightShard(mla.name, kv_b_target))
+    plan.decisions.append(RowShard(out_linear.name, *out_split))
+    q_features = int(q_linear.meta["val"].shape[-1]) if "val" in q_linear.meta else -1
+    _fix_layouts(plan, chain, (heads, q_features), plan.world_size)
+    out_features = int(out_linear.args[0].meta["val"].shape[-1]) if "val" in out_linear.args[0].meta else -1
+    _fix_layouts(plan, out_chain, (heads, out_features), plan.world_size)
     return True
 
 
@@ -285,6 +320,8 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True)
             plan_swiglu(gm, node, plan)
         elif node.target == ad.torch_moe.default:
             plan_moe(gm, node, plan)
+        elif node.target == ad.torch_mla.default:
+            plan_mla(gm, node, plan)
     if lm_head:
         plan_lm_head(gm, plan)
     taken = {d.node for d in plan.decisions}

@@ -43,8 +43,8 @@ from torch import fx, nn
 
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._quant_from_config import GRAPH_IGNORED_TENSORS
-from ._sharding import (ColumnShard, ExpertShard, ExpertTensorShard, RowShard, ShardingPlan, SwigluShard,
-                        WeightShard)
+from ._sharding import (ColumnShard, ExpertShard, ExpertTensorShard, HeadWeightShard, RowShard, ShardingPlan,
+                        SwigluShard, WeightShard)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -168,6 +168,8 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
             _keep_local_experts(gm, node, decision)
         elif isinstance(decision, ExpertTensorShard):
             _split_inside_experts(gm, node, decision, plan, shards)
+        elif isinstance(decision, HeadWeightShard):  # torch_mla's kv_b_proj: this rank's heads' rows
+            _shard_param(gm, decision.weight, decision.dim, plan, shards)
     for name, divisors in plan.layout_fixes.items():
         node = nodes[name]
         shape = list(node.args[1])

@@ -1,0 +1,113 @@
+"""Tensor parallelism of multi-head latent attention (``torch_mla``, DeepSeek-V3's attention).
+
+One process (the plan): each MLA layer splits its query projection by output features,
+``kv_b_proj``'s weight by its per-head rows and the output projection by input features; the
+latent projection (``kv_a_proj_with_mqa``) stays whole; a query with another reader leaves the
+layer whole (near miss); heads the world size does not divide are an error naming the sizes that
+do. Two real gloo ranks (``-m slow``): a tiny DeepSeek-V3 (MLA + expert-parallel MoE + shared
+expert) gives HF's logits at two shapes and, through ``LLM`` with the latent cache, HF's greedy
+tokens.
+"""
+
+import copy
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from autodeploy.transform.interface import Stage
+from autodeploy.transform.library._sharding import ColumnShard, HeadWeightShard, RowShard, ShardingPlan
+from autodeploy.transform.library.detect_sharding import detect, plan_mla
+from autodeploy.utils.errors import ConfigError
+from helpers import build, count_op, hf_greedy_tokens, moe_family_checkpoint
+from test_collectives import _run_ranks
+
+ad = torch.ops.autodeploy
+PROMPTS = [[3, 17, 29, 41, 5, 11, 2], [7, 8, 9]]
+NEW = 8
+
+
+_GRAPH = []
+
+
+def _graph():
+    """The pattern-matched DeepSeek-V3 graph, built once per process; each test gets its own copy."""
+    if not _GRAPH:
+        _GRAPH.append(build(moe_family_checkpoint("deepseek_v3"), up_to=Stage.PATTERN_MATCHER).graph_module)
+    return copy.deepcopy(_GRAPH[0])
+
+
+def test_mla_splits_by_heads_and_keeps_the_latent_whole():
+    gm = _graph()
+    plan = detect(gm, world_size=2, rank=1)
+    layers = 2
+    kv_b = [d for d in plan.decisions if isinstance(d, HeadWeightShard)]
+    assert [d.weight for d in kv_b] == [f"model.layers.{i}.self_attn.kv_b_proj.weight" for i in range(layers)]
+    split = {d.weight for d in plan.decisions if isinstance(d, (ColumnShard, RowShard))}
+    for i in range(layers):
+        assert {f"model.layers.{i}.self_attn.q_b_proj.weight", f"model.layers.{i}.self_attn.o_proj.weight"} <= split
+    rows = {d.weight for d in plan.decisions if isinstance(d, RowShard)}
+    assert "model.layers.0.self_attn.o_proj.weight" in rows
+    # the latent and everything before q_b_proj's split stay whole on every rank
+    assert not any("kv_a_proj" in w or "q_a_proj" in w for w in split)
+
+
+def test_a_query_with_another_reader_leaves_the_layer_whole():
+    gm = _graph()
+    q_b = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default
+               and "layers_0_self_attn_q_b_proj" in n.args[1].name)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(output):
+        extra = gm.graph.call_function(torch.ops.aten.sum.default, (q_b,))
+    output.args = ((output.args[0][0] if isinstance(output.args[0], tuple) else output.args[0], extra),)
+    mla = [n for n in gm.graph.nodes if n.target == ad.torch_mla.default]
+    assert not plan_mla(gm, mla[0], ShardingPlan(world_size=2, rank=0))
+    assert plan_mla(gm, mla[1], ShardingPlan(world_size=2, rank=0))
+
+
+def test_heads_the_world_size_does_not_divide_are_an_error():
+    gm = _graph()
+    mla = next(n for n in gm.graph.nodes if n.target == ad.torch_mla.default)
+    with pytest.raises(ConfigError, match=r"has 4 heads, which world_size 3 does not divide; world sizes that split "
+                                          r"them: \[1, 2, 4\]"):
+        plan_mla(gm, mla, ShardingPlan(world_size=3, rank=0))
+
+
+def _graph_job(rank: int) -> Dict[str, Any]:
+    from helpers import assert_matches_hf
+
+    checkpoint = moe_family_checkpoint("deepseek_v3")
+    gm = build(checkpoint, up_to=Stage.WEIGHT_LOAD, world_size=2).graph_module
+    torch.manual_seed(0)
+    assert_matches_hf(gm, checkpoint, shapes=((1, 5), (2, 3)))
+    params = dict(gm.named_parameters())
+    return {"kv_b": list(params["model.layers.0.self_attn.kv_b_proj.weight"].shape),
+            "kv_a": list(params["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape),
+            "all_reduce": count_op(gm, ad.torch_dist_all_reduce)}
+
+
+def _generate_job(rank: int) -> Dict[str, Any]:
+    from autodeploy import LLM, SamplingParams
+
+    llm = LLM(moe_family_checkpoint("deepseek_v3"), world_size=2, max_seq_len=64, max_batch_size=4,
+              max_num_tokens=64)
+    if not llm.is_driver:
+        llm.follow()
+        return {}
+    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                       SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
+    llm.shutdown()
+    return {"tokens": [list(o.outputs[0].token_ids) for o in out]}
+
+
+@pytest.mark.slow  # ~30 s on 2 cores: two ranks build DeepSeek-V3 and run HF
+@pytest.mark.distributed
+def test_two_ranks_of_deepseek_v3_match_hf_logits_and_greedy_tokens():
+    checkpoint = moe_family_checkpoint("deepseek_v3")
+    for r in _run_ranks(_graph_job, world=2, timeout=300):
+        assert "error" not in r, r.get("error")
+        # 4 heads of (8 nope + 16 v) rows: 2 heads a rank; the latent projection whole
+        assert r["kv_b"] == [48, 32] and r["kv_a"] == [40, 64]
+    results = _run_ranks(_generate_job, world=2, timeout=400)
+    assert "error" not in results[0], results[0].get("error")
+    assert results[0]["tokens"] == hf_greedy_tokens(checkpoint, PROMPTS, NEW)
