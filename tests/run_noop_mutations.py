@@ -148,10 +148,18 @@ KEYS: Dict[str, List[str]] = {
                                "transforms/test_quant_norm_fusion.py::test_differing_scales_leave_that_norm_alone", "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[control]",
                                "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[other-user]", "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[scales-differ]",
                                "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[other-format]", "transforms/test_quant_norm_fusion.py::test_compiled_norms_are_left_alone",
-                               "transforms/test_quant_norm_fusion.py::test_fp8_nemotron_is_a_near_miss"],
+                               "transforms/test_quant_norm_fusion.py::test_fp8_nemotron_is_a_near_miss",
+                               # per-group (fine-grained) FP8
+                               "transforms/test_quant_norm_fusion.py::test_norm_feeding_equal_scale_quants_fuses[llama-fp8_block-native]",
+                               "transforms/test_quant_norm_fusion.py::test_norm_feeding_equal_scale_quants_fuses[llama-fp8_block-torch]",
+                               "transforms/test_quant_norm_fusion.py::test_fp8_group_norm_ops_equal_the_norm_then_the_group_quantization",
+                               *(f"transforms/test_quant_norm_fusion.py::test_fp8_group_norms_fuse_and_near_misses_are_left_alone[{c}]"
+                                 for c in ("control", "add-control", "default-size", "group-sizes-differ", "other-user",
+                                           "mixed-with-static"))],
     "fuse_rmsnorm_quant_nvfp4": ["transforms/test_quant_norm_fusion.py::test_norm_feeding_equal_scale_quants_fuses[llama-nvfp4-native]",
                                  "transforms/test_quant_norm_fusion.py::test_norm_feeding_equal_scale_quants_fuses[qwen3-nvfp4-torch]",
-                                 "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[other-format-nvfp4]"],
+                                 "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[other-format-nvfp4]",
+                                 "transforms/test_quant_norm_fusion.py::test_fp8_group_norms_fuse_and_near_misses_are_left_alone[other-format-nvfp4]"],
     "fuse_relu2_quant_nvfp4": ["transforms/test_quant_norm_fusion.py::test_relu2_feeding_nvfp4_quant_fuses", "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[relu2-control]",
                                "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[relu-times-relu]",
                                "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[relu-cubed]",
@@ -231,6 +239,16 @@ INTENDED: Dict[str, str] = {
     "transforms/test_quant_norm_fusion.py::test_near_misses_are_left_alone[square-read-elsewhere]": "near miss",
     "transforms/test_quant_norm_fusion.py::test_compiled_norms_are_left_alone": "near miss",
     "transforms/test_quant_norm_fusion.py::test_fp8_nemotron_is_a_near_miss": "near miss",
+    "transforms/test_quant_norm_fusion.py::test_fp8_group_norm_ops_equal_the_norm_then_the_group_quantization":
+        "the fused ops, not the transform",
+    "transforms/test_quant_norm_fusion.py::test_fp8_group_norms_fuse_and_near_misses_are_left_alone[group-sizes-differ]":
+        "near miss",
+    "transforms/test_quant_norm_fusion.py::test_fp8_group_norms_fuse_and_near_misses_are_left_alone[other-user]":
+        "near miss",
+    "transforms/test_quant_norm_fusion.py::test_fp8_group_norms_fuse_and_near_misses_are_left_alone[mixed-with-static]":
+        "near miss",
+    "transforms/test_quant_norm_fusion.py::test_fp8_group_norms_fuse_and_near_misses_are_left_alone[other-format-nvfp4]":
+        "near miss",
     "transforms/test_select_moe_backend.py::test_near_misses_are_left_alone": "near miss",
     # near misses: the test asserts zero matches and the graph left alone
     "transforms/test_cleanup_assert_metadata.py::test_graph_without_asserts_is_left_alone": "near miss",

@@ -13,8 +13,11 @@ add and the next RMSNorm. The ops here do those steps as one call:
   follows, so it is a fresh tensor reduced in place;
 * ``native_*`` twins: the same with the norm computed by autodeploy's CPU kernel (the norm that
   ``fuse_rmsnorm`` chose), so fusing the collective never changes which norm kernel runs.
-* ``*_quant_fp8`` variants of all four: the norm output quantized with a static FP8 scale, as
-  ``fuse_rmsnorm_quant_fp8`` left it (``ops/quant/fused.py``).
+* quantized variants of all four, the norm output quantized as the norm fusions left it
+  (``ops/quant/fused.py``): ``*_quant_fp8`` (static FP8 scale, ``fuse_rmsnorm_quant_fp8``),
+  ``*_quant_nvfp4`` (NVFP4 with its calibrated global scale, ``fuse_rmsnorm_quant_nvfp4``) and
+  ``*_quant_fp8_group`` (fine-grained FP8: dynamic, per token per ``group_size`` channels, also
+  ``fuse_rmsnorm_quant_fp8``).
 
 Each op computes its values with the very functions the unfused graph runs (the all-reduce sums
 in the activation dtype, then the existing add+norm code), so a fused graph equals the unfused
@@ -166,10 +169,81 @@ def native_dist_all_reduce_rmsnorm_quant_fp8(x: Tensor, weight: Tensor, eps: flo
     return quant_fused.native_rmsnorm_quant_fp8(reduced, weight, eps, input_scale), reduced
 
 
+# ---- the same, followed by NVFP4 quantization of the normed output -------------------------------
+
+
+@torch.library.custom_op("autodeploy::torch_dist_all_reduce_fused_add_rmsnorm_quant_nvfp4", mutates_args=())
+def torch_dist_all_reduce_fused_add_rmsnorm_quant_nvfp4(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                                                        input_scale: Tensor) -> Tuple[Tensor, Tensor]:
+    """``torch_fused_add_rmsnorm_quant_nvfp4`` of the reduced ``x``: ``(nvfp4(rmsnorm(s)), s)``."""
+    return quant_fused.torch_fused_add_rmsnorm_quant_nvfp4(_reduced_scratch(x), residual, weight, eps, input_scale)
+
+
+@torch.library.custom_op("autodeploy::native_dist_all_reduce_fused_add_rmsnorm_quant_nvfp4", mutates_args=())
+def native_dist_all_reduce_fused_add_rmsnorm_quant_nvfp4(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                                                         input_scale: Tensor) -> Tuple[Tensor, Tensor]:
+    """``native_fused_add_rmsnorm_quant_nvfp4`` of the reduced ``x``."""
+    return quant_fused.native_fused_add_rmsnorm_quant_nvfp4(_reduced_scratch(x), residual, weight, eps, input_scale)
+
+
+@torch.library.custom_op("autodeploy::torch_dist_all_reduce_rmsnorm_quant_nvfp4", mutates_args=())
+def torch_dist_all_reduce_rmsnorm_quant_nvfp4(x: Tensor, weight: Tensor, eps: float, input_scale: Tensor
+                                              ) -> Tuple[Tensor, Tensor]:
+    """``r = all_reduce(x)``; returns ``(nvfp4(rmsnorm(r)), r)``."""
+    reduced = _reduced_fresh(x)
+    return quant_fused.torch_rmsnorm_quant_nvfp4(reduced, weight, eps, input_scale), reduced
+
+
+@torch.library.custom_op("autodeploy::native_dist_all_reduce_rmsnorm_quant_nvfp4", mutates_args=())
+def native_dist_all_reduce_rmsnorm_quant_nvfp4(x: Tensor, weight: Tensor, eps: float, input_scale: Tensor
+                                               ) -> Tuple[Tensor, Tensor]:
+    """``torch_dist_all_reduce_rmsnorm_quant_nvfp4`` with the norm from the CPU kernel."""
+    reduced = _reduced_fresh(x)
+    return quant_fused.native_rmsnorm_quant_nvfp4(reduced, weight, eps, input_scale), reduced
+
+
+# ---- the same, followed by per-group FP8 quantization (dynamic, per token per group_size) ------
+
+
+@torch.library.custom_op("autodeploy::torch_dist_all_reduce_fused_add_rmsnorm_quant_fp8_group", mutates_args=())
+def torch_dist_all_reduce_fused_add_rmsnorm_quant_fp8_group(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                                                            group_size: int) -> Tuple[Tensor, Tensor]:
+    """``torch_fused_add_rmsnorm_quant_fp8_group`` of the reduced ``x``: ``(fp8g(rmsnorm(s)), s)``."""
+    return quant_fused.torch_fused_add_rmsnorm_quant_fp8_group(_reduced_scratch(x), residual, weight, eps, group_size)
+
+
+@torch.library.custom_op("autodeploy::native_dist_all_reduce_fused_add_rmsnorm_quant_fp8_group", mutates_args=())
+def native_dist_all_reduce_fused_add_rmsnorm_quant_fp8_group(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                                                             group_size: int) -> Tuple[Tensor, Tensor]:
+    """``native_fused_add_rmsnorm_quant_fp8_group`` of the reduced ``x``."""
+    return quant_fused.native_fused_add_rmsnorm_quant_fp8_group(_reduced_scratch(x), residual, weight, eps, group_size)
+
+
+@torch.library.custom_op("autodeploy::torch_dist_all_reduce_rmsnorm_quant_fp8_group", mutates_args=())
+def torch_dist_all_reduce_rmsnorm_quant_fp8_group(x: Tensor, weight: Tensor, eps: float, group_size: int
+                                                  ) -> Tuple[Tensor, Tensor]:
+    """``r = all_reduce(x)``; returns ``(fp8g(rmsnorm(r)), r)``."""
+    reduced = _reduced_fresh(x)
+    return quant_fused.torch_rmsnorm_quant_fp8_group(reduced, weight, eps, group_size), reduced
+
+
+@torch.library.custom_op("autodeploy::native_dist_all_reduce_rmsnorm_quant_fp8_group", mutates_args=())
+def native_dist_all_reduce_rmsnorm_quant_fp8_group(x: Tensor, weight: Tensor, eps: float, group_size: int
+                                                   ) -> Tuple[Tensor, Tensor]:
+    """``torch_dist_all_reduce_rmsnorm_quant_fp8_group`` with the norm from the CPU kernel."""
+    reduced = _reduced_fresh(x)
+    return quant_fused.native_rmsnorm_quant_fp8_group(reduced, weight, eps, group_size), reduced
+
+
 for _op in (torch_dist_all_reduce_fused_add_rmsnorm, native_dist_all_reduce_fused_add_rmsnorm,
-            torch_dist_all_reduce_fused_add_rmsnorm_quant_fp8, native_dist_all_reduce_fused_add_rmsnorm_quant_fp8):
+            torch_dist_all_reduce_fused_add_rmsnorm_quant_fp8, native_dist_all_reduce_fused_add_rmsnorm_quant_fp8,
+            torch_dist_all_reduce_fused_add_rmsnorm_quant_nvfp4, native_dist_all_reduce_fused_add_rmsnorm_quant_nvfp4,
+            torch_dist_all_reduce_fused_add_rmsnorm_quant_fp8_group,
+            native_dist_all_reduce_fused_add_rmsnorm_quant_fp8_group):
     _op.register_fake(_add_norm_fake)
 for _op in (torch_dist_all_reduce_rmsnorm, native_dist_all_reduce_rmsnorm,
-            torch_dist_all_reduce_rmsnorm_quant_fp8, native_dist_all_reduce_rmsnorm_quant_fp8):
+            torch_dist_all_reduce_rmsnorm_quant_fp8, native_dist_all_reduce_rmsnorm_quant_fp8,
+            torch_dist_all_reduce_rmsnorm_quant_nvfp4, native_dist_all_reduce_rmsnorm_quant_nvfp4,
+            torch_dist_all_reduce_rmsnorm_quant_fp8_group, native_dist_all_reduce_rmsnorm_quant_fp8_group):
     _op.register_fake(_norm_pair_fake)
 del _op

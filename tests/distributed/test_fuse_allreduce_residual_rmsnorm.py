@@ -1,9 +1,11 @@
 """fuse_allreduce_residual_rmsnorm (post_load_fusion): all-reduce -> (residual add ->) RMSNorm -> one op.
 
-One process (world size 1, the all-reduce is the identity): every fused op equals the unfused ops
-it replaces and its fake kernel gives the same shapes and dtypes; small hand-written graphs fuse
-(plain norm whose sum has another reader, a Gemma norm ``w + 1`` of matching dtypes) and the near
-misses are left alone (a float32 norm over bfloat16 activations, an all-reduce read elsewhere).
+One process (world size 1, the all-reduce is the identity): every fused op (float, static FP8,
+NVFP4, per-group FP8) equals the unfused ops it replaces bit for bit (the (add +) norm, then the
+activation quantization) and its fake kernel gives the same shapes and dtypes; small hand-written
+graphs fuse (plain norm whose sum has another reader, a Gemma norm ``w + 1`` of matching dtypes,
+norms already fused with each quantization) and the near misses are left alone (a float32 norm
+over bfloat16 activations, float or quantized; an all-reduce read elsewhere).
 
 Two real gloo ranks: the ops sum over ranks (the scratch buffer reused across shapes), and a tiny
 Llama built at world size 2 passes the four checks: 2 matches per layer, every all-reduce folded
@@ -36,10 +38,15 @@ ad = torch.ops.autodeploy
 KEY = "fuse_allreduce_residual_rmsnorm"
 D = 32
 EPS = 1e-6
+GROUP = 16  # per-group FP8 in two groups of D (the models' 128 would be one partial group here)
+FORMATS = ("fp8", "nvfp4", "fp8_group")
 FUSED_OPS = (ad.torch_dist_all_reduce_fused_add_rmsnorm, ad.native_dist_all_reduce_fused_add_rmsnorm,
              ad.torch_dist_all_reduce_rmsnorm, ad.native_dist_all_reduce_rmsnorm,
-             ad.torch_dist_all_reduce_fused_add_rmsnorm_quant_fp8, ad.native_dist_all_reduce_fused_add_rmsnorm_quant_fp8,
-             ad.torch_dist_all_reduce_rmsnorm_quant_fp8, ad.native_dist_all_reduce_rmsnorm_quant_fp8)
+             *(getattr(ad, f"{backend}_dist_all_reduce_{norm}_quant_{fmt}") for fmt in FORMATS
+               for backend in ("torch", "native") for norm in ("fused_add_rmsnorm", "rmsnorm")))
+# the activation quantization each fused op's output went through before the fusions
+ACTIVATION = {"fp8": ad.torch_quant_fp8_activation, "nvfp4": ad.torch_quant_nvfp4_activation,
+              "fp8_group": ad.torch_quant_fp8_group_activation}
 
 
 def _short(op) -> str:
@@ -47,31 +54,48 @@ def _short(op) -> str:
     return op._qualified_op_name.split("::")[1]
 
 
-def _inputs(rows: int = 5, seed: int = 0):
+def _format(name: str) -> str:
+    """The quantization format in an op's name, or "" for a float norm."""
+    return name.partition("_quant_")[2]
+
+
+def _inputs(rows: int = 5, seed: int = 0, dtype: torch.dtype = torch.float32):
     g = torch.Generator().manual_seed(seed)
     x, r, w = (torch.randn(rows, D, generator=g), torch.randn(rows, D, generator=g), torch.randn(D, generator=g))
-    return x, r, w, torch.tensor(0.05)
+    return x.to(dtype), r.to(dtype), w.to(dtype), torch.tensor(0.05)
+
+
+def _last_arg(name: str, scale):
+    """The fused op's argument after ``eps``: the static scale, the group size, or none."""
+    fmt = _format(name)
+    return [] if not fmt else [GROUP] if fmt == "fp8_group" else [scale]
 
 
 def _unfused(fused_op, x, r, w, scale):
-    """What the graph computed before the fusion, for ``x`` already reduced."""
+    """What the graph computed before any fusion, for ``x`` already reduced: the (add +) norm
+    op, then the activation quantization of its normed output."""
     name = _short(fused_op).replace("_dist_all_reduce", "")
-    inner = getattr(ad, name)
-    if "fused_add" in name:
-        return inner(x, r, w, EPS, *([scale] if "quant" in name else []))
-    return inner(x, w, EPS, *([scale] if "quant" in name else [])), x
+    fmt = _format(name)
+    norm = getattr(ad, name.partition("_quant_")[0])
+    normed, summed = norm(x, r, w, EPS) if "fused_add" in name else (norm(x, w, EPS), x)
+    if fmt:
+        normed = ACTIVATION[fmt](normed, *_last_arg(name, scale))
+    return normed, summed
 
 
 def _call(fused_op, x, r, w, scale):
     name = _short(fused_op)
-    extra = [scale] if "quant" in name else []
+    extra = _last_arg(name, scale)
     return fused_op(x, r, w, EPS, *extra) if "fused_add" in name else fused_op(x, w, EPS, *extra)
 
 
 # ---- ops at world size 1 -----------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("op", FUSED_OPS, ids=lambda op: _short(op))
-def test_op_at_world_size_one_is_the_unfused_add_norm(op):
-    x, r, w, scale = _inputs()
+def test_op_at_world_size_one_is_the_unfused_add_norm(op, dtype):
+    """Bit-equal to the unfused (add +) norm and activation quantization; bfloat16 takes the native
+    ops' reference path (the C kernel is float32 only)."""
+    x, r, w, scale = _inputs(dtype=dtype)
     before = x.clone()
     got, want = _call(op, x, r, w, scale), _unfused(op, x, r, w, scale)
     assert len(got) == 2
@@ -135,37 +159,63 @@ def test_small_graph_fuses_both_patterns_and_keeps_its_outputs(gemma, backend):
 
 
 class QuantBlock(nn.Module):
-    """What ``fuse_rmsnorm_quant_fp8`` leaves before FP8 linears: norms that emit FP8 values."""
+    """What ``fuse_rmsnorm_quant_fp8`` / ``fuse_rmsnorm_quant_nvfp4`` leave before quantized
+    linears: norms that emit quantized values (static FP8, NVFP4 or per-group FP8)."""
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, fmt: str = "fp8", weight_dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.backend = backend
-        self.w1, self.w2 = nn.Parameter(torch.randn(D)), nn.Parameter(torch.randn(D))
+        self.backend, self.fmt = backend, fmt
+        self.w1 = nn.Parameter(torch.randn(D, dtype=weight_dtype))
+        self.w2 = nn.Parameter(torch.randn(D, dtype=weight_dtype))
         self.register_buffer("scale", torch.tensor(0.03))
 
     def forward(self, partial, residual):
-        add_norm = getattr(ad, f"{self.backend}_fused_add_rmsnorm_quant_fp8")
-        norm = getattr(ad, f"{self.backend}_rmsnorm_quant_fp8")
-        y, h = add_norm(ad.torch_dist_all_reduce(partial), residual, self.w1, EPS, self.scale)
-        r2 = ad.torch_dist_all_reduce(y * 0.5)
-        return norm(r2, self.w2, EPS, self.scale), h, r2
+        add_norm = getattr(ad, f"{self.backend}_fused_add_rmsnorm_quant_{self.fmt}")
+        norm = getattr(ad, f"{self.backend}_rmsnorm_quant_{self.fmt}")
+        last = GROUP if self.fmt == "fp8_group" else self.scale
+        y, h = add_norm(ad.torch_dist_all_reduce(partial), residual, self.w1, EPS, last)
+        r2 = ad.torch_dist_all_reduce((y * 0.5).to(partial.dtype))
+        return norm(r2, self.w2, EPS, last), h, r2
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("backend", ["torch", "native"])
-def test_norms_quantized_to_fp8_fuse_with_the_all_reduce(backend):
+def test_quantized_norms_fuse_with_the_all_reduce(backend, fmt):
     x, r = torch.randn(2, 3, D), torch.randn(2, 3, D)
-    gm = export_gm(QuantBlock(backend).eval(), x, r)
+    gm = export_gm(QuantBlock(backend, fmt).eval(), x, r)
     ref = copy.deepcopy(gm)
+    add_norm = getattr(ad, f"{backend}_fused_add_rmsnorm_quant_{fmt}")
+    norm = getattr(ad, f"{backend}_rmsnorm_quant_{fmt}")
+    assert count_op(gm, ad.torch_dist_all_reduce) == 2 and count_op(gm, (add_norm, norm)) == 2
     gm, info = apply_transform(KEY, gm)
     assert info.num_matches == 2
-    assert count_op(gm, getattr(ad, f"{backend}_dist_all_reduce_fused_add_rmsnorm_quant_fp8")) == 1
-    assert count_op(gm, getattr(ad, f"{backend}_dist_all_reduce_rmsnorm_quant_fp8")) == 1
-    assert count_op(gm, ad.torch_dist_all_reduce) == 0
+    assert count_op(gm, getattr(ad, f"{backend}_dist_all_reduce_fused_add_rmsnorm_quant_{fmt}")) == 1
+    assert count_op(gm, getattr(ad, f"{backend}_dist_all_reduce_rmsnorm_quant_{fmt}")) == 1
+    assert count_op(gm, (ad.torch_dist_all_reduce, add_norm, norm)) == 0
+    fused = next(n for n in gm.graph.nodes if n.op == "call_function" and "dist_all_reduce_rmsnorm" in str(n.target))
+    if fmt == "fp8_group":
+        assert fused.args[-1] == GROUP  # the group size passed on
     for rows in (1, 4):
         args = (torch.randn(rows, 3, D), torch.randn(rows, 3, D))
         with torch.no_grad():
             for a, b in zip(ref(*args), gm(*args)):
                 assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_norm_in_another_dtype_is_left_alone(fmt):
+    """Near miss (the Gemma/vLLM exclusion) for the quantized norms: float32 norm weights over
+    bfloat16 activations."""
+    x, r = torch.randn(2, 3, D, dtype=torch.bfloat16), torch.randn(2, 3, D, dtype=torch.bfloat16)
+    gm = export_gm(QuantBlock("native", fmt).eval(), x, r)
+    before = sorted(str(n.target) for n in gm.graph.nodes)
+    gm, info = apply_transform(KEY, gm)
+    assert info.num_matches == 0
+    assert sorted(str(n.target) for n in gm.graph.nodes) == before
+    assert count_op(gm, ad.torch_dist_all_reduce) == 2
+    # control: the same block with bfloat16 norm weights fuses, so the dtype alone kept it apart
+    same = export_gm(QuantBlock("native", fmt, weight_dtype=torch.bfloat16).eval(), x, r)
+    assert apply_transform(KEY, same)[1].num_matches == 2
 
 
 def test_compiled_norms_are_left_alone():
@@ -308,10 +358,10 @@ def _graph_job(rank: int, family: str = "llama") -> Dict[str, Any]:
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_two_rank_model_fuses_every_all_reduce_and_keeps_its_logits(family):
     """Llama: an all-reduce after each attention and each MLP. Gemma: its ``1 + w`` norms (weight
-    computed in the graph, one dtype) fuse; only attention is split (detect_sharding leaves the
-    GELU MLP replicated), so one all-reduce per layer."""
+    computed in the graph, one dtype) fuse; detect_sharding splits its GeGLU MLP too (``plan_mlp``),
+    so it also has an all-reduce after each attention and each MLP."""
     layers = TINY["num_hidden_layers"]
-    expected = {"llama": 2 * layers, "gemma": layers}[family]
+    expected = 2 * layers
     for rank, r in enumerate(_run_ranks(functools.partial(_graph_job, family=family))):
         assert "error" not in r, r.get("error")
         # (a) one match per all-reduce: after attention (-> post-attention norm), after the MLP (-> next norm)
@@ -325,4 +375,83 @@ def test_two_rank_model_fuses_every_all_reduce_and_keeps_its_logits(family):
         assert r["same_logits"] == [True, True], f"rank {rank}"
         # (d) near miss: an all-reduce with another reader stays, the others fuse
         assert r["near_matches"] == expected - 1 and r["near_all_reduce"] == 1 and r["near_kept"]
+        assert r["near_same"]
+
+
+def _nvfp4_graph_job(rank: int) -> Dict[str, Any]:
+    """An NVFP4 Llama at world size 2: ``detect_sharding`` splits the quantized linears, so the
+    all-reduce after each row-parallel projection feeds a norm that ``fuse_rmsnorm_quant_nvfp4``
+    fused with the next layer's NVFP4 activation quantization."""
+    import quant_checkpoints as qc
+    from helpers import rel_rmse
+
+    checkpoint = qc.quantized_checkpoint("llama", "nvfp4")
+    kw = dict(up_to=Stage.POST_LOAD_FUSION, world_size=2, max_seq_len=64, max_batch_size=2)
+    fused = build(checkpoint, overrides={KEY: {"enabled": True}}, **kw)
+    unfused = build(checkpoint, overrides={KEY: {"enabled": False}}, **kw)
+    fgm, ugm = fused.graph_module, unfused.graph_module
+    reference = qc.reference_model("llama", "nvfp4")
+    torch.manual_seed(0)  # every rank feeds the same tokens
+    same, off_reference = [], []
+    for b, s in ((1, 5), (2, 3)):
+        ids = torch.randint(0, TINY["vocab_size"], (b, s))
+        out = graph_logits(fgm, ids)
+        same.append(torch.equal(out, graph_logits(ugm, ids)))
+        with torch.no_grad():
+            off_reference.append(rel_rmse(out, reference(ids).logits))
+    nvfp4_add = (ad.native_fused_add_rmsnorm_quant_nvfp4, ad.torch_fused_add_rmsnorm_quant_nvfp4)
+    counts = {
+        "matches": {r.key: r for r in fused.context.history}[KEY].num_matches,
+        "fused_nvfp4": count_op(fgm, (ad.native_dist_all_reduce_fused_add_rmsnorm_quant_nvfp4,
+                                      ad.torch_dist_all_reduce_fused_add_rmsnorm_quant_nvfp4)),
+        "fused_float": count_op(fgm, (ad.native_dist_all_reduce_fused_add_rmsnorm,
+                                      ad.torch_dist_all_reduce_fused_add_rmsnorm)),
+        "left": count_op(fgm, ad.torch_dist_all_reduce),
+        "left_nvfp4_add_norm": count_op(fgm, nvfp4_add),
+        "unfused_all_reduce": count_op(ugm, ad.torch_dist_all_reduce),
+        "unfused_nvfp4_add_norm": count_op(ugm, nvfp4_add),
+        "same_logits": same,
+        "off_reference": off_reference,
+    }
+    # near miss: layer 0's attention all-reduce (feeding the NVFP4 post-attention norm) also read
+    # by an extra graph output
+    ids = torch.randint(0, TINY["vocab_size"], (2, 4))
+    before = graph_logits(ugm, ids)
+    reduce = _layer0_attention_reduce(ugm)
+    output = next(n for n in ugm.graph.nodes if n.op == "output")
+    with ugm.graph.inserting_before(output):
+        extra = ugm.graph.call_function(torch.ops.aten.sum.default, (reduce,))
+    logits_node = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
+    output.args = ((logits_node, extra),)
+    ugm.recompile()
+    near, near_info = apply_transform(KEY, ugm)
+    return {
+        **counts,
+        "near_matches": near_info.num_matches,
+        "near_all_reduce": count_op(near, ad.torch_dist_all_reduce),
+        "near_kept": reduce in near.graph.nodes and len(reduce.users) == 2
+        and any(u.target in (op.default for op in nvfp4_add) for u in reduce.users),
+        "near_same": torch.equal(graph_logits(near, ids), before),
+    }
+
+
+@pytest.mark.slow  # ~30 s on 2 shared cores: each rank builds the tiny NVFP4 model twice and runs HF
+@pytest.mark.distributed
+def test_two_rank_nvfp4_model_fuses_the_all_reduce_into_the_quantized_norms():
+    """Per layer two all-reduces (after o_proj, after down_proj): three feed a norm that emits
+    NVFP4 (layer 0's post-attention norm, layer 1's two), the last the float final norm."""
+    layers = TINY["num_hidden_layers"]
+    for rank, r in enumerate(_run_ranks(_nvfp4_graph_job, timeout=300)):
+        assert "error" not in r, r.get("error")
+        # (a) one match per all-reduce
+        assert r["unfused_all_reduce"] == 2 * layers and r["unfused_nvfp4_add_norm"] == 2 * layers - 1
+        assert r["matches"] == 2 * layers
+        # (b) the NVFP4 add+norms took their all-reduce in; none left
+        assert r["fused_nvfp4"] == 2 * layers - 1 and r["fused_float"] == 1
+        assert r["left"] == 0 and r["left_nvfp4_add_norm"] == 0
+        # (c) logits equal the same ranks' unfused graph exactly at two shapes, and the float reference
+        assert r["same_logits"] == [True, True], f"rank {rank}"
+        assert max(r["off_reference"]) < 1e-5, r["off_reference"]
+        # (d) near miss: the all-reduce with another reader stays (with its NVFP4 norm), the others fuse
+        assert r["near_matches"] == 2 * layers - 1 and r["near_all_reduce"] == 1 and r["near_kept"]
         assert r["near_same"]

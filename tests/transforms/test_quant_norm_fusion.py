@@ -10,8 +10,13 @@ gate/up) see the same input, so their input scales are equal values: per layer t
 stay (o_proj, down_proj). Nemotron's norms are LayerNorms (no match); its relu^2 MLP fuses with
 the down projection's NVFP4 quantization once per layer (2), and not in the FP8 checkpoint.
 
+Fine-grained FP8 (``fp8_block``, dynamic per-group activations after
+``fuse_finegrained_fp8_linear``): ``fuse_rmsnorm_quant_fp8`` fuses the same 4 norms into the
+``*_rmsnorm_quant_fp8_group`` ops, bit-equal to the unfused graph; hand-written graphs pin the
+near misses (group sizes that differ, another reader, a static FP8 reader beside the per-group ones).
+
 Numerics: the fused graph equals the unfused one (the same functions compute both; checked to
-1e-6 at two shapes) and still matches the float reference model.
+1e-6 at two shapes, exactly for per-group FP8) and still matches the float reference model.
 """
 
 import copy
@@ -19,6 +24,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import quant_checkpoints as qc
 from autodeploy.transform.interface import Stage
@@ -26,15 +32,18 @@ from helpers import apply_transform, build, count_op, export_gm, graph_logits, r
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
-LINEAR_BACKEND = {"fp8": "fuse_fp8_linear", "nvfp4": "fuse_nvfp4_linear"}
-ACT = {"fp8": ad.torch_quant_fp8_activation, "nvfp4": ad.torch_quant_nvfp4_activation}
-NORM_KEY = {"fp8": "fuse_rmsnorm_quant_fp8", "nvfp4": "fuse_rmsnorm_quant_nvfp4"}
+LINEAR_BACKEND = {"fp8": "fuse_fp8_linear", "nvfp4": "fuse_nvfp4_linear", "fp8_block": "fuse_finegrained_fp8_linear"}
+ACT = {"fp8": ad.torch_quant_fp8_activation, "nvfp4": ad.torch_quant_nvfp4_activation,
+       "fp8_block": ad.torch_quant_fp8_group_activation}
+NORM_KEY = {"fp8": "fuse_rmsnorm_quant_fp8", "nvfp4": "fuse_rmsnorm_quant_nvfp4", "fp8_block": "fuse_rmsnorm_quant_fp8"}
 KEYS = ("fuse_rmsnorm_quant_fp8", "fuse_rmsnorm_quant_nvfp4", "fuse_relu2_quant_nvfp4")
 # (plain norm, fused add+norm) -> their fused twins, per fuse_rmsnorm backend
 FUSED = {("native", "fp8"): (ad.native_rmsnorm_quant_fp8, ad.native_fused_add_rmsnorm_quant_fp8),
          ("native", "nvfp4"): (ad.native_rmsnorm_quant_nvfp4, ad.native_fused_add_rmsnorm_quant_nvfp4),
          ("torch", "fp8"): (ad.torch_rmsnorm_quant_fp8, ad.torch_fused_add_rmsnorm_quant_fp8),
-         ("torch", "nvfp4"): (ad.torch_rmsnorm_quant_nvfp4, ad.torch_fused_add_rmsnorm_quant_nvfp4)}
+         ("torch", "nvfp4"): (ad.torch_rmsnorm_quant_nvfp4, ad.torch_fused_add_rmsnorm_quant_nvfp4),
+         ("native", "fp8_block"): (ad.native_rmsnorm_quant_fp8_group, ad.native_fused_add_rmsnorm_quant_fp8_group),
+         ("torch", "fp8_block"): (ad.torch_rmsnorm_quant_fp8_group, ad.torch_fused_add_rmsnorm_quant_fp8_group)}
 NORMS = (ad.torch_rmsnorm, ad.native_rmsnorm, ad.torch_fused_add_rmsnorm, ad.native_fused_add_rmsnorm)
 SHAPES = ((1, 7), (3, 4))
 _LOADED = {}
@@ -70,8 +79,11 @@ def _input_scales(gm) -> int:
 
 
 @pytest.mark.parametrize("model, fmt, backend", [("llama", "fp8", "native"), ("llama", "fp8", "torch"),
-                                                 ("llama", "nvfp4", "native"), ("qwen3", "nvfp4", "torch")])
+                                                 ("llama", "nvfp4", "native"), ("qwen3", "nvfp4", "torch"),
+                                                 ("llama", "fp8_block", "native"), ("llama", "fp8_block", "torch")])
 def test_norm_feeding_equal_scale_quants_fuses(model, fmt, backend):
+    """fp8_block (fine-grained FP8): the per-group activations have no scale (dynamic), so no
+    scale attribute is dropped, and the fused graph equals the unfused one bit for bit."""
     ref = _unfused(model, fmt, backend)
     gm, record = apply_transform(NORM_KEY[fmt], copy.deepcopy(ref))
     # (a) per layer the input norm (q/k/v) and the post-attention norm (gate/up)
@@ -81,8 +93,13 @@ def test_norm_feeding_equal_scale_quants_fuses(model, fmt, backend):
     assert count_op(gm, plain) == 1 and count_op(gm, add) == 3
     assert count_op(gm, ACT[fmt]) == 4  # o_proj and down_proj of each layer
     assert count_op(gm, NORMS) == 1 + (4 if model == "qwen3" else 0)  # the final norm (+ Qwen3's q/k norms)
-    assert _input_scales(gm) == _input_scales(ref) - 6  # k/v's and up's copies of the shared scale
+    # k/v's and up's copies of the shared scale (per-group FP8 has none)
+    assert _input_scales(gm) == _input_scales(ref) - (0 if fmt == "fp8_block" else 6)
     _assert_same_as(gm, ref, model, fmt)  # (c)
+    if fmt == "fp8_block":
+        for b, s in SHAPES:
+            ids = torch.randint(0, 512, (b, s))
+            assert torch.equal(graph_logits(gm, ids), graph_logits(ref, ids))
     # (d) the other transforms find nothing here
     for key in KEYS:
         if key != NORM_KEY[fmt]:
@@ -194,3 +211,97 @@ def test_near_misses_are_left_alone(module, key, matches):
         x = torch.randn(*shape)
         with torch.no_grad():
             assert rel_rmse(fused(x), gm(x)) < 1e-6
+
+
+# ---- per-group FP8 (fine-grained FP8's dynamic activations) --------------------------------------
+GROUP_OPS = {ad.torch_rmsnorm_quant_fp8_group: ad.torch_rmsnorm, ad.native_rmsnorm_quant_fp8_group: ad.native_rmsnorm,
+             ad.torch_fused_add_rmsnorm_quant_fp8_group: ad.torch_fused_add_rmsnorm,
+             ad.native_fused_add_rmsnorm_quant_fp8_group: ad.native_fused_add_rmsnorm}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dim", [256, 200], ids=["two-groups", "partial-group"])
+@pytest.mark.parametrize("op", list(GROUP_OPS), ids=lambda op: str(op).rpartition(".")[2])
+def test_fp8_group_norm_ops_equal_the_norm_then_the_group_quantization(op, dim, dtype):
+    """Bit-equal to the norm it replaces followed by ``torch_quant_fp8_group_activation``; the
+    fake kernel gives the same shapes and dtypes."""
+    g = torch.Generator().manual_seed(dim)
+    x, r = (torch.randn(3, 5, dim, generator=g).to(dtype) for _ in range(2))
+    w = (torch.rand(dim, generator=g) + 0.5).to(dtype)
+    norm, is_add = GROUP_OPS[op], "fused_add" in str(op)
+    got = op(x, r, w, 1e-6, 128) if is_add else (op(x, w, 1e-6, 128),)
+    normed = norm(x, r, w, 1e-6) if is_add else (norm(x, w, 1e-6),)
+    want = (ad.torch_quant_fp8_group_activation(normed[0], 128), *normed[1:])
+    assert not torch.equal(want[0], normed[0])  # the quantization changed the values: not vacuous
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    with FakeTensorMode() as mode:
+        fx_, fr, fw = (mode.from_tensor(t) for t in (x, r, w))
+        fake = op(fx_, fr, fw, 1e-6, 128) if is_add else (op(fx_, fw, 1e-6, 128),)
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in got]
+
+
+class _NormThenGroupQuant(nn.Module):
+    """An RMSNorm (plain or fused with the residual add) read by per-group FP8 quantizations of
+    ``sizes`` (None: the op's default, 128), optionally with ``extra``: another user of the normed
+    value (``float``) or a static FP8 quantization of it (``static``)."""
+
+    def __init__(self, sizes=(128, 128), extra: str = "", add: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(256) + 0.5)
+        self.register_buffer("s", torch.tensor(0.01))
+        self.sizes, self.extra, self.add = sizes, extra, add
+
+    def forward(self, x, r):
+        if self.add:
+            y, summed = ad.torch_fused_add_rmsnorm(x, r, self.weight, 1e-6)
+        else:
+            y, summed = ad.torch_rmsnorm(x, self.weight, 1e-6), r
+        outs = [ad.torch_quant_fp8_group_activation(y) if g is None else ad.torch_quant_fp8_group_activation(y, g)
+                for g in self.sizes]
+        if self.extra == "float":
+            outs.append(y * 2.0)
+        if self.extra == "static":
+            outs.append(ad.torch_quant_fp8_activation(y, self.s))
+        return (*outs, summed)
+
+
+@pytest.mark.parametrize("module, key, fused", [
+    (_NormThenGroupQuant(), "fuse_rmsnorm_quant_fp8", ad.torch_rmsnorm_quant_fp8_group),
+    (_NormThenGroupQuant(add=True), "fuse_rmsnorm_quant_fp8", ad.torch_fused_add_rmsnorm_quant_fp8_group),
+    (_NormThenGroupQuant(sizes=(None, 128, 128)), "fuse_rmsnorm_quant_fp8", ad.torch_rmsnorm_quant_fp8_group),
+    (_NormThenGroupQuant(sizes=(128, 64)), "fuse_rmsnorm_quant_fp8", None),
+    (_NormThenGroupQuant(add=True, extra="float"), "fuse_rmsnorm_quant_fp8", None),
+    (_NormThenGroupQuant(extra="static"), "fuse_rmsnorm_quant_fp8", None),
+    (_NormThenGroupQuant(), "fuse_rmsnorm_quant_nvfp4", None),
+], ids=["control", "add-control", "default-size", "group-sizes-differ", "other-user", "mixed-with-static",
+        "other-format-nvfp4"])
+def test_fp8_group_norms_fuse_and_near_misses_are_left_alone(module, key, fused):
+    """(a) one match or none; (b) the fused op in, every group quantization out; (c) bit-equal to
+    the unfused graph at two shapes; (d) group sizes that differ, another reader of the normed
+    value, a static FP8 reader beside the per-group ones, the NVFP4 key: left alone."""
+    x, r = torch.randn(2, 3, 256), torch.randn(2, 3, 256)
+    gm = export_gm(module, x, r)
+    # export drops an argument equal to the default; restore the calls as written (the pipeline's
+    # fuse_finegrained_fp8_linear passes 128 explicitly)
+    acts = [n for n in gm.graph.nodes
+            if n.op == "call_function" and n.target == ad.torch_quant_fp8_group_activation.default]
+    assert len(acts) == len(module.sizes)
+    for node, size in zip(acts, module.sizes):
+        node.args, node.kwargs = (node.args[0],) if size is None else (node.args[0], size), {}
+    gm.recompile()
+    before = sorted(str(n.target) for n in gm.graph.nodes)
+    out, record = apply_transform(key, copy.deepcopy(gm))
+    assert record.num_matches == (1 if fused else 0)
+    if fused:
+        assert count_op(out, fused) == 1
+        assert count_op(out, (ad.torch_quant_fp8_group_activation, ad.torch_rmsnorm, ad.torch_fused_add_rmsnorm)) == 0
+        node = next(n for n in out.graph.nodes if n.op == "call_function" and n.target == fused.default)
+        assert node.args[-1] == 128  # the group size passed on
+    else:
+        assert sorted(str(n.target) for n in out.graph.nodes) == before
+    for shape in ((2, 3, 256), (1, 5, 256)):
+        args = (torch.randn(*shape), torch.randn(*shape))
+        with torch.no_grad():
+            for a, b in zip(out(*args), gm(*args)):
+                assert torch.equal(a, b)

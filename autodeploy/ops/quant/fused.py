@@ -10,7 +10,11 @@ producer and the quantization once (``fuse_rmsnorm_quant_*``, ``fuse_relu2_quant
   quantization;
 * ``torch_fused_add_rmsnorm_quant_fp8`` / ``_nvfp4``: ``torch_fused_add_rmsnorm`` whose normed
   output (the first) is quantized; the residual sum (the second) is returned as is;
-* ``native_*`` twins of those four: the same values with the norm computed by autodeploy's CPU
+* ``torch_rmsnorm_quant_fp8_group`` / ``torch_fused_add_rmsnorm_quant_fp8_group``: the same with
+  fine-grained FP8's dynamic quantization (per token per ``group_size`` channels, scales from the
+  values: ``torch_quant_fp8_group_activation``). Nothing is calibrated, so every linear fed by the
+  norm computed this very tensor, and one quantization serves them all;
+* ``native_*`` twins of those six: the same values with the norm computed by autodeploy's CPU
   kernel, so a norm that ``fuse_rmsnorm`` moved to the native backend keeps it when fused;
 * ``torch_relu2_quant_nvfp4``: squared ReLU (Nemotron's ``relu2``) then NVFP4 quantization.
 
@@ -47,6 +51,11 @@ def _nvfp4(x: Tensor, input_scale: Tensor) -> Tensor:
     return formats.fake_quant_nvfp4(x, input_scale.float()).to(x.dtype)
 
 
+def _fp8_group(x: Tensor, group_size: int) -> Tensor:
+    """What ``torch_quant_fp8_group_activation`` returns for ``x``."""
+    return formats.fake_quant_fp8_groups(x, group_size).to(x.dtype)
+
+
 def _native_norm(x: Tensor, weight: Tensor, eps: float, residual: Optional[Tensor] = None
                  ) -> Tuple[Tensor, Optional[Tensor]]:
     """``(rmsnorm(x [+ residual]), x + residual or None)`` as ``native_rmsnorm`` /
@@ -62,8 +71,7 @@ def _norm_fake(x: Tensor, weight: Tensor, *_: object) -> Tensor:
     return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
-def _add_norm_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float, input_scale: Tensor
-                   ) -> Tuple[Tensor, Tensor]:
+def _add_norm_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *_: object) -> Tuple[Tensor, Tensor]:
     return _fused_add_rmsnorm_fake(x, residual, weight, eps)
 
 
@@ -133,10 +141,42 @@ def native_fused_add_rmsnorm_quant_nvfp4(x: Tensor, residual: Tensor, weight: Te
     return _nvfp4(normed, input_scale), summed
 
 
-for _op in (torch_rmsnorm_quant_fp8, native_rmsnorm_quant_fp8, torch_rmsnorm_quant_nvfp4, native_rmsnorm_quant_nvfp4):
+# ---- RMSNorm + per-group FP8 (dynamic: e4m3 per token per group_size channels) -----------------
+
+
+@torch.library.custom_op("autodeploy::torch_rmsnorm_quant_fp8_group", mutates_args=())
+def torch_rmsnorm_quant_fp8_group(x: Tensor, weight: Tensor, eps: float, group_size: int) -> Tensor:
+    """``torch_quant_fp8_group_activation(torch_rmsnorm(x, weight, eps), group_size)``."""
+    return _fp8_group(torch_rmsnorm_impl(x, weight, eps), group_size)
+
+
+@torch.library.custom_op("autodeploy::torch_fused_add_rmsnorm_quant_fp8_group", mutates_args=())
+def torch_fused_add_rmsnorm_quant_fp8_group(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                                            group_size: int) -> Tuple[Tensor, Tensor]:
+    """``torch_fused_add_rmsnorm`` with its normed output quantized per group: ``(fp8g(rmsnorm(s)), s)``."""
+    return _add_then_norm(x, residual, weight, eps, lambda y: _fp8_group(y, group_size))
+
+
+@torch.library.custom_op("autodeploy::native_rmsnorm_quant_fp8_group", mutates_args=())
+def native_rmsnorm_quant_fp8_group(x: Tensor, weight: Tensor, eps: float, group_size: int) -> Tensor:
+    """``torch_rmsnorm_quant_fp8_group`` with the norm from autodeploy's CPU kernel."""
+    return _fp8_group(_native_norm(x, weight, eps)[0], group_size)
+
+
+@torch.library.custom_op("autodeploy::native_fused_add_rmsnorm_quant_fp8_group", mutates_args=())
+def native_fused_add_rmsnorm_quant_fp8_group(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                                             group_size: int) -> Tuple[Tensor, Tensor]:
+    """``torch_fused_add_rmsnorm_quant_fp8_group`` with the add and norm from autodeploy's CPU kernel."""
+    normed, summed = _native_norm(x, weight, eps, residual)
+    return _fp8_group(normed, group_size), summed
+
+
+for _op in (torch_rmsnorm_quant_fp8, native_rmsnorm_quant_fp8, torch_rmsnorm_quant_nvfp4, native_rmsnorm_quant_nvfp4,
+            torch_rmsnorm_quant_fp8_group, native_rmsnorm_quant_fp8_group):
     _op.register_fake(_norm_fake)
 for _op in (torch_fused_add_rmsnorm_quant_fp8, native_fused_add_rmsnorm_quant_fp8,
-            torch_fused_add_rmsnorm_quant_nvfp4, native_fused_add_rmsnorm_quant_nvfp4):
+            torch_fused_add_rmsnorm_quant_nvfp4, native_fused_add_rmsnorm_quant_nvfp4,
+            torch_fused_add_rmsnorm_quant_fp8_group, native_fused_add_rmsnorm_quant_fp8_group):
     _op.register_fake(_add_norm_fake)
 
 

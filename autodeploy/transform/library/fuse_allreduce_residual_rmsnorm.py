@@ -18,17 +18,25 @@ op's second output, so the all-reduce may have other readers)::
     y = autodeploy.torch_rmsnorm(r, w, eps)
     ->  y, r = autodeploy.torch_dist_all_reduce_rmsnorm(partial, w, eps)
 
-and the same two whose norm ``fuse_rmsnorm_quant_fp8`` already fused with a static FP8
-quantization (``*_rmsnorm_quant_fp8``, the scale passed through). The fused op keeps the backend
-of the norm it replaces (``torch_`` or ``native_``; see ``ops/collective_fusions.py``); a norm on
-the ``compile`` backend is left alone (its inductor kernel has no all-reduce twin), and so are
-norms fused with NVFP4 or per-group FP8 quantization (no all-reduce twins written yet: their
-all-reduce stays a separate op, which is correct, only unfused).
+and the same two whose norm the norm-quantization fusions already fused with the quantization of
+its output, the last argument passed through: static FP8 (``*_rmsnorm_quant_fp8``, its scale) and
+per-group FP8 (``*_rmsnorm_quant_fp8_group``, its group size), both from
+``fuse_rmsnorm_quant_fp8``, and NVFP4 (``*_rmsnorm_quant_nvfp4``, its global scale) from
+``fuse_rmsnorm_quant_nvfp4``. For example, a fine-grained FP8 layer::
+
+    p = autodeploy.torch_dist_all_reduce(partial)
+    y8, s = autodeploy.native_fused_add_rmsnorm_quant_fp8_group(p, residual, w, eps, 128)
+    ->  y8, s = autodeploy.native_dist_all_reduce_fused_add_rmsnorm_quant_fp8_group(partial, residual, w, eps, 128)
+
+The fused op keeps the backend of the norm it replaces (``torch_`` or ``native_``; see
+``ops/collective_fusions.py``); a norm on the ``compile`` backend is left alone (its inductor
+kernel has no all-reduce twin).
 
 Why after the norm fusions rather than matching ``add`` + ``torch_rmsnorm`` itself: one matcher
 per concern. ``fuse_add_rms_norm`` already decides what an add+norm is (several readers of the sum,
-``alpha``), ``fuse_rmsnorm`` which kernel runs it and ``fuse_rmsnorm_quant_fp8`` when its output is
-quantized; this transform only folds the collective in front of what they produced.
+``alpha``), ``fuse_rmsnorm`` which kernel runs it and ``fuse_rmsnorm_quant_fp8`` /
+``fuse_rmsnorm_quant_nvfp4`` when and how its output is quantized; this transform only folds the
+collective in front of what they produced.
 
 Near misses, left alone:
 
@@ -58,19 +66,29 @@ from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, 
 logger = get_logger(__name__)
 ad = torch.ops.autodeploy
 
-# add+norm op -> its all-reduce twin; both take (x, residual, weight, eps[, input_scale]) -> (y, s)
+# add+norm op -> its all-reduce twin; both take (x, residual, weight, eps[, scale or group size]) -> (y, s)
 ADD_NORM: Dict[object, object] = {
     ad.torch_fused_add_rmsnorm.default: ad.torch_dist_all_reduce_fused_add_rmsnorm.default,
     ad.native_fused_add_rmsnorm.default: ad.native_dist_all_reduce_fused_add_rmsnorm.default,
     ad.torch_fused_add_rmsnorm_quant_fp8.default: ad.torch_dist_all_reduce_fused_add_rmsnorm_quant_fp8.default,
     ad.native_fused_add_rmsnorm_quant_fp8.default: ad.native_dist_all_reduce_fused_add_rmsnorm_quant_fp8.default,
+    ad.torch_fused_add_rmsnorm_quant_nvfp4.default: ad.torch_dist_all_reduce_fused_add_rmsnorm_quant_nvfp4.default,
+    ad.native_fused_add_rmsnorm_quant_nvfp4.default: ad.native_dist_all_reduce_fused_add_rmsnorm_quant_nvfp4.default,
+    ad.torch_fused_add_rmsnorm_quant_fp8_group.default:
+        ad.torch_dist_all_reduce_fused_add_rmsnorm_quant_fp8_group.default,
+    ad.native_fused_add_rmsnorm_quant_fp8_group.default:
+        ad.native_dist_all_reduce_fused_add_rmsnorm_quant_fp8_group.default,
 }
-# plain norm op (x, weight, eps[, input_scale]) -> y  ->  its twin returning (y, all_reduce(x))
+# plain norm op (x, weight, eps[, scale or group size]) -> y  ->  its twin returning (y, all_reduce(x))
 PLAIN_NORM: Dict[object, object] = {
     ad.torch_rmsnorm.default: ad.torch_dist_all_reduce_rmsnorm.default,
     ad.native_rmsnorm.default: ad.native_dist_all_reduce_rmsnorm.default,
     ad.torch_rmsnorm_quant_fp8.default: ad.torch_dist_all_reduce_rmsnorm_quant_fp8.default,
     ad.native_rmsnorm_quant_fp8.default: ad.native_dist_all_reduce_rmsnorm_quant_fp8.default,
+    ad.torch_rmsnorm_quant_nvfp4.default: ad.torch_dist_all_reduce_rmsnorm_quant_nvfp4.default,
+    ad.native_rmsnorm_quant_nvfp4.default: ad.native_dist_all_reduce_rmsnorm_quant_nvfp4.default,
+    ad.torch_rmsnorm_quant_fp8_group.default: ad.torch_dist_all_reduce_rmsnorm_quant_fp8_group.default,
+    ad.native_rmsnorm_quant_fp8_group.default: ad.native_dist_all_reduce_rmsnorm_quant_fp8_group.default,
 }
 _ARITY = {op: 5 if "quant" in str(op) else 4 for op in ADD_NORM}
 _ARITY.update({op: 4 if "quant" in str(op) else 3 for op in PLAIN_NORM})
@@ -121,7 +139,7 @@ def _dtypes_agree(gm: fx.GraphModule, norm: fx.Node, *values: object) -> bool:
 @TransformRegistry.register("fuse_allreduce_residual_rmsnorm")
 class FuseAllReduceResidualRMSNorm(BaseTransform):
     config_class = FuseAllReduceResidualRMSNormConfig
-    run_after = ("fuse_add_rms_norm", "fuse_rmsnorm", "fuse_rmsnorm_quant_fp8")
+    run_after = ("fuse_add_rms_norm", "fuse_rmsnorm", "fuse_rmsnorm_quant_fp8", "fuse_rmsnorm_quant_nvfp4")
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         graph = gm.graph

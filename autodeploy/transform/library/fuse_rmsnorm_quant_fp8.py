@@ -27,6 +27,19 @@ fused op, a ``torch_*`` one the reference. ``compiled_*`` norms (``fuse_rmsnorm`
 ``compile``) are left alone: there is no compiled fused op, and replacing it by the reference
 would undo that choice.
 
+Fine-grained FP8 (per-group, dynamic) the same way: ``fuse_finegrained_fp8_linear`` leaves
+``torch_quant_fp8_group_activation(y, 128)`` in front of each linear. A norm whose every user is
+that op with one group size becomes ``*_rmsnorm_quant_fp8_group`` (the group size passed on)::
+
+    y, s = autodeploy.native_fused_add_rmsnorm(h, r, P.norm_w, eps)
+    yq = autodeploy.torch_quant_fp8_group_activation(y, 128)   # } scales computed from y itself:
+    yk = autodeploy.torch_quant_fp8_group_activation(y, 128)   # } the same tensor each time
+    ->  y8, s = autodeploy.native_fused_add_rmsnorm_quant_fp8_group(h, r, P.norm_w, eps, 128)
+
+There is no scale to compare: the quantization is dynamic, so equal group sizes mean equal
+outputs, bit for bit. Users with different group sizes, or a mix of static and per-group FP8
+users, are near misses, left alone.
+
 Why: on a GPU the norm kernel writes FP8 directly, so the activation is read and written once
 instead of once per linear. On the CPU the fused op computes the norm and one quantization and
 the duplicate quantization passes (and their op dispatches) go. Measured on the ``small``
@@ -41,7 +54,7 @@ import torch
 from torch import fx
 
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._quant_norm_fusion import ADD_FP8, PLAIN_FP8, fuse_norm_quant
+from ._quant_norm_fusion import ADD_FP8, ADD_FP8_GROUP, PLAIN_FP8, PLAIN_FP8_GROUP, fuse_norm_quant
 
 ad = torch.ops.autodeploy
 
@@ -55,8 +68,10 @@ class FuseRMSNormQuantFP8(BaseTransform):
     config_class = FuseRMSNormQuantFP8Config
     # the activation ops exist only after fuse_fp8_linear; the norm's final form (add fused, backend
     # chosen) only after fuse_add_rms_norm and fuse_rmsnorm, which know nothing of the fused ops
-    run_after = ("fuse_fp8_linear", "fuse_add_rms_norm", "fuse_rmsnorm")
+    run_after = ("fuse_fp8_linear", "fuse_finegrained_fp8_linear", "fuse_add_rms_norm", "fuse_rmsnorm")
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         count = fuse_norm_quant(gm, ad.torch_quant_fp8_activation, PLAIN_FP8, ADD_FP8, self._key)
+        count += fuse_norm_quant(gm, ad.torch_quant_fp8_group_activation, PLAIN_FP8_GROUP, ADD_FP8_GROUP, self._key,
+                                 report_compiled=False)
         return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=count == 0)
