@@ -5,13 +5,15 @@ One process (the plan): a quantized Llama's q/k/v and gate/up split by output fe
 by input features, each with the scales of its format that split with the weight (NVFP4's and
 int4's group scales), the per-tensor scales whole; a fine-grained FP8 model whose 128-blocks a
 split would cut stays whole (near miss); an MLP whose gate has another reader stays whole (near
-miss); a MoE with fewer experts than ranks is split inside its experts.
+miss); a MoE with fewer experts than ranks is split inside its experts; quantized experts split
+whole, with their scales.
 
 Two real gloo ranks: the FP8 Llama's logits equal the float reference (decoded weights, FP8
 activation rounding) at two shapes with each rank holding its checkpoint slice of every quantized
-weight, bit for bit; a 3-expert Qwen3-MoE (experts not divisible by 2) equals HF with each rank
-holding half of every expert. ``-m slow``: greedy tokens through ``LLM`` at 2 ranks equal 1 rank for
-FP8, NVFP4 and GPTQ, and a 2-expert model at 4 ranks equals HF.
+weight, bit for bit. ``-m slow``: a 3-expert Qwen3-MoE (experts not divisible by 2) equals HF with
+each rank holding half of every expert; greedy tokens through ``LLM`` at 2 ranks equal 1 rank for
+FP8, NVFP4 and GPTQ Llamas; a Qwen3-MoE with ModelOpt FP8 experts, four whole experts a rank, matches
+the float reference and 1 rank; a 2-expert model at 4 ranks equals HF.
 """
 
 from functools import partial
@@ -22,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 import quant_checkpoints as qc
+import quant_expert_checkpoints as qe
 from autodeploy.transform.interface import Stage
 from autodeploy.transform.library._sharding import (ColumnShard, ExpertShard, ExpertTensorShard, RowShard,
                                                     SwigluShard)
@@ -94,6 +97,19 @@ def test_fewer_experts_than_ranks_split_inside_the_experts():
     assert all(".experts.1." in d.down[1] for d in inside)
     # at 2 ranks the same experts go whole to one rank each (expert parallelism)
     assert sum(isinstance(d, ExpertShard) for d in detect(gm, world_size=2, rank=0).decisions) == LAYERS
+
+
+@pytest.mark.parametrize("fmt,per_expert", [("nvfp4", 4)])  # weight, input scale, block scales, global scale
+def test_quantized_experts_are_split_whole_with_their_scales(fmt, per_expert):
+    """Expert parallelism for the per-expert quantized MoE ops: this rank's block of experts, the
+    other experts' weights and every scale of theirs (input, weight, global) dropped."""
+    gm = build(qe.quantized_checkpoint("qwen3_moe", fmt), up_to=Stage.PATTERN_MATCHER).graph_module
+    shards = [d for d in detect(gm, world_size=2, rank=1).decisions if isinstance(d, ExpertShard)]
+    assert [(d.start, d.end) for d in shards] == [(4, 8)] * qe.MOE_LAYERS["qwen3_moe"]
+    # 4 other experts x gate/up/down x (weight + the format's scales)
+    assert all(len(d.dropped) == 4 * 3 * per_expert for d in shards)
+    assert all(".experts.0." in t or ".experts.3." in t or ".experts.1." in t or ".experts.2." in t
+               for d in shards for t in d.dropped)
 
 
 # ---- two ranks ------------------------------------------------------------------------------------
@@ -183,6 +199,32 @@ def _tokens(checkpoint: str, world: int) -> List[List[int]]:
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "gptq"])
 def test_greedy_tokens_of_a_quantized_model_at_two_ranks_equal_one_rank(fmt):
     checkpoint = qc.quantized_checkpoint("llama", fmt)
+    assert _tokens(checkpoint, 2) == _tokens(checkpoint, 1)
+
+
+def _quantized_moe_job(rank: int) -> Dict[str, Any]:
+    checkpoint = qe.quantized_checkpoint("qwen3_moe", "fp8")
+    gm = build(checkpoint, up_to=Stage.WEIGHT_LOAD, world_size=2).graph_module
+    ref = qe.reference_model("qwen3_moe", "fp8")
+    torch.manual_seed(0)
+    errors = []
+    for b, s in ((1, 7), (3, 4)):
+        ids = torch.randint(0, qe.VOCAB, (b, s))
+        with torch.no_grad():
+            errors.append(rel_rmse(graph_logits(gm, ids), ref(ids).logits))
+    experts = sorted({int(n.split(".experts.")[1].split(".")[0]) for n, _ in gm.named_buffers() if ".experts." in n})
+    return {"errors": errors, "experts": experts}
+
+
+@pytest.mark.slow  # ~30 s on 2 cores, then two more builds for the tokens
+@pytest.mark.distributed
+def test_two_ranks_of_fp8_experts_hold_half_and_match_the_reference_and_one_rank():
+    checkpoint = qe.quantized_checkpoint("qwen3_moe", "fp8")
+    results = _run_ranks(_quantized_moe_job, world=2, timeout=300)
+    for rank, r in enumerate(results):
+        assert "error" not in r, r.get("error")
+        assert max(r["errors"]) < 2e-3, r["errors"]  # FP8 activation rounding of all-reduced sums, as above
+        assert r["experts"] == list(range(4 * rank, 4 * rank + 4))
     assert _tokens(checkpoint, 2) == _tokens(checkpoint, 1)
 
 

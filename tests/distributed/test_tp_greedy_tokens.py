@@ -47,8 +47,9 @@ def _hf_greedy(family: str) -> list:
 
 @pytest.mark.slow  # 15-40 s each on 2 cores: every rank builds the engine
 @pytest.mark.distributed
-@pytest.mark.parametrize("family,world", [("llama", 4), ("qwen3", 2), ("qwen3", 4), ("gemma", 2), ("mixtral", 2),
-                                          ("qwen3_moe", 2)])
+@pytest.mark.parametrize("family,world", [("llama", 2), ("llama", 4), ("qwen3", 2), ("qwen3", 4), ("gemma", 2),
+                                          ("gemma", 4), ("mixtral", 2), ("mixtral", 4), ("qwen3_moe", 2),
+                                          ("qwen3_moe", 4)])
 def test_greedy_tokens_at_several_ranks_equal_hf(family, world):
     results = _run_ranks(partial(_job, family=family, world=world), world=world, timeout=400)
     for r in results:

@@ -13,20 +13,21 @@ for the q/k/v projections (each rank its heads) and ``RowShard`` for the output 
 
 The heuristic is Megatron's: attention split by heads (query and key/value heads alike, so each
 rank keeps its own GQA groups; key/value heads fewer than the ranks are replicated, each rank
-holding the one head its query heads read), gated MLPs by their hidden features (``torch_swiglu_mlp``,
-and any ``down(f(gate(x), up(x)))`` with an element-wise ``f``: GeGLU, relu², quantized
-gate/up/down), one all-reduce after each block, mixture-of-experts layers split by whole experts
-(expert parallelism: each rank routes only the pairs of its experts, an all-reduce sums the ranks'
-outputs) or, when the world size does not divide the experts (fewer experts than ranks), inside
-every expert by its hidden features, and the LM head split by vocabulary with an all-gather of the
-logits (``shard_lm_head``). Quantized linears (FP8, fine-grained FP8, NVFP4, int4, int8) split like
-float ones, their block or group scales with them, where the split keeps whole blocks (a
-fine-grained FP8 linear whose 128-wide tiles a rank would cut stays whole). MLA attention
-(``torch_mla``) is split by heads too: the query projection and ``kv_b_proj``'s per-head rows, the
-output projection by input features; the latent and the shared roped key stay whole (each rank
-caches the whole latent). What it cannot split stays replicated on every rank, which is correct
-and only costs memory: the embedding, the norms, a tied LM head, quantized MoE experts, and any
-projection it does not recognise.
+holding the one head its query heads read), gated MLPs by their hidden features
+(``torch_swiglu_mlp``, and any ``down(f(gate(x), up(x)))`` with an element-wise ``f``: GeGLU,
+relu², quantized gate/up/down), one all-reduce after each block, mixture-of-experts layers split
+by whole experts (expert parallelism: each rank routes only the pairs of its experts, an
+all-reduce sums the ranks' outputs; quantized experts too, with their scales) or, when the world
+size does not divide the float experts (fewer experts than ranks), inside every expert by its
+hidden features, and the LM head split by vocabulary with an all-gather of the logits
+(``shard_lm_head``). Quantized linears (FP8, fine-grained FP8, NVFP4, int4, int8) split like float
+ones, their block or group scales with them, where the split keeps whole blocks (a fine-grained
+FP8 linear whose 128-wide tiles a rank would cut stays whole). MLA attention (``torch_mla``) is
+split by heads too: the query projection and ``kv_b_proj``'s per-head rows, the output projection
+by input features; the latent and the shared roped key stay whole (each rank caches the whole
+latent). What it cannot split stays replicated on every rank, which is correct and only costs
+memory: the embedding, the norms, a tied LM head, quantized experts the world size does not
+divide, and any projection it does not recognise.
 Head or feature counts that the world size does not split are an error listing the world sizes
 that would work. A graph whose model stated its own sharding (``torch_linear_with_hint``) was
 planned by ``apply_sharding_hints`` and is skipped here.
@@ -38,6 +39,7 @@ import torch
 from pydantic import Field
 from torch import fx
 
+from ...ops.quant.moe import quant_moe_ops
 from ...utils.errors import ConfigError
 from ...utils.logging import get_logger
 from ..graph_utils import arg, get_attr_value
@@ -49,6 +51,7 @@ from ._sharding import (SHARDING_HINTS_META, ColumnShard, ExpertShard, ExpertTen
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
 logger = get_logger(__name__)
+QUANT_MOE_OPS = frozenset(quant_moe_ops())
 
 # per-feature ops an MLP's activation is made of: a column split of their inputs is a column split
 # of their output (``plan_mlp``)
@@ -183,21 +186,35 @@ def plan_swiglu(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> bool:
 
 
 def plan_moe(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> bool:
-    """Expert parallelism for one ``torch_moe`` (per-expert weight lists): each rank keeps a
-    contiguous block of whole experts. Experts the world size does not divide (fewer experts than
-    ranks, say) are split inside instead: tensor parallelism over each expert's hidden features."""
-    groups = [list(node.args[i]) for i in range(3, 9)]
-    experts = len(groups[2])
-    targets = [[weight_target(gm, a) for a in group] for group in groups]
-    if any(t is None for group in targets for t in group):
+    """Expert parallelism for one ``torch_moe`` or per-expert quantized MoE op (per-expert lists of
+    weights, biases and scales): each rank keeps a contiguous block of whole experts. Float experts
+    the world size does not divide (fewer experts than ranks, say) are split inside instead: tensor
+    parallelism over each expert's hidden features. Quantized ones are then kept whole (logged):
+    splitting inside them would cut their scale blocks, which is not built."""
+    groups = [list(a) for a in node.args[3:] if isinstance(a, (list, tuple))]
+    experts = len(node.args[5])  # the down projections: every MoE op's sixth argument
+    targets = [[_stored(gm, a) for a in group] for group in groups]
+    if not experts or any(t is None for group in targets for t in group):
         return False
     if experts % plan.world_size:
+        if node.target != ad.torch_moe.default:
+            logger.warning("quantized MoE %s kept whole on every rank: %d experts, world_size %d (world sizes that "
+                           "split them: %s)", node.name, experts, plan.world_size, sizes_that_divide([experts]))
+            return False
         return _plan_moe_inside(gm, node, groups, targets, plan)  # type: ignore[arg-type]
     per_rank = experts // plan.world_size
     start, end = plan.rank * per_rank, (plan.rank + 1) * per_rank
     dropped = tuple(t for group in targets for e, t in enumerate(group) if not start <= e < end)
     plan.decisions.append(ExpertShard(node.name, start, end, dropped))  # type: ignore[arg-type]
     return True
+
+
+def _stored(gm: fx.GraphModule, node: object) -> Optional[str]:
+    """The get_attr target of a stored tensor argument (any shape: a quantized expert's scalar
+    input scale too), or None (a computed value)."""
+    if isinstance(node, fx.Node) and node.op == "get_attr" and isinstance(get_attr_value(gm, node), torch.Tensor):
+        return str(node.target)
+    return None
 
 
 def _plan_moe_inside(gm: fx.GraphModule, node: fx.Node, groups: List[List[fx.Node]], targets: List[List[str]], plan: ShardingPlan) -> bool:
@@ -318,7 +335,7 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True)
             plan_attention(gm, node, plan)
         elif node.target == ad.torch_swiglu_mlp.default:
             plan_swiglu(gm, node, plan)
-        elif node.target == ad.torch_moe.default:
+        elif node.target == ad.torch_moe.default or node.target in QUANT_MOE_OPS:
             plan_moe(gm, node, plan)
         elif node.target == ad.torch_mla.default:
             plan_mla(gm, node, plan)

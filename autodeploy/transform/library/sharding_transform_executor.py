@@ -85,7 +85,7 @@ def _all_reduce_after(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
 
 
 def _keep_local_experts(gm: fx.GraphModule, node: fx.Node, shard: ExpertShard) -> None:
-    """``torch_moe`` over this rank's experts only: local expert ids, the other ranks' pairs sent
+    """``torch_moe`` (or a per-expert quantized MoE op) over this rank's experts only: local expert ids, the other ranks' pairs sent
     nowhere (id -1, weight 0: the MoE ops skip them), the other experts' weights dropped from the
     module and the checkpoint list, an all-reduce after."""
     graph = gm.graph
@@ -96,8 +96,9 @@ def _keep_local_experts(gm: fx.GraphModule, node: fx.Node, shard: ExpertShard) -
         local = graph.call_function(aten.where.ScalarOther,
                                     (mine, graph.call_function(aten.sub.Tensor, (sel, shard.start)), -1))
         kept = graph.call_function(aten.where.ScalarOther, (mine, weights, 0.0))
-    lists = [list(group)[shard.start:shard.end] if group else [] for group in node.args[3:9]]
-    node.args = (node.args[0], local, kept, *lists, *node.args[9:])
+    # every per-expert list (weights, biases, a quantized format's scales) keeps this rank's block
+    node.args = (node.args[0], local, kept, *[list(a)[shard.start:shard.end] if isinstance(a, (list, tuple)) else a
+                                              for a in node.args[3:]])
     _all_reduce_after(gm, node)
     _drop(gm, shard.dropped)
 
