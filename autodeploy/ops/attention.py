@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .quant import formats
+
 
 def _additive_bias(
     attn_mask: Optional[Tensor],
@@ -77,6 +79,7 @@ def torch_attention(
     logit_cap: Optional[float] = None,
     alibi_slopes: Optional[Tensor] = None,
     attention_chunk: Optional[int] = None,
+    out_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """Reference attention in ``bsnd`` layout, computed in fp32 and cast back to q's dtype.
 
@@ -88,6 +91,8 @@ def torch_attention(
     the scale and soft-cap (positions bottom-right aligned like the causal mask).
     ``attention_chunk`` (Llama 4's chunked-local attention): a query sees only the keys of its own
     chunk of that many positions (``key_pos // chunk == query_pos // chunk``), with the same alignment.
+    ``out_scale`` (``fuse_trtllm_attn_quant_fp8``): the output leaves as the FP8 e4m3 values the
+    following FP8 projection reads, ``e4m3(out / out_scale) * out_scale`` in q's dtype.
     """
     if dropout_p != 0.0:
         raise ValueError("torch_attention is an inference op: dropout_p must be 0.0")
@@ -117,12 +122,21 @@ def torch_attention(
     else:
         probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vh).to(q.dtype)
-    return out.transpose(1, 2).contiguous()
+    return fp8_output(out.transpose(1, 2).contiguous(), out_scale)
+
+
+def fp8_output(out: Tensor, out_scale: Optional[Tensor]) -> Tensor:
+    """An attention output as an FP8 projection with static input scale ``out_scale`` reads it
+    (``torch_quant_fp8_activation``'s numbers), or unchanged when there is no scale."""
+    if out_scale is None:
+        return out
+    return formats.fake_quant_fp8_static(out, out_scale.float()).to(out.dtype)
 
 
 @torch_attention.register_fake
 def _torch_attention_fake(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                          sinks=None, sliding_window=None, logit_cap=None, alibi_slopes=None, attention_chunk=None):
+                          sinks=None, sliding_window=None, logit_cap=None, alibi_slopes=None, attention_chunk=None,
+                          out_scale=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import attention  # noqa: F401  (torch_attention, the math of the reference path)
-from .attention import alibi_bias
+from .attention import alibi_bias, fp8_output
 from . import native
 from .rope import ROPE_NONE, apply_rope
 
@@ -188,16 +188,18 @@ def torch_cached_attention_with_cache(
     rope_style: int = ROPE_NONE,
     rotary_dim: int = 0,
     attention_chunk: Optional[int] = None,
+    out_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """Reference: write the step's k/v, then attend each sequence separately. ``k_scale`` /
     ``v_scale``: the fp8 cache's per-tensor scales (module docstring); ignored for a float cache.
-    ``rope_*`` / ``rotary_dim``: the RoPE applied to q and k first (module docstring)."""
+    ``rope_*`` / ``rotary_dim``: the RoPE applied to q and k first (module docstring).
+    ``out_scale``: the output rounded to FP8 for the next projection (``torch_attention``)."""
     q, k = apply_rope(q, k, rope_cos, rope_sin, rope_style, rotary_dim)
     _write_cache(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale)
-    return _attend_each_sequence(
+    return fp8_output(_attend_each_sequence(
         q, v_cache.shape[-1], seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache,
         scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes, attention_chunk,
-    )
+    ), out_scale)
 
 
 def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache, scale, sinks,
@@ -222,7 +224,7 @@ def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_c
 def _torch_cached_fake(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache,
                        v_cache, scale=None, sinks=None, sliding_window=None, logit_cap=None, k_scale=None,
                        v_scale=None, alibi_slopes=None, rope_cos=None, rope_sin=None,
-                       rope_style=-1, rotary_dim=0, attention_chunk=None):
+                       rope_style=-1, rotary_dim=0, attention_chunk=None, out_scale=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
@@ -261,10 +263,22 @@ def sdpa_cached_attention_with_cache(
     rope_style: int = ROPE_NONE,
     rotary_dim: int = 0,
     attention_chunk: Optional[int] = None,
+    out_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """Batched: fresh prefills with causal SDPA on their own k/v, all decodes in one SDPA.
     ``k_scale`` / ``v_scale``: the fp8 cache's per-tensor scales (module docstring); ignored for
-    a float cache. ``rope_*`` / ``rotary_dim``: the RoPE applied to q and k first (module docstring)."""
+    a float cache. ``rope_*`` / ``rotary_dim``: the RoPE applied to q and k first (module docstring).
+    ``out_scale``: the output rounded to FP8 for the next projection (``torch_attention``)."""
+    return fp8_output(_sdpa_attend(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping,
+                                   k_cache, v_cache, scale, sinks, sliding_window, logit_cap, k_scale, v_scale,
+                                   alibi_slopes, rope_cos, rope_sin, rope_style, rotary_dim, attention_chunk),
+                      out_scale)
+
+
+def _sdpa_attend(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache, v_cache,
+                 scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes, rope_cos, rope_sin,
+                 rope_style, rotary_dim, attention_chunk) -> Tensor:
+    """``sdpa_cached_attention_with_cache``'s attention (its arguments but ``out_scale``)."""
     q, k = apply_rope(q, k, rope_cos, rope_sin, rope_style, rotary_dim)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -378,7 +392,7 @@ def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tens
 def _sdpa_cached_fake(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache,
                       v_cache, scale=None, sinks=None, sliding_window=None, logit_cap=None, k_scale=None,
                       v_scale=None, alibi_slopes=None, rope_cos=None, rope_sin=None,
-                      rope_style=-1, rotary_dim=0, attention_chunk=None):
+                      rope_style=-1, rotary_dim=0, attention_chunk=None, out_scale=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 

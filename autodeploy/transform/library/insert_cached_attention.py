@@ -150,8 +150,10 @@ class InsertCachedAttention(BaseTransform):
         for node, cache_nodes, layer_scales in zip(attn_nodes, layer_caches, scales):
             q, k, v = node.args[:3]
             alibi, chunk = arg(node, 10, "alibi_slopes"), arg(node, 11, "attention_chunk")
+            out_scale = arg(node, 12, "out_scale")  # fuse_trtllm_attn_quant_fp8's FP8 output
             extra = {**({"alibi_slopes": alibi} if alibi is not None else {}),
-                     **({"attention_chunk": chunk} if chunk is not None else {})}
+                     **({"attention_chunk": chunk} if chunk is not None else {}),
+                     **({"out_scale": out_scale} if out_scale is not None else {})}
             with graph.inserting_before(node):
                 cached = graph.call_function(
                     backend.cached_op,
