@@ -7,6 +7,8 @@ nor their 128 hidden features: an error naming the world sizes that work. Two re
 world size 2 equal HF eager's at two shapes, each rank holding two of the four experts.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -67,3 +69,54 @@ def test_two_ranks_hold_half_the_experts_and_match_hf(job):
         assert "error" not in r, r.get("error")
         assert r["experts"] == [str(2 * rank), str(2 * rank + 1)]  # only this rank's experts were loaded
         assert r["all_reduce"] == 2 * layers  # after each attention and each MoE
+
+
+class _BiasedExperts(torch.nn.Module):
+    """Three biased experts of 8 hidden features over 6 channels, top-2 routing given as inputs:
+    a ``torch_moe`` with every per-expert list filled, for the split inside the experts."""
+
+    def __init__(self, experts: int = 3, dim: int = 6, hidden: int = 8):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+
+        def params(*shape):
+            return torch.nn.ParameterList([torch.nn.Parameter(torch.randn(*shape, generator=g) * 0.5)
+                                           for _ in range(experts)])
+
+        self.gate, self.up, self.down = params(hidden, dim), params(hidden, dim), params(dim, hidden)
+        self.gate_b, self.up_b, self.down_b = params(hidden), params(hidden), params(dim)
+
+    def forward(self, x, sel, w):
+        return ad.torch_moe.default(x, sel, w, list(self.gate), list(self.up), list(self.down), list(self.gate_b),
+                            list(self.up_b), list(self.down_b))
+
+
+def test_inside_the_experts_each_rank_computes_its_share_and_rank_zero_adds_the_down_biases():
+    """One process, both ranks' graphs: each holds its slice of every expert (the checkpoint slice
+    the executor records), rank 1 drops the down biases, and the two partial outputs (what the
+    all-reduce sums) add up to the unsplit MoE, biases included."""
+    from autodeploy.transform.library._sharding import ExpertTensorShard
+    from autodeploy.transform.library.sharding_transform_executor import execute
+
+    module = _BiasedExperts().eval()
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    sel = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [1, 0]])
+    w = torch.softmax(torch.randn(5, 2, generator=torch.Generator().manual_seed(2)), dim=-1)
+    expected = module(x, sel, w)
+    parts = []
+    for rank in (0, 1):
+        gm = torch.fx.symbolic_trace(copy.deepcopy(module))
+        moe = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target == ad.torch_moe.default)
+        plan = ShardingPlan(world_size=2, rank=rank)
+        assert plan_moe(gm, moe, plan)  # 3 experts over 2 ranks: split inside
+        (decision,) = plan.decisions
+        assert isinstance(decision, ExpertTensorShard) and len(decision.down_bias) == 3
+        shards = execute(gm, plan)
+        for name, tensor in gm.named_parameters():  # load each rank's checkpoint slice
+            whole = dict(module.named_parameters())[name]
+            tensor.data = shards[name].take(whole.detach()).clone() if name in shards else whole.detach().clone()
+        held = {n for n, _ in gm.named_parameters()}
+        assert any(n.startswith("down_b.") for n in held) == (rank == 0)
+        with torch.no_grad():
+            parts.append(gm(x, sel, w))
+    torch.testing.assert_close(parts[0] + parts[1], expected, rtol=1e-5, atol=1e-6)
