@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -q -m "not slow and not gpu"
 
-.PHONY: run test install clean
+.PHONY: run test test-gpu install clean
 
 install: $(STAMP)
 
@@ -21,6 +21,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# the CUDA paths (tests marked gpu, tests/gpu): on a machine with a GPU; skipped without CUDA
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
