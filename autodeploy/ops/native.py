@@ -23,7 +23,6 @@ and returns None for anything else, so callers fall back per call as well.
 import ctypes
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -35,6 +34,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..utils.cpu import cpu_flags
 from ..utils.logging import get_logger
 from ..utils.paths import cache_root
 
@@ -68,14 +68,6 @@ def _compiler() -> Optional[str]:
     return None
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
 def _build_key(cc: str) -> str:
     digest = hashlib.sha256()
     for path in _sources():
@@ -83,7 +75,7 @@ def _build_key(cc: str) -> str:
         with open(path, "rb") as f:
             digest.update(f.read())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest.update(" ".join(FLAGS).encode() + version.encode() + _cpu_flags().encode())
+    digest.update(" ".join(FLAGS).encode() + version.encode() + cpu_flags().encode())
     return digest.hexdigest()[:16]
 
 

@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ...utils.cpu import cpu_flags
 from ...utils.logging import get_logger
 from ...utils.paths import cache_root
 from .partition import Access
@@ -78,19 +79,11 @@ def compiler() -> Optional[str]:
     return None
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 def kernel_key(source: str, cxx: str) -> str:
     if cxx not in _version:
         _version[cxx] = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(source.encode())
-    digest.update(" ".join(FLAGS).encode() + _version[cxx].encode() + _cpu_flags().encode())
+    digest.update(" ".join(FLAGS).encode() + _version[cxx].encode() + cpu_flags().encode())
     return digest.hexdigest()[:20]
 
 
