@@ -21,10 +21,9 @@ from autodeploy.transform.library.detect_sharding import detect, plan_mla
 from autodeploy.utils.errors import ConfigError
 from helpers import build, count_op, hf_greedy_tokens, moe_family_checkpoint
 from test_collectives import _run_ranks
+from test_sharding_quantized import NEW, PROMPTS, _tokens
 
 ad = torch.ops.autodeploy
-PROMPTS = [[3, 17, 29, 41, 5, 11, 2], [7, 8, 9]]
-NEW = 8
 
 
 _GRAPH = []
@@ -86,20 +85,6 @@ def _graph_job(rank: int) -> Dict[str, Any]:
             "all_reduce": count_op(gm, ad.torch_dist_all_reduce)}
 
 
-def _generate_job(rank: int) -> Dict[str, Any]:
-    from autodeploy import LLM, SamplingParams
-
-    llm = LLM(moe_family_checkpoint("deepseek_v3"), world_size=2, max_seq_len=64, max_batch_size=4,
-              max_num_tokens=64)
-    if not llm.is_driver:
-        llm.follow()
-        return {}
-    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                       SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
-    llm.shutdown()
-    return {"tokens": [list(o.outputs[0].token_ids) for o in out]}
-
-
 @pytest.mark.slow  # ~30 s on 2 cores: two ranks build DeepSeek-V3 and run HF
 @pytest.mark.distributed
 def test_two_ranks_of_deepseek_v3_match_hf_logits_and_greedy_tokens():
@@ -108,6 +93,4 @@ def test_two_ranks_of_deepseek_v3_match_hf_logits_and_greedy_tokens():
         assert "error" not in r, r.get("error")
         # 4 heads of (8 nope + 16 v) rows: 2 heads a rank; the latent projection whole
         assert r["kv_b"] == [48, 32] and r["kv_a"] == [40, 64]
-    results = _run_ranks(_generate_job, world=2, timeout=400)
-    assert "error" not in results[0], results[0].get("error")
-    assert results[0]["tokens"] == hf_greedy_tokens(checkpoint, PROMPTS, NEW)
+    assert _tokens(checkpoint, 2) == hf_greedy_tokens(checkpoint, PROMPTS, NEW)
