@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 from torch import fx, nn
 
-from .resources import ResourceHandler
+from .resources import ResourceHandler, zeroed
 from .sequence_info import METADATA_NAMES
 
 TOKEN_CACHE = "token_cache"
@@ -39,7 +39,7 @@ class TokenCacheHandler(ResourceHandler):
         return page_size * 8
 
     def allocate(self, num_pages: int, page_size: int, device: torch.device) -> torch.Tensor:
-        return torch.zeros(num_pages, page_size, dtype=torch.long, device=device)
+        return zeroed((num_pages, page_size), torch.long, device)
 
 
 class RecomputeRunner(nn.Module):

@@ -152,8 +152,7 @@ class PipelineContext:
     cache: Any = None
     history: List[TransformRecord] = field(default_factory=list)
     # The compile_model backend the build will use (set by ``autodeploy.pipeline`` from the
-    # config), so that earlier transforms choose kernels it can compile: select_linear_backend,
-    # and recompute_fallback, which skips its consistency check for the non-simple backends.
+    # config), so that earlier transforms choose kernels it can compile (select_linear_backend).
     compile_backend: str = "torch-simple"
     # insert_cached_attention -> recompute_fallback: the graph as it was before the cached ops
     # went in (recompute_fallback's way back; it drops it once it has decided) ...

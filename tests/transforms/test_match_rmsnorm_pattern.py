@@ -105,3 +105,24 @@ def test_near_misses_are_left_alone():
         assert count_op(gm, aten.rsqrt) == 1
         assert gm.code == reference.code
         assert_same_outputs(reference, gm, [(torch.randn(2, 16, 16),), (torch.randn(3, 16, 16),)])
+
+
+def test_a_match_is_rewritten_without_tracing(monkeypatch):
+    """Issue 21 (build time): a match becomes ``torch_rmsnorm`` directly; no replacement function
+    is traced with ``make_fx`` per match (inductor's ``register_replacement`` did, ~10 ms each,
+    25 times in ``small``). The patterns are registered by the first run; the second counts."""
+    import torch.fx.experimental.proxy_tensor as proxy_tensor
+
+    _run(TwoNorms().eval(), torch.randn(2, 5, 32))  # registers the pattern set
+    calls = []
+    real_make_fx = proxy_tensor.make_fx
+
+    def counting_make_fx(*args, **kwargs):
+        calls.append(args[0])
+        return real_make_fx(*args, **kwargs)
+
+    monkeypatch.setattr(proxy_tensor, "make_fx", counting_make_fx)
+    reference, gm, record = _run(TwoNorms().eval(), torch.randn(2, 5, 32))
+    assert record.num_matches == 2 and count_op(gm, ad.torch_rmsnorm) == 2
+    assert calls == []
+    assert_same_outputs(reference, gm, [(torch.randn(2, 5, 32),), (torch.randn(3, 1, 32),)])

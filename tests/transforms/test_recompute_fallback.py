@@ -16,6 +16,7 @@ from autodeploy import LLM, SamplingParams
 from autodeploy.cache.consistency import check_cache_consistency
 from autodeploy.cache.recompute import RecomputeRunner, TokenCacheHandler
 from autodeploy.export.exporter import export_causal_lm
+from autodeploy.transform.interface import Stage
 from autodeploy.utils.errors import ConfigError
 from helpers import build, family_checkpoint, stateful_checkpoint
 
@@ -68,6 +69,39 @@ def test_attention_only_model_passes_the_check_and_keeps_the_kv_cache():
     assert [r.status for r in res.context.history if r.key == "recompute_fallback"] == ["skipped"]
     result = check_cache_consistency(res.graph, res.cache, res.factory.vocab_size, torch.float32)
     assert result is not None and result.ok and result.error < 1e-5
+
+
+CHECK_RAN = "KV-cache consistency check: rel. RMSE"
+
+
+def test_the_check_runs_for_the_torch_compile_backend(caplog):
+    """Issue 21: the check used to be skipped for every backend but torch-simple (see the slow
+    test below for why it can run). Built up to cache_init: the check, not compile_model's
+    warm-up, is what this looks at."""
+    with caplog.at_level("INFO", logger="autodeploy.transform.library.recompute_fallback"):
+        res = build(family_checkpoint("llama"), up_to=Stage.CACHE_INIT,
+                    overrides={"compile_model": {"backend": "torch-compile"}}, **SMALL)
+    assert res.context.compile_backend == "torch-compile"
+    assert res.context.cache_mode == "paged_kv"
+    assert CHECK_RAN in caplog.text and "skipped" not in caplog.text
+
+
+@pytest.mark.slow
+def test_torch_compile_builds_after_the_check_give_the_kv_cache_tokens(caplog):
+    """After the check's eager runs, torch.compile of the model (and of a second model in the same
+    process, with the compiled RMSNorm kernels) works and gives the torch-simple tokens. Before,
+    the check's runs added variants of the process-wide compiled RMSNorm until dynamo's recompile
+    limit, and a later model's torch.compile failed with "Attempt to trace generator"."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    compiled = dict(compile_backend="torch-compile", transforms={"fuse_rmsnorm": {"backend": "compile"}})
+    for family in ("llama", "qwen3"):
+        path = family_checkpoint(family)
+        simple = [o.token_ids for o in LLM(path, **SMALL).generate(PROMPTS, params)]
+        caplog.clear()
+        with caplog.at_level("INFO", logger="autodeploy.transform.library.recompute_fallback"):
+            llm = LLM(path, **compiled, **SMALL)
+        assert CHECK_RAN in caplog.text, family
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == simple, family
 
 
 def test_mode_always_gives_the_same_tokens_as_the_kv_cache():

@@ -123,3 +123,128 @@ def test_page_size_setting_through_the_pipeline():
         res.graph(*cache.graph_args(build_sequence_info([ids[:9]], [0], [[7, 3]])))
         dec = res.graph(*cache.graph_args(build_sequence_info([ids[9:]], [9], [[7, 3]])))[0]
     assert rel_rmse(dec[0], full[-1]) < 1e-5
+
+
+def _rss_bytes():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_large_cpu_pool_is_zero_without_being_written_at_build(weights_graph):
+    """Issue 21: a CPU pool of MiBs is anonymous memory the kernel zeroes on first touch, so the
+    build neither writes nor faults in its pages (``torch.zeros`` did both: 2-3 s for the default
+    4 GiB pool of ``small``). 4 caches of 16384 pages x 2 KiB = 128 MiB; the resize must not make
+    them resident, reading them gives zeros (the shared zero page), and the graph writes them."""
+    ctx = PipelineContext(page_size=16, max_seq_len=4096, max_batch_size=64, max_num_tokens=24)
+    gm = build_transform("insert_cached_attention", {"backend": "sdpa"})(copy.deepcopy(weights_graph), ctx)
+    gm = build_transform("initialize_cache", {})(gm, ctx)
+    before = _rss_bytes()
+    gm = build_transform("resize_kv_cache", {})(gm, ctx)
+    grown = _rss_bytes() - before
+    cache = ctx.cache
+    pool = cache.paged_bytes()
+    assert cache.num_pages == cache.useful_pages == 64 * 256 and pool == 128 * 2**20
+    assert grown < pool // 4, f"the resize made {grown / 2**20:.0f} MiB resident for a {pool / 2**20:.0f} MiB pool"
+    before = _rss_bytes()
+    _zeroed_and_shaped(cache)
+    assert _rss_bytes() - before < pool // 4  # reading untouched pages maps nothing
+    last = cache.num_pages - 1
+    with torch.no_grad():
+        gm(*cache.graph_args(build_sequence_info([[3, 4, 5]], [0], [[last]])))
+    assert cache.caches["k_cache_0"][last, :3].abs().sum() > 0 and cache.caches["k_cache_0"][last, 3:].abs().sum() == 0
+
+
+def test_lazily_zeroed_pool_computes_what_a_written_zero_pool_does(weights_graph):
+    """The same prefill + decode steps on the mapped pool and on ``torch.zeros`` copies of it
+    give bit-identical logits and cache contents."""
+    ctx = PipelineContext(page_size=16, max_seq_len=4096, max_batch_size=64, max_num_tokens=24)
+    gm = build_transform("insert_cached_attention", {"backend": "sdpa"})(copy.deepcopy(weights_graph), ctx)
+    gm = build_transform("initialize_cache", {})(gm, ctx)
+    gm = build_transform("resize_kv_cache", {})(gm, ctx)
+    cache = ctx.cache
+    mapped = dict(cache.caches)
+    written = {name: torch.zeros_like(t) for name, t in mapped.items()}
+    ids, tables = [[7, 1, 9, 4, 2], [5, 3]], [[100, 101], [16383]]
+    results = []
+    for caches in (mapped, written):
+        cache.caches = caches
+        with torch.no_grad():
+            prefill = gm(*cache.graph_args(build_sequence_info(ids, [0, 0], tables)))
+            decode = gm(*cache.graph_args(build_sequence_info([[6], [8]], [5, 2], tables)))
+        results.append((prefill, decode, {n: t[[100, 101, 16383]].clone() for n, t in caches.items()}))
+    (p0, d0, c0), (p1, d1, c1) = results
+    assert torch.equal(p0, p1) and torch.equal(d0, d1)
+    assert all(torch.equal(c0[n], c1[n]) for n in c0)
+    assert any(c0[n].abs().sum() > 0 for n in c0)  # the steps did write the pool
+
+
+RESIZED = "autodeploy.transform.library.resize_kv_cache"
+
+
+def _plan_of(ctx):
+    return ctx.cache.num_pages, ctx.cache.max_batch_size, ctx.cache.max_seq_len
+
+
+def test_sizing_forward_is_skipped_when_the_cpu_cap_decides(weights_graph, caplog):
+    """Issue 21: with the 4 GiB CPU cap binding even for the graph's peak bound, the forward (a
+    max_num_tokens prefill, 2-3 s of small's build) is not run, and the pool, batch size and
+    max_seq_len are those of the measured path (``sizing_forward: always``). Unset max_batch_size
+    (chosen from the pool) and a token budget of 64 over max_seq_len 4096."""
+    settings = dict(page_size=16, max_seq_len=4096, max_batch_size=None, max_num_tokens=64)
+    results = {}
+    for mode in ("auto", "always"):
+        ctx = PipelineContext(**{**settings, "max_batch_size": 256}, auto_batch_size=True)
+        gm = build_transform("insert_cached_attention", {"backend": "sdpa"})(copy.deepcopy(weights_graph), ctx)
+        gm = build_transform("initialize_cache", {})(gm, ctx)
+        caplog.clear()
+        with caplog.at_level("INFO", logger=RESIZED):
+            build_transform("resize_kv_cache", {"sizing_forward": mode})(gm, ctx)
+        results[mode] = (_plan_of(ctx), caplog.text)
+    assert results["auto"][0] == results["always"][0]
+    assert "so the forward was not run" in results["auto"][1]
+    assert "so the forward was not run" not in results["always"][1] and "forward peak <=" not in results["always"][1]
+
+
+def test_sizing_forward_runs_when_the_peak_can_matter(weights_graph, caplog):
+    """Near miss: without the CPU cap the budget is a share of free memory minus the peak, so the
+    peak must be measured."""
+    with caplog.at_level("INFO", logger=RESIZED):
+        _, ctx, _ = _pipeline(weights_graph, resize={"cpu_max_cache_gb": None})
+    assert "so the forward was not run" not in caplog.text and "forward peak <=" not in caplog.text
+    assert ctx.cache.num_pages == ctx.cache.useful_pages
+
+
+def test_peak_bound_covers_the_measured_peak_and_needs_every_shape(weights_graph):
+    """The bound is at least the measured peak of the sizing step and grows with the step; a graph
+    that cannot be propagated (here: a cache input missing) gives no bound, so the forward runs."""
+    from autodeploy.transform.library.resize_kv_cache import forward_peak_bound, sizing_step
+    from autodeploy.utils.memory import measure_peak
+
+    ctx = PipelineContext(page_size=16, max_seq_len=512, max_batch_size=4, max_num_tokens=512)
+    gm = build_transform("insert_cached_attention", {"backend": "sdpa"})(copy.deepcopy(weights_graph), ctx)
+    gm = build_transform("initialize_cache", {})(gm, ctx)
+    args = ctx.cache.graph_args(sizing_step(ctx.cache))
+    bound = forward_peak_bound(gm, args)
+    with torch.inference_mode(), measure_peak(ctx.cache.device) as peak:
+        gm(*args)
+    assert bound is not None and 0 < peak[0] <= bound
+    # the bound grows with the step: the same graph at 4x the tokens
+    bigger = forward_peak_bound(gm, ctx.cache.graph_args(build_sequence_info([[0] * 2048], [0], [list(range(128))])))
+    assert bigger > 3 * bound
+    # one input short (the last cache): the graph cannot be propagated, so no bound and the forward runs
+    assert forward_peak_bound(gm, args[:-1]) is None
+
+
+def test_peak_bound_leaves_the_graph_values_alone(weights_graph):
+    """The bound runs the graph on fake tensors of the step's static shapes; the nodes keep their
+    own (symbolic) values, which later shape propagation and transforms read."""
+    from autodeploy.transform.graph_utils import run_shape_prop
+    from autodeploy.transform.library.resize_kv_cache import forward_peak_bound, sizing_step
+
+    ctx = PipelineContext(page_size=16, max_seq_len=512, max_batch_size=4, max_num_tokens=512)
+    gm = build_transform("insert_cached_attention", {"backend": "sdpa"})(copy.deepcopy(weights_graph), ctx)
+    gm = build_transform("initialize_cache", {})(gm, ctx)
+    run_shape_prop(gm)
+    before = {n: n.meta.get("val") for n in gm.graph.nodes}
+    assert forward_peak_bound(gm, ctx.cache.graph_args(sizing_step(ctx.cache))) is not None
+    assert all(n.meta.get("val") is before[n] for n in gm.graph.nodes)

@@ -144,14 +144,10 @@ class RecomputeFallback(BaseTransform):
             return "recompute_fallback.mode is 'always'"
         if not cfg.check_consistency or vocab is None:
             return None
-        backend = ctx.compile_backend
-        if backend != "torch-simple":
-            # Known issue: after these eager runs, torch.compile of a later model in the same process
-            # failed ("Attempt to trace generator"; tests/runtime/test_generation_vs_hf.py). Until that
-            # is understood the check only runs for torch-simple builds.
-            logger.warning("KV-cache consistency check skipped for compile backend '%s'; build once with "
-                           "torch-simple to check a new architecture", backend)
-            return None
+        # Runs for every compile backend. (It was once skipped for torch-compile: its eager runs added
+        # variants of the process-wide compiled RMSNorm kernels until dynamo's recompile limit made a
+        # later model's torch.compile fail with "Attempt to trace generator"; autodeploy.ops.compiled
+        # now calls those kernels with uniform inputs.)
         result = check_cache_consistency(gm, ctx.cache, vocab, ctx.dtype)
         if result is None:
             logger.warning("KV-cache consistency check skipped: the page pool or max_seq_len is too small")

@@ -8,17 +8,28 @@ peak is measured by running one step of ``max_num_tokens`` tokens (CUDA: allocat
 sequences of ``max_seq_len`` tokens can ever hold. A pool fixed by
 ``initialize_cache.num_pages`` is kept; the forward still runs as a check.
 
+On CPU the forward is a prefill of ``max_num_tokens`` tokens (2-3 s of ``small``'s build), and
+its peak (~90 MiB there) rarely matters: the pool is capped at ``cpu_max_cache_gb`` whenever
+``free_mem_ratio * (free - peak)`` exceeds the cap. So first an upper bound of the peak is taken
+from the graph itself: twice the bytes of every value it computes at the sizing step's shapes
+(``forward_peak_bound``, a fake-tensor propagation; no value is freed in that sum, and the factor
+covers the ops' own scratch). When the pool with the bound equals the pool with any smaller peak (the cap decides,
+and one sequence of ``max_seq_len`` fits), the forward is not run (``sizing_forward: auto``);
+``always`` runs it anyway.
+
 Then the limits left to the pool are chosen (``autodeploy.cache.limits``): an unset
 ``max_batch_size`` from the sequences the pool holds; an unset ``max_seq_len`` (the model's own
 limit) is lowered, with a warning, when the budget cannot hold one sequence that long. A
 ``max_seq_len`` the user set that does not fit is an error naming the numbers.
 """
 
-from typing import Optional
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 from pydantic import Field
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ...cache.sequence_info import build_sequence_info
 from ...utils.logging import get_logger
@@ -38,6 +49,11 @@ class ResizeKVCacheConfig(TransformConfig):
         default=4.0, gt=0.0,
         description="On CPU, the most GiB the pool takes (RAM is shared with the machine; as vLLM's CPU "
         "default); null: only free_mem_ratio bounds it. Not used on CUDA.",
+    )
+    sizing_forward: Literal["auto", "always"] = Field(
+        default="auto",
+        description="auto: skip the sizing forward when an upper bound of its memory peak (from the graph's "
+        "shapes) gives the same pool (on CPU, when cpu_max_cache_gb decides); always: run and measure it.",
     )
 
 
@@ -70,41 +86,126 @@ class ResizeKVCache(BaseTransform):
         if cache is None or not cache.caches:
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason="no caches allocated")
         info = sizing_step(cache)
-        with torch.inference_mode(), measure_peak(cache.device) as peak:
-            gm(*cache.graph_args(info))
-        forward_peak = peak[0]
-        if getattr(cache, "fixed_size", False):
-            logger.info("KV cache kept at %d pages (fixed); sizing forward peak %.1f MiB", cache.num_pages,
-                        forward_peak / 2**20)
-            choose_batch_size(ctx, cache)
-            return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
-        # the sizing pool and states are given back and allocated again at their final sizes (token
-        # buffers stay allocated: their size is fixed, and the free memory already excludes them)
-        free = free_memory_bytes(cache.device) + cache.paged_bytes() + cache.state_bytes()
-        budget = int(cfg.free_mem_ratio * max(0, free - forward_peak))
-        if cache.device.type == "cpu" and cfg.cpu_max_cache_gb is not None:
-            budget = min(budget, int(cfg.cpu_max_cache_gb * 2**30))
-        # state slots come out of the same budget: one per sequence that may run, and the spare
-        state_budget = max(0, budget - cache.min_pages * cache.bytes_per_page())
-        batch_bound = MAX_BATCH_SIZE_CAP if ctx.auto_batch_size else cache.max_batch_size
-        if ctx.auto_batch_size and cache.state_names:
-            batch_bound = min(batch_bound, max(1, state_budget // cache.state_bytes_per_sequence() - 1))
-        page_budget = max(0, budget - (batch_bound + 1) * cache.state_bytes_per_sequence())
-        affordable = page_budget // max(1, cache.bytes_per_page())
-        _fit_max_seq_len(ctx, cache, affordable, page_budget, max(0, free - forward_peak))
+        fixed = getattr(cache, "fixed_size", False)
+        skip_allowed = not fixed and cfg.sizing_forward == "auto"
+        bounded = self._peak_bound_if_decisive(gm, ctx, cache, info) if skip_allowed else None
+        measured = bounded is None
+        if bounded is not None:
+            forward_peak, free = bounded
+        else:
+            with torch.inference_mode(), measure_peak(cache.device) as peak:
+                gm(*cache.graph_args(info))
+            forward_peak = peak[0]
+            if fixed:
+                logger.info("KV cache kept at %d pages (fixed); sizing forward peak %.1f MiB", cache.num_pages,
+                            forward_peak / 2**20)
+                choose_batch_size(ctx, cache)
+                return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
+            free = _free_for_pool(cache)
+        plan = _plan(cfg, ctx, cache, free, forward_peak)
+        budget, state_budget, batch_bound = plan["budget"], plan["state_budget"], plan["batch_bound"]
+        affordable = plan["affordable"]
+        _fit_max_seq_len(ctx, cache, affordable, plan["page_budget"], max(0, free - forward_peak))
         # an unset max_batch_size is chosen from this pool, so the pool may hold as many as the bound
         pages = max(cache.min_pages, min(batch_bound * cache.pages_per_sequence, affordable))
         cache.allocate(pages)
         choose_batch_size(ctx, cache, state_budget)
         logger.info(
             "KV cache resized to %d pages (%.1f MiB, %d tokens of %d bytes; state caches %.1f MiB; token buffers "
-            "%.1f MiB): free %.0f MiB, forward peak %.1f MiB, budget %.0f MiB, max_batch_size %d, max_seq_len %d",
+            "%.1f MiB): free %.0f MiB, forward peak %s%.1f MiB%s, budget %.0f MiB, max_batch_size %d, max_seq_len %d",
             pages, cache.paged_bytes() / 2**20, pages * cache.page_size, cache.bytes_per_token(),
             cache.state_bytes() / 2**20,
             cache.buffer_bytes() / 2**20,
-            free / 2**20, forward_peak / 2**20, budget / 2**20, cache.max_batch_size, cache.max_seq_len,
+            free / 2**20, "" if measured else "<= ", forward_peak / 2**20, "" if measured else
+            " (bound from the graph's shapes: the budget is the cap either way, so the forward was not run)",
+            budget / 2**20, cache.max_batch_size, cache.max_seq_len,
         )
         return TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
+
+    def _peak_bound_if_decisive(self, gm: fx.GraphModule, ctx: PipelineContext, cache,
+                                info) -> Optional[Tuple[int, int]]:
+        """``(peak bound, free memory)`` when the pool planned with the bound is the pool any smaller
+        peak gives (the CPU cap decides and one max_seq_len sequence fits, so ``_fit_max_seq_len``
+        changes nothing); else None: the forward runs and its peak is measured."""
+        cfg: ResizeKVCacheConfig = self.config  # type: ignore[assignment]
+        if cache.device.type != "cpu" or cfg.cpu_max_cache_gb is None:
+            return None
+        bound = forward_peak_bound(gm, cache.graph_args(info))
+        if bound is None:
+            return None
+        free = _free_for_pool(cache)
+        cap = int(cfg.cpu_max_cache_gb * 2**30)
+        if int(cfg.free_mem_ratio * max(0, free - bound)) < cap:
+            return None
+        # the budget is the cap with the bound, so with any smaller peak: the same plan
+        if _plan(cfg, ctx, cache, free, bound)["affordable"] < cache.min_pages:
+            return None
+        return bound, free
+
+
+def _free_for_pool(cache) -> int:
+    """Free memory plus what the sizing pool and states hold: they are given back and allocated
+    again at their final sizes (token buffers stay allocated: their size is fixed, and the free
+    memory already excludes them)."""
+    return free_memory_bytes(cache.device) + cache.paged_bytes() + cache.state_bytes()
+
+
+def _plan(cfg: ResizeKVCacheConfig, ctx: PipelineContext, cache, free: int, forward_peak: int) -> Dict[str, int]:
+    """The budget and what it affords, for a forward peak: ``budget`` (all caches),
+    ``state_budget``, ``batch_bound``, ``page_budget`` and ``affordable`` pages."""
+    budget = int(cfg.free_mem_ratio * max(0, free - forward_peak))
+    if cache.device.type == "cpu" and cfg.cpu_max_cache_gb is not None:
+        budget = min(budget, int(cfg.cpu_max_cache_gb * 2**30))
+    # state slots come out of the same budget: one per sequence that may run, and the spare
+    state_budget = max(0, budget - cache.min_pages * cache.bytes_per_page())
+    batch_bound = MAX_BATCH_SIZE_CAP if ctx.auto_batch_size else cache.max_batch_size
+    if ctx.auto_batch_size and cache.state_names:
+        batch_bound = min(batch_bound, max(1, state_budget // cache.state_bytes_per_sequence() - 1))
+    page_budget = max(0, budget - (batch_bound + 1) * cache.state_bytes_per_sequence())
+    affordable = page_budget // max(1, cache.bytes_per_page())
+    return dict(budget=budget, state_budget=state_budget, batch_bound=batch_bound, page_budget=page_budget,
+                affordable=affordable)
+
+
+# The bound is this many times the bytes of every value the graph computes: none of them is freed
+# in the sum (the real peak holds a few layers' values at once), and the factor leaves as much again
+# for what ops allocate inside and free before returning (attention scores, GEMM packing).
+PEAK_BOUND_FACTOR = 2
+
+
+def forward_peak_bound(gm: fx.GraphModule, args: List[Any]) -> Optional[int]:
+    """An upper bound of the extra memory one call ``gm(*args)`` takes, from the graph's shapes:
+    ``PEAK_BOUND_FACTOR`` times the bytes of every call's value, propagated with fake tensors of
+    ``args``' exact shapes (0.1-0.2 s for ``small``, against 2-3 s for running it). None when
+    that cannot be done (an op without a fake kernel, a data-dependent size): then only running
+    the forward tells."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # the weights stay real; ops see fakes of them
+    prop = _ValueBytes(gm)
+    try:
+        with mode:
+            prop.run(*[mode.from_tensor(a, static_shapes=True) for a in args])
+    except Exception as exc:  # noqa: BLE001 - no bound; the forward is measured, as it always was
+        logger.debug("no peak bound for the sizing forward (%s: %s)", type(exc).__name__, exc)
+        return None
+    return PEAK_BOUND_FACTOR * prop.total
+
+
+class _ValueBytes(fx.Interpreter):
+    """Runs the graph (on fake tensors) and sums the bytes of every call's tensor values. A plain
+    interpreter: ``FakeTensorProp`` would overwrite the nodes' ``meta['val']`` (the graph's
+    symbolic shapes) with these static ones."""
+
+    def __init__(self, module: fx.GraphModule):
+        super().__init__(module)
+        self.total = 0
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.op in ("call_function", "call_method"):
+            for value in pytree.tree_leaves(result):
+                if isinstance(value, torch.Tensor):
+                    self.total += value.numel() * value.element_size()
+        return result
 
 
 def choose_batch_size(ctx: PipelineContext, cache, state_budget: Optional[int] = UNSIZED_STATE_BUDGET) -> None:
