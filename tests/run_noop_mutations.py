@@ -204,7 +204,8 @@ INTENDED: Dict[str, str] = {
     "distributed/test_sharding.py::test_a_projection_with_another_reader_is_left_whole": "the planning function",
     "distributed/test_sharding_kv_replication.py::test_kv_heads_fewer_than_ranks_are_replicated":
         "the planning function, called directly",
-    "distributed/test_sharding_kv_replication.py::test_a_tied_lm_head_stays_whole": "the planning function",
+    "distributed/test_sharding_kv_replication.py::"
+    "test_a_tied_lm_head_shares_the_embedding_slice_or_stays_whole_with_it": "the planning function",
     "transforms/test_mlir_elementwise_fusion.py::test_min_ops_leaves_short_subgraphs": "near miss: min_ops",
     "transforms/test_mlir_elementwise_fusion.py::test_near_misses_left_alone": "near misses, 0 matches",
     "transforms/test_mlir_elementwise_fusion.py::test_partition_alone_needs_no_xdsl": "the partition function, called directly",

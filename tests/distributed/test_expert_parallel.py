@@ -68,7 +68,7 @@ def test_two_ranks_hold_half_the_experts_and_match_hf(job):
     for rank, r in enumerate(_run_ranks(job, timeout=240)):
         assert "error" not in r, r.get("error")
         assert r["experts"] == [str(2 * rank), str(2 * rank + 1)]  # only this rank's experts were loaded
-        assert r["all_reduce"] == 2 * layers  # after each attention and each MoE
+        assert r["all_reduce"] == 2 * layers + 1  # after each attention and each MoE, and the embedding
 
 
 class _BiasedExperts(torch.nn.Module):

@@ -306,8 +306,13 @@ def _layer0_attention_reduce(gm):
 
 def _graph_job(rank: int, family: str = "llama") -> Dict[str, Any]:
     checkpoint = family_checkpoint(family)
-    fused = build(checkpoint, up_to=Stage.POST_LOAD_FUSION, world_size=2, overrides={KEY: {"enabled": True}})
-    unfused = build(checkpoint, up_to=Stage.POST_LOAD_FUSION, world_size=2, overrides={KEY: {"enabled": False}})
+    # the embedding kept whole: its all-reduce (vocab-parallel lookup) is not a layer's; the counts
+    # below are one per attention and MLP
+    whole_table = {"detect_sharding": {"shard_embedding": False}}
+    fused = build(checkpoint, up_to=Stage.POST_LOAD_FUSION, world_size=2,
+                  overrides={KEY: {"enabled": True}, **whole_table})
+    unfused = build(checkpoint, up_to=Stage.POST_LOAD_FUSION, world_size=2,
+                    overrides={KEY: {"enabled": False}, **whole_table})
     fgm, ugm = fused.graph_module, unfused.graph_module
     record = {r.key: r for r in fused.context.history}[KEY]
     torch.manual_seed(0)  # every rank feeds the same tokens
@@ -387,8 +392,9 @@ def _nvfp4_graph_job(rank: int) -> Dict[str, Any]:
 
     checkpoint = qc.quantized_checkpoint("llama", "nvfp4")
     kw = dict(up_to=Stage.POST_LOAD_FUSION, world_size=2, max_seq_len=64, max_batch_size=2)
-    fused = build(checkpoint, overrides={KEY: {"enabled": True}}, **kw)
-    unfused = build(checkpoint, overrides={KEY: {"enabled": False}}, **kw)
+    whole_table = {"detect_sharding": {"shard_embedding": False}}  # one all-reduce per attention and MLP
+    fused = build(checkpoint, overrides={KEY: {"enabled": True}, **whole_table}, **kw)
+    unfused = build(checkpoint, overrides={KEY: {"enabled": False}, **whole_table}, **kw)
     fgm, ugm = fused.graph_module, unfused.graph_module
     reference = qc.reference_model("llama", "nvfp4")
     torch.manual_seed(0)  # every rank feeds the same tokens

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autodeploy.transform.interface import Stage
-from autodeploy.transform.library._sharding import ColumnShard, RowShard, SwigluShard
+from autodeploy.transform.library._sharding import ColumnShard, EmbeddingShard, RowShard, SwigluShard
 from autodeploy.transform.library.detect_sharding import detect
 from autodeploy.utils.errors import ConfigError
 from helpers import TINY, build, count_op, family_checkpoint
@@ -34,9 +34,13 @@ def test_plan_splits_attention_by_heads_and_the_mlp_and_leaves_the_rest():
     # the LM head (untied) is split by vocabulary and gathered
     (head,) = [d for d in plan.decisions if isinstance(d, ColumnShard) and d.gather]
     assert head.weight == "lm_head.weight"
-    # near misses: the embedding and the norms stay whole on every rank
+    # the embedding by vocabulary rows (rank 1 of 2: the second half); near miss: the norms stay whole
+    (embedding,) = [d for d in plan.decisions if isinstance(d, EmbeddingShard)]
+    assert (embedding.weight, embedding.start, embedding.end) == ("model.embed_tokens.weight", 256, 512)
     planned = {w for d in plan.decisions for w in vars(d).values() if isinstance(w, str)}
-    assert not any("embed" in w or "norm" in w for w in planned)
+    assert not any("norm" in w for w in planned)
+    # off: the whole table on every rank
+    assert not any(isinstance(d, EmbeddingShard) for d in detect(gm, world_size=2, rank=1, embedding=False).decisions)
     assert plan.layout_fixes == {}  # Llama splits heads with -1: nothing literal to divide
 
 
@@ -78,6 +82,9 @@ def _graph_job(rank: int):
         "down_slice": torch.equal(down, full["model.layers.1.mlp.down_proj.weight"][:, rank * cols:(rank + 1) * cols]),
         "q_rows": rows, "down_cols": cols,
         "head": tuple(gm.get_parameter("lm_head.weight").shape),
+        "table": tuple(gm.get_parameter("model.embed_tokens.weight").shape),
+        "table_slice": torch.equal(gm.get_parameter("model.embed_tokens.weight"),
+                                   full["model.embed_tokens.weight"][rank * 256:(rank + 1) * 256]),
         "all_gather": count_op(gm, ad.torch_dist_all_gather),
     }
 
@@ -86,12 +93,14 @@ def _graph_job(rank: int):
 def test_two_ranks_hold_their_slices_and_match_hf():
     for rank, r in enumerate(_run_ranks(_graph_job)):
         assert "error" not in r, r.get("error")
-        assert r["all_reduce"] == 2 * TINY["num_hidden_layers"]  # after each attention and each MLP
+        # after each attention and each MLP, and after the embedding's lookup
+        assert r["all_reduce"] == 2 * TINY["num_hidden_layers"] + 1
         assert r["q_rows"] == TINY["num_attention_heads"] * TINY["head_dim"] // 2
         assert r["down_cols"] == TINY["intermediate_size"] // 2
         assert r["q_slice"] and r["down_slice"], f"rank {rank} loaded the wrong slice"
         assert r["head"] == (TINY["vocab_size"] // 2, TINY["hidden_size"])  # vocab-parallel LM head ...
         assert r["all_gather"] == 1  # ... whose logits are gathered
+        assert r["table"] == (TINY["vocab_size"] // 2, TINY["hidden_size"]) and r["table_slice"]  # vocab-parallel
 
 
 PROMPTS = [[3, 17, 29, 41, 5], [7, 8, 9]]

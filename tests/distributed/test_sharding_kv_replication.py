@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autodeploy.transform.interface import Stage
-from autodeploy.transform.library._sharding import ColumnShard
+from autodeploy.transform.library._sharding import ColumnShard, EmbeddingShard
 from autodeploy.transform.library.detect_sharding import detect
 from helpers import TINY, build, count_op, family_checkpoint
 from test_collectives import _run_ranks
@@ -40,12 +40,17 @@ def test_kv_heads_fewer_than_ranks_are_replicated(world_size):
         assert [d.weight for d in head] == ["lm_head.weight"]
 
 
-def test_a_tied_lm_head_stays_whole():
-    """Near miss: Gemma ties the LM head to the embedding, whose lookup needs every row."""
+def test_a_tied_lm_head_shares_the_embedding_slice_or_stays_whole_with_it():
+    """Gemma ties the LM head to the embedding: with the vocab-parallel embedding both read the same
+    rows of the one table; near miss: with the embedding kept whole, the head stays whole too."""
     gm = build(family_checkpoint("gemma"), up_to=Stage.PATTERN_MATCHER).graph_module
     plan = detect(gm, world_size=2, rank=0)
-    assert not any(isinstance(d, ColumnShard) and d.gather for d in plan.decisions)
-    assert any(isinstance(d, ColumnShard) for d in plan.decisions)  # attention is still split
+    (head,) = [d for d in plan.decisions if isinstance(d, ColumnShard) and d.gather]
+    (table,) = [d for d in plan.decisions if isinstance(d, EmbeddingShard)]
+    assert head.weight == table.weight and (table.start, table.end) == (0, 256)
+    whole = detect(gm, world_size=2, rank=0, embedding=False)
+    assert not any(isinstance(d, ColumnShard) and d.gather for d in whole.decisions)
+    assert any(isinstance(d, ColumnShard) for d in whole.decisions)  # attention is still split
 
 
 def _qwen3_job(rank: int):

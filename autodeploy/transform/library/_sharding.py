@@ -15,6 +15,7 @@ A plan is a list of decisions over graph nodes, each a plain dataclass:
 * ``ExpertShard``: expert parallelism; each rank holds ``num_experts / world_size`` whole experts
   of a ``torch_moe``, computes the (token, expert) pairs routed to them, and one all-reduce sums
   the ranks' partial outputs.
+* ``EmbeddingShard``: the embedding table split by vocabulary rows, one all-reduce after the lookup.
 * ``ExpertTensorShard``: tensor parallelism inside the experts, for a ``torch_moe`` whose experts
   the world size does not divide (fewer experts than ranks): every rank holds every expert's
   slice of the hidden features (gate/up rows, down columns), one all-reduce after.
@@ -184,7 +185,21 @@ class HeadWeightShard:
     dim: int = 0
 
 
-Decision = Union[ColumnShard, RowShard, SwigluShard, ExpertShard, ExpertTensorShard, HeadWeightShard]
+@dataclass(frozen=True)
+class EmbeddingShard:
+    """A vocab-parallel embedding: this rank holds rows ``[start, end)`` of the table, looks up the
+    ids in that range (the others read row 0 and are zeroed), and an all-reduce sums the ranks'
+    rows, so every rank gets every token's embedding. An LM head tied to the table shares the slice
+    (its own ``ColumnShard`` with ``gather``)."""
+
+    node: str  # the aten.embedding node
+    weight: str
+    start: int
+    end: int
+
+
+Decision = Union[ColumnShard, RowShard, SwigluShard, ExpertShard, ExpertTensorShard, HeadWeightShard,
+                 EmbeddingShard]
 
 
 @dataclass

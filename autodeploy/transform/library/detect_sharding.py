@@ -19,15 +19,16 @@ relu², quantized gate/up/down), one all-reduce after each block, mixture-of-exp
 by whole experts (expert parallelism: each rank routes only the pairs of its experts, an
 all-reduce sums the ranks' outputs; quantized experts too, with their scales) or, when the world
 size does not divide the float experts (fewer experts than ranks), inside every expert by its
-hidden features, and the LM head split by vocabulary with an all-gather of the logits
-(``shard_lm_head``). Quantized linears (FP8, fine-grained FP8, NVFP4, int4, int8) split like float
-ones, their block or group scales with them, where the split keeps whole blocks (a fine-grained
-FP8 linear whose 128-wide tiles a rank would cut stays whole). MLA attention (``torch_mla``) is
-split by heads too: the query projection and ``kv_b_proj``'s per-head rows, the output projection
-by input features; the latent and the shared roped key stay whole (each rank caches the whole
-latent). What it cannot split stays replicated on every rank, which is correct and only costs
-memory: the embedding, the norms, a tied LM head, quantized experts the world size does not
-divide, and any projection it does not recognise.
+hidden features, the embedding table split by vocabulary rows with an all-reduce of the looked-up
+rows (``shard_embedding``), and the LM head split by vocabulary with an all-gather of the logits
+(``shard_lm_head``; a head tied to the embedding shares the embedding's slice). Quantized linears
+(FP8, fine-grained FP8, NVFP4, int4, int8) split like float ones, their block or group scales with
+them, where the split keeps whole blocks (a fine-grained FP8 linear whose 128-wide tiles a rank
+would cut stays whole). MLA attention (``torch_mla``) is split by heads too: the query projection
+and ``kv_b_proj``'s per-head rows, the output projection by input features; the latent and the
+shared roped key stay whole (each rank caches the whole latent). What it cannot split stays
+replicated on every rank, which is correct and only costs memory: the norms, quantized experts the
+world size does not divide, and any projection it does not recognise.
 Head or feature counts that the world size does not split are an error listing the world sizes
 that would work. A graph whose model stated its own sharding (``torch_linear_with_hint``) was
 planned by ``apply_sharding_hints`` and is skipped here.
@@ -44,9 +45,10 @@ from ...utils.errors import ConfigError
 from ...utils.logging import get_logger
 from ..graph_utils import arg, get_attr_value
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._sharding import (SHARDING_HINTS_META, ColumnShard, ExpertShard, ExpertTensorShard, HeadWeightShard, RowShard,
-                        ShardingPlan, SwigluShard, consuming_linear, head_source, is_linear, linear_split,
-                        linear_weights, literal_dims, producing_linear, sizes_that_divide, weight_target)
+from ._sharding import (SHARDING_HINTS_META, ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard,
+                        HeadWeightShard, RowShard, ShardingPlan, SwigluShard, consuming_linear, head_source, is_linear,
+                        linear_split, linear_weights, literal_dims, producing_linear, sizes_that_divide,
+                        weight_target)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -70,7 +72,12 @@ class DetectShardingConfig(TransformConfig):
         default=True,
         description="Vocab-parallel LM head: each rank computes its slice of the vocabulary and an all-gather joins "
         "them (1/world_size of the head's weight per rank). Off keeps the whole head on every rank. A head tied to "
-        "the embedding is always kept whole.")
+        "the embedding is split only with the embedding (shard_embedding), sharing its slice.")
+    shard_embedding: bool = Field(
+        default=True,
+        description="Vocab-parallel embedding: each rank holds 1/world_size of the table's rows and looks up the ids "
+        "in its range; one all-reduce per step joins the rows (on CPU/gloo ~1 ms at 2 ranks). Off keeps the whole "
+        "table on every rank (and a tied LM head whole with it).")
 
 
 def _head_count(node: fx.Node, index: int) -> Optional[int]:
@@ -217,7 +224,8 @@ def _stored(gm: fx.GraphModule, node: object) -> Optional[str]:
     return None
 
 
-def _plan_moe_inside(gm: fx.GraphModule, node: fx.Node, groups: List[List[fx.Node]], targets: List[List[str]], plan: ShardingPlan) -> bool:
+def _plan_moe_inside(gm: fx.GraphModule, node: fx.Node, groups: List[List[fx.Node]], targets: List[List[str]],
+                     plan: ShardingPlan) -> bool:
     """``ExpertTensorShard`` for a ``torch_moe`` whose experts the world size does not divide: each
     expert's hidden features (its down weight's columns) split across all ranks; an error listing
     the world sizes that work when it does not divide those either."""
@@ -298,10 +306,12 @@ def _elementwise_region(gm: fx.GraphModule, start: fx.Node, features: int) -> Tu
     return inner, leaves
 
 
-def plan_lm_head(gm: fx.GraphModule, plan: ShardingPlan) -> bool:
+def plan_lm_head(gm: fx.GraphModule, plan: ShardingPlan, embeddings: Set[str] = frozenset()) -> bool:
     """The vocab-parallel LM head: the linear that produces the logits (through single-input ops
-    such as a soft-cap) split by vocabulary rows, its slices all-gathered. Left whole: a head tied
-    to the embedding (the lookup needs every row), or a vocabulary the world size does not divide."""
+    such as a soft-cap) split by vocabulary rows, its slices all-gathered. A head tied to the
+    embedding is split only when that embedding is (its target in ``embeddings``): both then read
+    the same slice of the one table. Left whole: a tied head whose embedding stays whole, or a
+    vocabulary the world size does not divide."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     node = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
     while isinstance(node, fx.Node) and node.op == "call_function" and not is_linear(node):
@@ -312,10 +322,11 @@ def plan_lm_head(gm: fx.GraphModule, plan: ShardingPlan) -> bool:
     weights = linear_weights(gm, node)
     if weights is None:
         return False
-    readers = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == weights[0] for _ in n.users]
+    readers = [u for n in gm.graph.nodes if n.op == "get_attr" and n.target == weights[0] for u in n.users]
+    tied = len(readers) != 1
     vocab = int(node.meta["val"].shape[-1]) if "val" in node.meta else 0
-    if len(readers) != 1 or vocab % plan.world_size:
-        logger.info("LM head kept whole on every rank: %s", "tied to the embedding" if len(readers) != 1 else
+    if tied and weights[0] not in embeddings or vocab % plan.world_size:
+        logger.info("LM head kept whole on every rank: %s", "tied to an embedding kept whole" if tied else
                     f"vocabulary {vocab} not divisible by world_size {plan.world_size}")
         return False
     split = linear_split(gm, node, rows=False, parts=plan.world_size)
@@ -326,7 +337,23 @@ def plan_lm_head(gm: fx.GraphModule, plan: ShardingPlan) -> bool:
     return True
 
 
-def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True) -> ShardingPlan:
+def plan_embedding(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> bool:
+    """The vocab-parallel embedding for one ``aten.embedding`` of a stored table whose rows the
+    world size divides (else it stays whole, logged)."""
+    target = weight_target(gm, node.args[0])
+    if target is None:
+        return False
+    vocab = int(get_attr_value(gm, node.args[0]).shape[0])
+    if vocab % plan.world_size:
+        logger.info("embedding %s kept whole on every rank: %d rows, world_size %d", target, vocab, plan.world_size)
+        return False
+    rows = vocab // plan.world_size
+    plan.decisions.append(EmbeddingShard(node.name, target, plan.rank * rows, (plan.rank + 1) * rows))
+    return True
+
+
+def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
+           embedding: bool = True) -> ShardingPlan:
     plan = ShardingPlan(world_size=world_size, rank=rank)
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -339,8 +366,10 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True)
             plan_moe(gm, node, plan)
         elif node.target == ad.torch_mla.default:
             plan_mla(gm, node, plan)
+        elif node.target == aten.embedding.default and embedding:
+            plan_embedding(gm, node, plan)
     if lm_head:
-        plan_lm_head(gm, plan)
+        plan_lm_head(gm, plan, {d.weight for d in plan.decisions if isinstance(d, EmbeddingShard)})
     taken = {d.node for d in plan.decisions}
     for node in list(gm.graph.nodes):
         if is_linear(node):
@@ -362,7 +391,7 @@ class DetectSharding(BaseTransform):
             return TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True,
                                  reason="planned from the graph's sharding hints (apply_sharding_hints)")
         cfg: DetectShardingConfig = self.config  # type: ignore[assignment]
-        plan = detect(gm, ctx.world_size, ctx.rank, lm_head=cfg.shard_lm_head)
+        plan = detect(gm, ctx.world_size, ctx.rank, lm_head=cfg.shard_lm_head, embedding=cfg.shard_embedding)
         logger.info("sharding plan for rank %d of %d: %s", ctx.rank, ctx.world_size, plan.summary())
         ctx.sharding_plan = plan
         return TransformInfo(num_matches=len(plan.decisions), is_clean=True, has_valid_shapes=True)

@@ -20,6 +20,12 @@ scales stay whole. Expert parallelism (``ExpertShard``) keeps this rank's block 
     m = autodeploy.torch_dist_all_reduce(autodeploy.torch_moe(x, where(mine, sel - e0, -1),
                                                                where(mine, w, 0), gates[e0:e1], ...))
 
+The embedding table (``EmbeddingShard``) keeps this rank's rows; ids outside them are zeroed and an
+all-reduce joins the ranks' rows::
+
+    mine = (ids >= r0) & (ids < r1)
+    e = autodeploy.torch_dist_all_reduce(where(mine[..., None], embedding(W[r0:r1], where(mine, ids - r0, 0)), 0))
+
 Experts the world size does not divide (``ExpertTensorShard``) are split inside: each rank keeps
 every expert's slice of the hidden features, the down biases on rank 0 only::
 
@@ -43,8 +49,8 @@ from torch import fx, nn
 
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._quant_from_config import GRAPH_IGNORED_TENSORS
-from ._sharding import (ColumnShard, ExpertShard, ExpertTensorShard, HeadWeightShard, RowShard, ShardingPlan,
-                        SwigluShard, WeightShard)
+from ._sharding import (ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, HeadWeightShard, RowShard,
+                        ShardingPlan, SwigluShard, WeightShard)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -57,24 +63,30 @@ class ShardingExecutorConfig(TransformConfig):
 def _shard_param(gm: fx.GraphModule, target: str, dim: int, plan: ShardingPlan,
                  shards: Dict[str, WeightShard], parts: Optional[int] = None, index: Optional[int] = None) -> None:
     """Replace the (meta) tensor at ``target`` by one of this rank's shard shape, and record the
-    slice load_weights reads: part ``index`` of ``parts`` (default: the rank's of world_size)."""
+    slice load_weights reads: part ``index`` of ``parts`` (default: the rank's of world_size).
+    Every other name of the same tensor (a tied embedding and LM head) gets the new one too, so
+    the loader's tied groups hold one slice, not a slice and the whole table."""
     parts = plan.world_size if parts is None else parts
     index = plan.rank if index is None else index
     if target in shards:
         return  # shared by two users (tied): split once
     *path, leaf = target.split(".")
-    owner: nn.Module = gm
-    for part in path:
-        owner = getattr(owner, part)
-    old = getattr(owner, leaf)
+    old = getattr(gm.get_submodule(".".join(path)) if path else gm, leaf)
     shape = list(old.shape)
     shape[dim] //= parts
     new = torch.empty(shape, dtype=old.dtype, device=old.device)
-    if isinstance(old, nn.Parameter):
-        owner.register_parameter(leaf, nn.Parameter(new, requires_grad=False))
-    else:
-        owner.register_buffer(leaf, new)
-    shards[target] = WeightShard(dim=dim, index=index, parts=parts)
+    aliases = [name for name, t in (*gm.named_parameters(remove_duplicate=False),
+                                    *gm.named_buffers(remove_duplicate=False)) if t is old]
+    is_param = isinstance(old, nn.Parameter)
+    replacement = nn.Parameter(new, requires_grad=False) if is_param else new
+    for name in aliases or [target]:
+        *path, leaf = name.split(".")
+        owner: nn.Module = gm.get_submodule(".".join(path)) if path else gm
+        if is_param:
+            owner.register_parameter(leaf, replacement)  # type: ignore[arg-type]
+        else:
+            owner.register_buffer(leaf, replacement)
+        shards[name] = WeightShard(dim=dim, index=index, parts=parts)
 
 
 def _all_reduce_after(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
@@ -85,9 +97,9 @@ def _all_reduce_after(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
 
 
 def _keep_local_experts(gm: fx.GraphModule, node: fx.Node, shard: ExpertShard) -> None:
-    """``torch_moe`` (or a per-expert quantized MoE op) over this rank's experts only: local expert ids, the other ranks' pairs sent
-    nowhere (id -1, weight 0: the MoE ops skip them), the other experts' weights dropped from the
-    module and the checkpoint list, an all-reduce after."""
+    """``torch_moe`` (or a per-expert quantized MoE op) over this rank's experts only: local expert
+    ids, the other ranks' pairs sent nowhere (id -1, weight 0: the MoE ops skip them), the other
+    experts' tensors dropped from the module and the checkpoint list, an all-reduce after."""
     graph = gm.graph
     sel, weights = node.args[1], node.args[2]
     with graph.inserting_before(node):
@@ -115,6 +127,25 @@ def _split_inside_experts(gm: fx.GraphModule, node: fx.Node, shard: ExpertTensor
         node.args = (*node.args[:8], [], *node.args[9:])
         _drop(gm, shard.down_bias)
     _all_reduce_after(gm, node)
+
+
+def _lookup_local_rows(gm: fx.GraphModule, node: fx.Node, shard: EmbeddingShard) -> None:
+    """``embedding(W, ids)`` over this rank's rows ``[start, end)``: ids elsewhere read row 0 and
+    are zeroed, an all-reduce sums the ranks' rows (each id is in exactly one rank's range)."""
+    graph = gm.graph
+    ids = node.args[1]
+    with graph.inserting_before(node):
+        mine = graph.call_function(aten.bitwise_and.Tensor, (graph.call_function(aten.ge.Scalar, (ids, shard.start)),
+                                                             graph.call_function(aten.lt.Scalar, (ids, shard.end))))
+        local = graph.call_function(aten.where.ScalarOther,
+                                    (mine, graph.call_function(aten.sub.Tensor, (ids, shard.start)), 0))
+    node.args = (node.args[0], local, *node.args[2:])
+    with graph.inserting_after(node):
+        keep = graph.call_function(aten.unsqueeze.default, (mine, -1))
+    with graph.inserting_after(keep):
+        zeroed = graph.call_function(aten.where.ScalarOther, (keep, node, 0.0))
+    node.replace_all_uses_with(zeroed, delete_user_cb=lambda user: user is not zeroed)
+    _all_reduce_after(gm, zeroed)
 
 
 def _drop(gm: fx.GraphModule, targets: Sequence[str]) -> None:
@@ -171,6 +202,9 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
             _split_inside_experts(gm, node, decision, plan, shards)
         elif isinstance(decision, HeadWeightShard):  # torch_mla's kv_b_proj: this rank's heads' rows
             _shard_param(gm, decision.weight, decision.dim, plan, shards)
+        elif isinstance(decision, EmbeddingShard):
+            _shard_param(gm, decision.weight, 0, plan, shards)
+            _lookup_local_rows(gm, node, decision)
     for name, divisors in plan.layout_fixes.items():
         node = nodes[name]
         shape = list(node.args[1])
