@@ -8,8 +8,8 @@ Each world size starts that many gloo ranks on this machine (``torch.multiproces
 loopback rendezvous); every rank builds its shard up to ``weight_load`` (what ``load_weights``
 read from the memory-mapped safetensors: only this rank's slices) and reports the bytes of the
 tensors its graph holds (each storage once), split into the sharded weights (``ctx.weight_shards``)
-and what stays whole on every rank (embedding, norms, a tied LM head, projections the plan
-replicates). The baseline is HF's own module from the same checkpoint (``from_pretrained``,
+and what stays whole on every rank (norms, an embedding with ``shard_embedding`` off, projections
+the plan replicates). The baseline is HF's own module from the same checkpoint (``from_pretrained``,
 float32): what one process holds without autodeploy. Memory is counted, not timed, so the numbers
 do not depend on the load of the machine. Writes ``benchmarks/results/tp-memory-<model>-<time>.json``
 and ``.md``.
