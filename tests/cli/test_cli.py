@@ -90,6 +90,7 @@ def test_export_prints_summary_and_writes_artifacts(tmp_path, capsys):
     assert "cached_attention" in (out / "graph.py").read_text()
 
 
+@pytest.mark.slow  # ~8 s; test_readme_commands runs `run` (table once, prompt lines, throughput) by default
 def test_run_generates_and_reports_throughput(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The for statement\n\nHello\n")

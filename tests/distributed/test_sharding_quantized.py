@@ -26,8 +26,8 @@ from safetensors import safe_open
 import quant_checkpoints as qc
 import quant_expert_checkpoints as qe
 from autodeploy.transform.interface import Stage
-from autodeploy.transform.library._sharding import (ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, RowShard,
-                                                    SwigluShard)
+from autodeploy.transform.library._sharding import (ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard,
+                                                    RowShard, SwigluShard)
 from autodeploy.transform.library.detect_sharding import detect
 from helpers import build, count_op, graph_logits, hf_greedy_tokens, moe_family_checkpoint, rel_rmse
 from test_collectives import _run_ranks
@@ -43,7 +43,9 @@ def _plan(checkpoint: str, world: int = 2, rank: int = 1):
     return gm, detect(gm, world_size=world, rank=rank)
 
 
-@pytest.mark.parametrize("fmt", sorted(GROUPED))
+# NVFP4 (group scales split, per-tensor scales whole) by default; FP8 and GPTQ with -m slow (~2 s each)
+@pytest.mark.parametrize("fmt", [pytest.param("fp8", marks=pytest.mark.slow),
+                                 pytest.param("gptq", marks=pytest.mark.slow), "nvfp4"])
 def test_quantized_linears_split_with_the_scales_of_their_format(fmt):
     gm, plan = _plan(qc.quantized_checkpoint("llama", fmt))
     columns = [d for d in plan.decisions if isinstance(d, ColumnShard)]
