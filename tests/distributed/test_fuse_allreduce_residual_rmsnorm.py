@@ -16,7 +16,7 @@ all-reduce given another reader is left alone.
 import copy
 import functools
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import pytest
 import torch
@@ -337,8 +337,15 @@ def _graph_job(rank: int, family: str = "llama") -> Dict[str, Any]:
         "same_logits": same,
     }
 
-    # near miss, on the unfused graph itself (its packed weights cannot be deep-copied): layer 0's
-    # attention all-reduce also read by an extra graph output
+    # near miss, on the unfused graph itself (its packed weights cannot be deep-copied)
+    near, reduce, gm = _near_miss(ugm)
+    return {**counts, **near, "near_kept": reduce in gm.graph.nodes and len(reduce.users) == 2}
+
+
+def _near_miss(ugm) -> Tuple[Dict[str, Any], Any, Any]:
+    """Layer 0's attention all-reduce also read by an extra graph output, then the transform:
+    ``(its matches, the all-reduces left, whether the logits stayed the same; that all-reduce; the
+    transformed graph)``."""
     ids = torch.randint(0, TINY["vocab_size"], (2, 4))
     before = graph_logits(ugm, ids)
     reduce = _layer0_attention_reduce(ugm)
@@ -349,13 +356,8 @@ def _graph_job(rank: int, family: str = "llama") -> Dict[str, Any]:
     output.args = ((logits_node, extra),)
     ugm.recompile()
     near, near_info = apply_transform(KEY, ugm)
-    return {
-        **counts,
-        "near_matches": near_info.num_matches,
-        "near_all_reduce": count_op(near, ad.torch_dist_all_reduce),
-        "near_kept": reduce in near.graph.nodes and len(reduce.users) == 2,
-        "near_same": torch.equal(graph_logits(near, ids), before),
-    }
+    return {"near_matches": near_info.num_matches, "near_all_reduce": count_op(near, ad.torch_dist_all_reduce),
+            "near_same": torch.equal(graph_logits(near, ids), before)}, reduce, near
 
 
 @pytest.mark.slow  # ~20 s each on 2 shared cores: each rank builds the tiny model twice and runs HF
@@ -421,24 +423,9 @@ def _nvfp4_graph_job(rank: int) -> Dict[str, Any]:
     }
     # near miss: layer 0's attention all-reduce (feeding the NVFP4 post-attention norm) also read
     # by an extra graph output
-    ids = torch.randint(0, TINY["vocab_size"], (2, 4))
-    before = graph_logits(ugm, ids)
-    reduce = _layer0_attention_reduce(ugm)
-    output = next(n for n in ugm.graph.nodes if n.op == "output")
-    with ugm.graph.inserting_before(output):
-        extra = ugm.graph.call_function(torch.ops.aten.sum.default, (reduce,))
-    logits_node = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
-    output.args = ((logits_node, extra),)
-    ugm.recompile()
-    near, near_info = apply_transform(KEY, ugm)
-    return {
-        **counts,
-        "near_matches": near_info.num_matches,
-        "near_all_reduce": count_op(near, ad.torch_dist_all_reduce),
-        "near_kept": reduce in near.graph.nodes and len(reduce.users) == 2
-        and any(u.target in (op.default for op in nvfp4_add) for u in reduce.users),
-        "near_same": torch.equal(graph_logits(near, ids), before),
-    }
+    near, reduce, gm = _near_miss(ugm)
+    return {**counts, **near, "near_kept": reduce in gm.graph.nodes and len(reduce.users) == 2
+            and any(u.target in (op.default for op in nvfp4_add) for u in reduce.users)}
 
 
 @pytest.mark.slow  # ~30 s on 2 shared cores: each rank builds the tiny NVFP4 model twice and runs HF
