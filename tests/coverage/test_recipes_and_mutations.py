@@ -103,6 +103,7 @@ def test_sweep_reports_every_type_when_rope_rotates_the_wrong_way():
     assert summarize(results)["passed"] == 0
 
 
+@pytest.mark.slow  # ~8 s: a whole coverage run of one type; the recipe/mutation tests above run by default
 def test_a_transform_that_finds_nothing_is_reported_as_recompute_not_hidden():
     """Without cached attention the model still answers right (recompute_fallback serves it),
     so the check passes, but the report must say it ran in recompute mode."""

@@ -136,6 +136,7 @@ def _fp8_graph_job(rank: int) -> Dict[str, Any]:
     return {"errors": errors, "slices": slices, "all_reduce": count_op(gm, ad.torch_dist_all_reduce)}
 
 
+@pytest.mark.slow  # ~8 s; the float 2-rank Llama (test_sharding.py) runs the executor by default
 @pytest.mark.distributed
 def test_two_ranks_of_an_fp8_model_hold_their_slices_and_match_the_float_reference():
     qc.quantized_checkpoint("llama", "fp8")

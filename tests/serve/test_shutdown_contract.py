@@ -125,6 +125,7 @@ def test_exit_status_zero_without_traceback(drained):
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
 
 
+@pytest.mark.slow  # ~9 s, a server of its own; SIGTERM's drain (the fixture above) runs by default
 def test_sigint_drains_too_and_a_second_signal_cuts_at_once():
     """Ctrl+C is a graceful shutdown as well (503s, then exit 0); a second one does not wait out
     a long --shutdown-timeout: the stream is cut at once, still with its error event and [DONE]."""

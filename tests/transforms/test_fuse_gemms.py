@@ -261,6 +261,7 @@ def _measure_fusion_peak():
             "mem_delta_mb": record.mem_delta_mb}
 
 
+@pytest.mark.slow  # ~8 s: builds a model to read its peak; the fusion's numerics and counts run by default
 @pytest.mark.skipif(not sys.platform.startswith("linux"),
                     reason="the CPU peak is read from Linux's /proc/self/status (VmHWM), reset via clear_refs")
 def test_peak_memory_is_one_group_not_the_model():
