@@ -22,40 +22,32 @@ library can switch the whole process to flush-to-zero when it loads; glibc's ``e
 and ``minimumf`` propagate NaN like torch's ``maximum``/``clamp``.
 """
 
+import os
 from typing import Dict, List
 
 from xdsl.dialects.builtin import FloatAttr, IntegerType, ModuleOp
 from xdsl.ir import SSAValue
 from xdsl.ir.affine import AffineDimExpr
 
+from ...ops.native import SOURCE_DIR
 from .kernels import SYMBOL
 from .lower import generic_of
 
 PARALLEL_MIN = 1 << 15
 
+with open(os.path.join(SOURCE_DIR, "vec_math.h")) as _f:
+    # the native kernels' float helpers (ad_exp_clamped), embedded: the kernel source, and so its
+    # cache key, then carries the header's text
+    VEC_MATH = _f.read()
+
 PRELUDE = r"""#include <stdint.h>
 #include <math.h>  /* the C headers: <cmath> alone doubles the compile time of a kernel */
-
-/* exp(x) in float, ~2 ulp: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial for e^r, 2^n in
- * the exponent bits; x > 88.72 gives inf, x < -87.33 gives 0 (libm gives denormals there). */
+""" + VEC_MATH + r"""
+/* exp(x) in float, ~2 ulp (ad_exp_clamped); x > 88.72 gives inf, x < -87.33 gives 0 (libm gives
+ * denormals there), NaN stays NaN. */
 static inline float ad_exp(float x) {
     const bool big = x > 88.7228391f, tiny = x < -87.3365479f;
-    float c = x > 88.0f ? 88.0f : (x < -87.0f ? -87.0f : x);
-    const float shifter = 12582912.0f;
-    float n = (c * 1.44269504088896341f + shifter) - shifter;
-    float r = c - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    __builtin_memcpy(&scale, &bits, sizeof scale);
-    float y = p * scale;
+    float y = ad_exp_clamped(x > 88.0f ? 88.0f : (x < -87.0f ? -87.0f : x));
     y = big ? INFINITY : (tiny ? 0.0f : y);
     return x != x ? x : y;
 }

@@ -7,17 +7,15 @@
 #include <stdint.h>
 #include <string.h>
 
-/* exp(x) for x <= 0 (softmax after subtracting the row maximum), relative error ~2 ulp.
- * Cody-Waite range reduction x = n ln2 + r with |r| <= ln2/2, then a degree-6 polynomial for
- * e^r and 2^n put into the exponent bits. Inputs below -87 return ~1e-38 (not 0): harmless in a
- * softmax whose largest term is 1. Why not expf: a call per element does not vectorise without
- * -ffast-math, and -ffast-math in a shared library may switch the whole process to
- * flush-to-zero when the library loads. */
-static inline float ad_exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
+/* e^c for c in [-87, 88], relative error ~2 ulp. Cody-Waite range reduction c = n ln2 + r with
+ * |r| <= ln2/2, then a degree-6 polynomial for e^r and 2^n put into the exponent bits. Why not
+ * expf: a call per element does not vectorise without -ffast-math, and -ffast-math in a shared
+ * library may switch the whole process to flush-to-zero when the library loads. Shared with the
+ * kernels mlir_elementwise_fusion generates (autodeploy/compile/mlir/cpp.py embeds this file). */
+static inline float ad_exp_clamped(float c) {
     const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    float n = (x * 1.44269504088896341f + shifter) - shifter;
-    float r = x - n * 0.693359375f;
+    float n = (c * 1.44269504088896341f + shifter) - shifter;
+    float r = c - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -30,6 +28,12 @@ static inline float ad_exp_nonpos(float x) {
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the row maximum). Inputs below -87 return ~1e-38
+ * (not 0): harmless in a softmax whose largest term is 1. */
+static inline float ad_exp_nonpos(float x) {
+    return ad_exp_clamped(x < -87.0f ? -87.0f : x);
 }
 
 #endif
