@@ -10,6 +10,7 @@ from .cache.limits import MAX_BATCH_SIZE_CAP
 from .config import DeployConfig
 from .models.factory import ModelFactory
 from .models.limits import ContextLimit, DEFAULT_WHEN_UNKNOWN, model_context_limit
+from .transform.library.compile_model import resolve_backend
 from .transform.interface import PipelineContext
 from .transform.optimizer import InferenceOptimizer, format_summary
 from .utils.errors import ConfigError
@@ -118,6 +119,7 @@ def build_graph(
         rank=rank,
     )
     # transforms before compile_model choose kernels it must be able to compile
-    ctx.compile_backend = (config.transforms.get("compile_model") or {}).get("backend", "torch-simple")
+    ctx.compile_backend = resolve_backend((config.transforms.get("compile_model") or {}).get("backend", "auto"),
+                                          config.device)
     gm = optimizer(ctx, log_summary=log_summary, show_progress=show_progress)
     return BuildResult(gm, ctx, factory, config)  # type: ignore[arg-type]

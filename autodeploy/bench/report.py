@@ -33,7 +33,9 @@ def markdown(data: Dict[str, Any]) -> str:
         f"({meta.get('prefill_reps', 1)} prefills per length per round); decode: {meta['new_tokens']} new "
         f"tokens after a {meta['decode_prompt_len']}-token prompt. In parentheses after the engine rows' ratios: "
         "speed relative to HF eager.", "",
-        "| engine | build [s] | warm-up [s] | peak RSS growth [MiB] | " + " | ".join(keys) + " |",
+        # measure_peak: the process's RSS on a CPU, the CUDA allocator's peak on a GPU
+        f"| engine | build [s] | warm-up [s] | {'peak GPU memory growth' if meta['device'].startswith('cuda') else 'peak RSS growth'} "
+        "[MiB] | " + " | ".join(keys) + " |",
         "|---|---|---|---|" + "---|" * len(keys),
     ]
     for name, row in results.items():

@@ -91,10 +91,12 @@ def check_compile_backend(transforms: Mapping[str, Any], device: str, user: Mapp
         return
     name = setting_name(user, "compile_backend", "compile_model", "backend")
     backend = fields.get("backend", transform_default("compile_model", "backend"))
+    if backend == "auto":  # torch-cudagraph on CUDA, torch-simple elsewhere (compile_model.resolve_backend)
+        backend = "torch-cudagraph" if torch.device(device).type == "cuda" else "torch-simple"
     device_type = torch.device(device).type
     if backend in CUDA_GRAPH_BACKENDS and device_type != "cuda":
         raise ConfigError(f"{name}: {backend!r} captures CUDA graphs and needs device cuda, but the device is "
-                          f"{device_type}; on {device_type} use torch-simple (the default) or torch-compile")
+                          f"{device_type}; on {device_type} use auto (the default), torch-simple or torch-compile")
     if fields.get("piecewise_enabled") and backend not in CUDA_GRAPH_BACKENDS:
         raise ConfigError(f"transforms.compile_model.piecewise_enabled: piecewise CUDA graphs need compile backend "
                           f"{' or '.join(CUDA_GRAPH_BACKENDS)} on a CUDA device, not {backend!r}; set it to false")

@@ -72,7 +72,8 @@ class DeployConfig(BaseModel):
     )
     compile_backend: Optional[str] = Field(
         default=None,
-        description="Shortcut for transforms.compile_model.backend (torch-simple by default); setting both to "
+        description="Shortcut for transforms.compile_model.backend (auto by default: torch-cudagraph on a CUDA "
+        "device, torch-simple elsewhere); setting both to "
         "different values is an error.",
     )
     kv_cache_dtype: Optional[Literal["auto", "fp8"]] = Field(

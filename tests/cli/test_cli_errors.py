@@ -148,7 +148,7 @@ PRE_BUILD_CASES = {
     "attn_backend_field_unknown": (["export", "--transforms.insert_cached_attention.backend", "flash"],
                                    ["--transforms.insert_cached_attention.backend: 'flash'", "sdpa, torch"]),
     "compile_backend_unknown": (["serve", "--compile_backend", "fast"],
-                                ["--compile_backend: Input should be 'torch-simple', 'torch-compile'", "got 'fast'"]),
+                                ["--compile_backend: Input should be 'auto', 'torch-simple', 'torch-compile'", "got 'fast'"]),
     "cuda_graphs_on_cpu": (["run", "--compile_backend", "torch-cudagraph"],
                            ["--compile_backend: 'torch-cudagraph' captures CUDA graphs and needs device cuda",
                             "the device is cpu", "torch-simple"]),

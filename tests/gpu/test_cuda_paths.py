@@ -48,7 +48,7 @@ def _hf(checkpoint: str, dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to("cuda").eval()
 
 
-@pytest.mark.parametrize("backend", ["torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"])
+@pytest.mark.parametrize("backend", ["auto", "torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"])
 def test_float32_greedy_tokens_equal_hf_on_the_gpu(backend):
     from helpers import family_checkpoint
 
@@ -109,3 +109,47 @@ def test_fp8_checkpoint_greedy_tokens_equal_the_float_reference():
 
     reference = qc.reference_model("llama", "fp8").to("cuda")
     assert _engine_tokens(qc.quantized_checkpoint("llama", "fp8"), dtype="float32") == _hf_tokens(reference)
+
+
+def test_piecewise_prefill_graphs_give_hf_tokens():
+    from helpers import family_checkpoint
+
+    checkpoint = family_checkpoint("llama")
+    tokens = _engine_tokens(checkpoint, dtype="float32", compile_backend="torch-cudagraph",
+                            transforms={"compile_model": {"piecewise_enabled": True}})
+    assert tokens == _hf_tokens(_hf(checkpoint, torch.float32))
+
+
+@pytest.mark.parametrize("backend", ["torch-cudagraph", "torch-opt"])
+def test_serving_neither_recompiles_nor_captures(backend):
+    """Requests of every batch size and prompt length after the build: the number of compiled
+    dynamo graphs and of captured CUDA graphs stays what the build left (the build warms up and
+    captures every shape class), and decode steps replay the captured graphs."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from autodeploy import LLM, SamplingParams
+    from autodeploy.compile.cuda_graph import DecodeGraphs
+    from helpers import family_checkpoint
+
+    llm = LLM(family_checkpoint("llama"), device="cuda", dtype="bfloat16", max_seq_len=128, max_batch_size=8,
+              compile_backend=backend, transforms={"compile_model": {"piecewise_enabled": True}})
+    decode = llm.build.graph.runner  # CompiledGraph keeps its runner out of modules()
+    assert isinstance(decode, DecodeGraphs)
+    runners = {b: id(r) for b, r in decode._runners.items()}
+    graphs_before = dynamo_utils.counters["stats"]["unique_graphs"]
+    replays = []
+    for batch, replay in list(decode._runners.items()):
+        def counted(replay=replay, batch=batch):
+            replays.append(batch)
+            replay[0]()
+        decode._runners[batch] = (counted, replay[1])
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 3, 8, 5):
+        prompts = [{"prompt_token_ids": torch.randint(1, 500, (int(l),), generator=gen).tolist()}
+                   for l in torch.randint(2, 60, (n,), generator=gen)]
+        llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    llm.shutdown()
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs_before
+    assert set(runners) == set(decode._runners) and len(replays) > 0
+    print(f"{backend}: {len(replays)} decode steps replayed CUDA graphs (buckets {sorted(set(replays))}), "
+          f"{graphs_before} dynamo graphs, none compiled while serving")

@@ -43,10 +43,15 @@ def test_torch_simple_returns_the_same_module_and_output():
     assert ctx.history[-1].key == "compile_model" and ctx.history[-1].status == "skipped"
 
 
-def test_default_backend_is_torch_simple():
+def test_default_backend_is_auto_and_auto_is_torch_simple_on_cpu():
+    from autodeploy.transform.library.compile_model import resolve_backend
+
     cfg = load_deploy_config()
     assert cfg.compile_backend is None  # the shortcut is unset: the transform's own default rules
-    assert build_transform("compile_model", cfg.transforms["compile_model"]).config.backend == "torch-simple"
+    assert build_transform("compile_model", cfg.transforms["compile_model"]).config.backend == "auto"
+    assert resolve_backend("auto", "cpu") == "torch-simple"
+    assert resolve_backend("auto", "cuda") == "torch-cudagraph" and resolve_backend("auto", "cuda:1") == "torch-cudagraph"
+    assert resolve_backend("torch-compile", "cuda") == "torch-compile"
 
 
 def test_unknown_backend_is_a_config_error():

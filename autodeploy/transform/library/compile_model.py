@@ -7,11 +7,19 @@ warmed up for every step shape class at build time, on-disk cache), ``torch-cuda
 ``torch-opt`` (CUDA graphs for decode batch-size buckets, and with ``piecewise_enabled`` for
 prefill/mixed steps per token bucket, split at the cached attention ops; CUDA only, a clear
 error elsewhere).
+
+``auto`` (the default) is ``torch-cudagraph`` on a CUDA device and ``torch-simple`` elsewhere,
+and ``torch-simple`` for a model in recompute mode (no KV-cached graph to capture). Why CUDA
+graphs by default on a GPU: a decode step of a small model is launch-bound there. Measured on an
+H100 (2026-11-26, the ``large`` preset, ~1.1B Llama in bfloat16, ``autodeploy bench``):
+batch-1 decode 42 tok/s with ``torch-simple`` (23.8 ms per step: one Python launch per op),
+against HF eager's 19.8; the CUDA-graph numbers are in ``benchmarks/RESULTS.md``.
 """
 
 import time
 from typing import List, Literal, Optional, Tuple
 
+import torch
 from pydantic import Field
 from torch import nn
 
@@ -31,11 +39,19 @@ _SLOW_WORK = {
 }
 
 
+def resolve_backend(backend: str, device: str) -> str:
+    """The backend ``auto`` stands for on ``device`` (any other name stands for itself)."""
+    if backend != "auto":
+        return backend
+    return "torch-cudagraph" if torch.device(device).type == "cuda" else "torch-simple"
+
+
 class CompileModelConfig(TransformConfig):
     stage: Stage = Stage.COMPILE
     run_per_gm: bool = False
-    backend: Literal["torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"] = Field(
-        default="torch-simple", description="Compile backend (also the top-level compile_backend setting)."
+    backend: Literal["auto", "torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"] = Field(
+        default="auto", description="Compile backend (also the top-level compile_backend setting); auto: "
+        "torch-cudagraph on a CUDA device, torch-simple elsewhere and for a model in recompute mode."
     )
     cuda_graph_batch_sizes: Optional[List[int]] = Field(
         default=None, description="Decode batch sizes to capture; default 1, 2, 4, ... up to max_batch_size."
@@ -64,6 +80,10 @@ class CompileModel(BaseTransform):
         assert mod is not None
         cfg: CompileModelConfig = self.config  # type: ignore[assignment]
         (gm,) = list(graph_modules(mod))
+        if cfg.backend == "auto":
+            backend = "torch-simple" if "autodeploy_recompute" in gm.meta else resolve_backend("auto", ctx.device)
+            cfg = cfg.model_copy(update={"backend": backend})
+            logger.info("compile_model: backend auto -> %s", backend)
         if cfg.backend == "torch-simple":
             compiled = compile_graph(gm, ctx.cache, cfg.backend, direct_kernels=cfg.direct_kernels)
             if compiled is gm:
