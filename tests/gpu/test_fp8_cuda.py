@@ -156,3 +156,23 @@ def test_fp8_experts_run_as_grouped_gemms_on_the_gpu():
 
     _bf16_gemm_against_decoded(qe.quantized_checkpoint("qwen3_moe", "fp8"), qe.reference_model("qwen3_moe", "fp8"),
                                "fuse_fp8_moe", ad.scaled_grouped_mm_fp8_moe, "decoded", "fp8 qwen3_moe")
+
+
+@pytest.mark.parametrize("model, fmt", [("qwen3_moe", "fp8"), ("qwen3_moe", "fp8_block"), ("qwen3_moe", "nvfp4"),
+                                        ("deepseek_v3", "fp8_block"), ("gpt_oss", "mxfp4")])
+def test_quantized_experts_in_float32_on_the_gpu(model, fmt):
+    """Every quantized-expert format on the GPU in float32 (``auto``: the experts decoded once, grouped
+    float GEMMs; the GPU's FP8/FP4 kernels write bfloat16 and are for bfloat16 models) against the
+    float32 reference: the CPU tests' bound (1e-3) with room for the GPU's summation order."""
+    import quant_expert_checkpoints as qe
+    import quant_moe_checkpoints as qm
+
+    if fmt == "mxfp4":
+        checkpoint, reference = qm.mxfp4_checkpoint(), qm.reference_model()
+    else:
+        checkpoint, reference = qe.quantized_checkpoint(model, fmt), qe.reference_model(model, fmt)
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits, gm = _cuda_logits(checkpoint, "float32", ids)
+    err = _rel(logits, _reference_logits(reference, ids))
+    print(f"{fmt} {model} experts on the GPU in float32: logits rel. RMSE {err:.2e} against the float32 reference")
+    assert err < 1e-2
