@@ -12,6 +12,7 @@ from . import quant  # noqa: F401
 from . import collectives  # noqa: F401
 from . import collective_fusions  # noqa: F401  (after collectives and quant: it fuses their ops)
 from . import dsa, mla  # noqa: F401
+from . import streams  # noqa: F401  (aux CUDA stream fork/join for the multi_stream_* transforms)
 from . import moe_onednn  # noqa: F401  (after quant: its op reuses the quantized MoE input quantizer)
 
 # ssm imports causal_conv (the causal convolution ops and the state-slot step driver both families share)
