@@ -153,3 +153,20 @@ def test_serving_neither_recompiles_nor_captures(backend):
     assert set(runners) == set(decode._runners) and len(replays) > 0
     print(f"{backend}: {len(replays)} decode steps replayed CUDA graphs (buckets {sorted(set(replays))}), "
           f"{graphs_before} dynamo graphs, none compiled while serving")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_auto_backend_gives_hf_tokens_for_moe_and_mla_models(family, caplog):
+    """``compile_backend: auto`` on CUDA captures CUDA graphs, or, for a graph with an op that
+    reads values back to the host (MoE routing counts, MLA metadata), falls back to torch-simple
+    with a warning: either way the build works and gives HF's greedy tokens (float32)."""
+    import logging
+
+    from helpers import moe_family_checkpoint
+
+    checkpoint = moe_family_checkpoint(family)
+    with caplog.at_level(logging.INFO, logger="autodeploy"):
+        tokens = _engine_tokens(checkpoint, dtype="float32")
+    fell_back = any("capturing CUDA graphs failed" in r.getMessage() for r in caplog.records)
+    print(f"{family}: auto {'fell back to torch-simple' if fell_back else 'captured CUDA graphs'}")
+    assert tokens == _hf_tokens(_hf(checkpoint, torch.float32))

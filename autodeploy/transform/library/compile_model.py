@@ -9,7 +9,9 @@ prefill/mixed steps per token bucket, split at the cached attention ops; CUDA on
 error elsewhere).
 
 ``auto`` (the default) is ``torch-cudagraph`` on a CUDA device and ``torch-simple`` elsewhere,
-and ``torch-simple`` for a model in recompute mode (no KV-cached graph to capture). Why CUDA
+and ``torch-simple`` for a model in recompute mode (no KV-cached graph to capture) or whose graph
+cannot be captured (an op that reads values back to the host during a decode step: a warning
+names the error). Why CUDA
 graphs by default on a GPU: a decode step of a small model is launch-bound there. Measured on an
 H100 (2026-11-26, the ``large`` preset, ~1.1B Llama in bfloat16, ``autodeploy bench``):
 batch-1 decode 42 tok/s with ``torch-simple`` (23.8 ms per step: one Python launch per op),
@@ -80,10 +82,23 @@ class CompileModel(BaseTransform):
         assert mod is not None
         cfg: CompileModelConfig = self.config  # type: ignore[assignment]
         (gm,) = list(graph_modules(mod))
-        if cfg.backend == "auto":
+        automatic = cfg.backend == "auto"
+        if automatic:
             backend = "torch-simple" if "autodeploy_recompute" in gm.meta else resolve_backend("auto", ctx.device)
             cfg = cfg.model_copy(update={"backend": backend})
             logger.info("compile_model: backend auto -> %s", backend)
+            if backend != "torch-simple":
+                try:
+                    return self._compile(gm, cfg, ctx)
+                except RuntimeError as exc:
+                    # an op that reads values back to the host (a MoE's routing counts, say) cannot
+                    # be captured: auto must still give a working engine, so it runs uncaptured
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                    logger.warning("compile_model: auto: capturing CUDA graphs failed (%s); this model runs with "
+                                   "torch-simple (set compile_backend explicitly to see the error)", first)
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    cfg = cfg.model_copy(update={"backend": "torch-simple"})
         if cfg.backend == "torch-simple":
             compiled = compile_graph(gm, ctx.cache, cfg.backend, direct_kernels=cfg.direct_kernels)
             if compiled is gm:
@@ -95,6 +110,9 @@ class CompileModel(BaseTransform):
                 f"compile backend '{cfg.backend}' needs the KV-cached graph, but this model runs in recompute mode "
                 f"({ctx.recompute_reason or 'see the warning above'}); use compile_backend: torch-simple"
             )
+        return self._compile(gm, cfg, ctx)
+
+    def _compile(self, gm: nn.Module, cfg: CompileModelConfig, ctx: PipelineContext) -> Tuple[nn.Module, TransformInfo]:
         # the one step of a build that can take many seconds without a sign of life: say so
         logger.info("compile_model: %s: %s ...", cfg.backend, _SLOW_WORK[cfg.backend])
         start = time.perf_counter()
