@@ -6,7 +6,7 @@ transform of the library, so that a YAML pipeline can name them.
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.autodeploy.*)
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "InvalidRequestError", "__version__"]
 

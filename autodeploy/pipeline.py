@@ -25,6 +25,7 @@ class BuildResult:
     context: PipelineContext
     factory: ModelFactory
     config: DeployConfig
+    from_cache: bool = False  # the graph was loaded from the build cache (``DeployConfig.build_cache``)
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -121,5 +122,10 @@ def build_graph(
     # transforms before compile_model choose kernels it must be able to compile
     ctx.compile_backend = resolve_backend((config.transforms.get("compile_model") or {}).get("backend", "auto"),
                                           config.device)
+    if config.build_cache:
+        from .build_cache import build_with_cache
+
+        gm, loaded = build_with_cache(optimizer, ctx, config, log_summary=log_summary, show_progress=show_progress)
+        return BuildResult(gm, ctx, factory, config, from_cache=loaded)  # type: ignore[arg-type]
     gm = optimizer(ctx, log_summary=log_summary, show_progress=show_progress)
     return BuildResult(gm, ctx, factory, config)  # type: ignore[arg-type]

@@ -90,6 +90,13 @@ class DeployConfig(BaseModel):
         "tiles and dynamic per-token activations), the LM head included unless transforms.quantize_weights.exclude "
         "names it; setting both to different values is an error.",
     )
+    build_cache: bool = Field(
+        default=False,
+        description="Store the built graph and weights under $AUTODEPLOY_CACHE/builds/<key> and load them instead of "
+        "exporting and transforming again when the model files, this config, autodeploy (version and source), "
+        "torch/transformers and the device are unchanged (autodeploy.build_cache). Off by default: an entry takes "
+        "about the model's weights again on disk.",
+    )
     transforms: Dict[str, Optional[Dict[str, Any]]] = Field(
         default_factory=dict, description="The transform pipeline: {key: {field: value}}."
     )
