@@ -10,7 +10,7 @@
 * the full pipeline on CUDA (``torch-simple``) with the transforms switched on.
 
 Each case prints the median time of the graph before and after the rewrite, for the report; no
-assertion is made on timing (tiny models: the point is correctness, the lead measures speed).
+assertion is made on timing (tiny models: the point is correctness, the speeds measured on an H200 are in benchmarks/RESULTS.md).
 """
 
 import json

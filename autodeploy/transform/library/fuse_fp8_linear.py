@@ -4,12 +4,14 @@ Before::
 
     y = autodeploy.torch_quant_fp8_linear(x, P.weight, P.bias, P.input_scale, P.weight_scale)
 
-After, ``backend: dequantized`` (``auto`` on CPU, and on GPUs without FP8 tensor cores)::
+After, ``backend: dequantized`` (``auto`` on CPU, for float32 models, and on GPUs without FP8 tensor
+cores)::
 
     xq = autodeploy.torch_quant_fp8_activation(x, P.input_scale)    # e4m3(x / s) * s
     y = aten.linear(xq, P.weight, P.bias)             # P.weight = e4m3 weight * weight_scale, decoded once
 
-After, ``backend: scaled_mm`` (``auto`` on CUDA with compute capability 8.9+, K and N multiples of 16)::
+After, ``backend: scaled_mm`` (``auto`` for bfloat16/float16 models on CUDA with compute capability
+8.9+, K and N multiples of 16)::
 
     y = autodeploy.scaled_mm_fp8_linear(x, P.weight, P.bias, P.input_scale, P.weight_scale)   # e4m3 weight kept
 
@@ -21,8 +23,9 @@ CPU backend (CPUs have no FP8 GEMM), and the plain linear is then packed by
 (``ops/quant/fp8_gemm.py``), per-tensor or, after ``fuse_fp8_gemms``, per-row weight scales: the
 weight stays one byte per value. On a CPU torch runs it too, exactly but 25-50x slower than the
 decoded path (``ops/quant/fp8_gemm.py``): chosen there only when asked, for the memory. On an
-H100 (torch 2.11, 2026-11-26) a ModelOpt FP8 Llama built with ``auto`` runs these GEMMs and gives
-the float32 reference's greedy tokens (``tests/gpu``).
+H100 (torch 2.11, 2026-11-26) a float32 ModelOpt FP8 Llama built with ``scaled_mm`` gave the
+float32 reference's greedy tokens (logits 8.8e-3 off: the FP8 tensor cores' narrower accumulation),
+and in bfloat16 the FP8 GEMMs added no error beyond the decoded weights' (``tests/gpu``).
 """
 
 from typing import Literal
@@ -53,7 +56,7 @@ class FuseFP8LinearConfig(TransformConfig):
     expect_mem_change: bool = True  # the decoded weights are wider than the FP8 ones
     backend: Literal["auto", "dequantized", "scaled_mm"] = Field(
         default="auto",
-        description="auto: scaled_mm on CUDA GPUs with FP8 tensor cores (compute capability 8.9+) where the "
+        description="auto: scaled_mm for bfloat16/float16 models on CUDA GPUs with FP8 tensor cores (compute capability 8.9+) where the "
         "shape allows, else dequantized; dequantized: weight decoded once to the deployment dtype, activation "
         "FP8-rounded, a float GEMM; scaled_mm: the FP8 GEMM (torch._scaled_mm) on the e4m3 weight, which stays "
         "1 byte per value (on CPU: exact but slow).",
@@ -88,7 +91,11 @@ class FuseFP8Linear(BaseTransform):
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         backend = self.config.backend  # type: ignore[attr-defined]
         count = 0
-        if backend == "scaled_mm" or (backend == "auto" and torch.device(ctx.device).type == "cuda"):
+        # auto: FP8 GEMMs for half-precision models on CUDA. A float32 model keeps the decoded weight: the
+        # FP8 tensor cores accumulate in less than float32 (1.2e-4 relative per GEMM on an H100), which the
+        # FP8 rounding of the next activations amplified to 3.5e-2 in a tiny MoE's logits (H200, 2026-11-26)
+        half = ctx.dtype in (torch.bfloat16, torch.float16)
+        if backend == "scaled_mm" or (backend == "auto" and half and torch.device(ctx.device).type == "cuda"):
             count = _to_scaled_mm(gm, ctx, backend)
         count += decode_quantized_linears(gm, ctx, RULE)
         return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=True)
