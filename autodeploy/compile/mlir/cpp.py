@@ -27,11 +27,10 @@ from typing import Dict, List
 
 from xdsl.dialects.builtin import FloatAttr, IntegerType, ModuleOp
 from xdsl.ir import SSAValue
-from xdsl.ir.affine import AffineDimExpr
 
 from ...ops.native import SOURCE_DIR
 from .kernels import SYMBOL
-from .lower import generic_of
+from .lower import generic_of, map_dims
 
 PARALLEL_MIN = 1 << 15
 
@@ -115,18 +114,8 @@ def _literal(x: float) -> str:
 
 
 def _index(map_results, flat: bool) -> str:
-    dims = [r.position for r in map_results if isinstance(r, AffineDimExpr)]
-    if len(map_results) != len(dims):
-        raise ValueError("only dimension results are supported in the kernel's indexing maps")
-    if dims == []:
-        return "0"
-    if dims == [0, 1]:
-        return "j" if flat else "o * inner + i"
-    if dims == [1]:
-        return "i"
-    if dims == [0]:
-        return "o"
-    raise ValueError(f"unsupported indexing map results {dims}")
+    full = "j" if flat else "o * inner + i"
+    return {(): "0", (0, 1): full, (1,): "i", (0,): "o"}[map_dims(map_results)]
 
 
 def emit_cpp(module: ModuleOp) -> str:

@@ -158,14 +158,20 @@ def _misfit(t: Tensor, access: Access, shape: Sequence[int], outer: int, inner: 
 _F32, _BOOL = torch.float32, torch.bool
 
 
-def _fits(t: Tensor, access: Access, shape: Sequence[int], outer: int, inner: int) -> bool:
-    if not t.is_cpu or (t.dtype is not _F32 and t.dtype is not _BOOL):
-        return False
+def reads_as(t: Tensor, access: Access, shape: Sequence[int], outer: int, inner: int) -> bool:
+    """Whether a kernel reading ``t`` with ``access`` over the ``[outer, inner]`` output view
+    reads all of it and only it (both backends' input check)."""
     if access is Access.FULL:
         return t.shape == shape
     if access is Access.ROW:
         return t.numel() == inner  # [D] or [1, .., D]: a tensor broadcastable to shape
     return t.numel() == (outer if access is Access.COL else 1)
+
+
+def _fits(t: Tensor, access: Access, shape: Sequence[int], outer: int, inner: int) -> bool:
+    if not t.is_cpu or (t.dtype is not _F32 and t.dtype is not _BOOL):
+        return False
+    return reads_as(t, access, shape, outer, inner)
 
 
 @torch.library.custom_op("autodeploy::cpu_fused_elementwise", mutates_args=())

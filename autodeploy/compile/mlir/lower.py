@@ -20,20 +20,25 @@ input's indexing map says how it is read (``partition.Access``): ``(d0, d1)`` th
 (``cpp.PRIMITIVES``): sigmoid, silu, gelu (erf and tanh forms), relu, clamp, reciprocal, pow
 by a scalar (x*x, sqrt, rsqrt, 1/x for the usual exponents), alpha of add/sub. Python scalars
 become ``arith.constant`` of their float32 value, as torch rounds them for a float32 op.
+
+Half-precision values (bfloat16/float16, Triton kernels only) are computed as aten computes
+them: each input is widened (``arith.extf``) to float32, each op runs in float32 and its result
+is rounded to the op's own dtype (``arith.truncf`` then ``arith.extf``), and an output leaves in
+its dtype. So a fused bf16 chain rounds where the unfused graph rounds, not only at the end.
 """
 
 import math as pymath
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import fx
 from xdsl.dialects import arith, func, math
-from xdsl.dialects.builtin import (DYNAMIC_INDEX, AffineMapAttr, FloatAttr, FunctionType, ModuleOp, TensorType, f32,
-                                   i1)
+from xdsl.dialects.builtin import (DYNAMIC_INDEX, AffineMapAttr, FloatAttr, FunctionType, ModuleOp, TensorType, bf16,
+                                   f16, f32, i1)
 from xdsl.dialects.linalg.attrs import IteratorTypeAttr
 from xdsl.dialects.linalg.ops import GenericOp, YieldOp
 from xdsl.ir import Block, Operation, Region, SSAValue
-from xdsl.ir.affine import AffineExpr, AffineMap
+from xdsl.ir.affine import AffineDimExpr, AffineExpr, AffineMap
 
 from .partition import ELEMENTWISE, Access, Group
 
@@ -164,8 +169,14 @@ def _pow(b: _Body, x: SSAValue, e: float) -> SSAValue:
     return b.add(math.PowFOp(x, b.const(e)))
 
 
-def _tensor_type(access: Access, is_bool: bool = False) -> TensorType:
-    return TensorType(i1 if is_bool else f32, [DYNAMIC_INDEX] * _RANK[access])
+_ELEMENT = {torch.float32: f32, torch.bfloat16: bf16, torch.float16: f16, torch.bool: i1}
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _tensor_type(access: Access, dtype: torch.dtype = torch.float32) -> TensorType:
+    if dtype not in _ELEMENT:
+        raise NotImplementedError(f"no kernel element type for {dtype}")
+    return TensorType(_ELEMENT[dtype], [DYNAMIC_INDEX] * _RANK[access])
 
 
 def _params(node: fx.Node) -> Dict[str, Any]:
@@ -179,18 +190,29 @@ def _params(node: fx.Node) -> Dict[str, Any]:
 
 def lower_group(group: Group) -> ModuleOp:
     """The xDSL module of one fusible subgraph (inputs, then outputs, as the kernel takes them)."""
-    in_types = [_tensor_type(a, p.meta["val"].dtype == torch.bool) for p, a in zip(group.inputs, group.access)]
-    out_types = [_tensor_type(Access.FULL)] * len(group.outputs)
+    in_dtypes = [p.meta["val"].dtype for p in group.inputs]
+    out_dtypes = [n.meta["val"].dtype for n in group.outputs]
+    in_types = [_tensor_type(a, d) for a, d in zip(group.access, in_dtypes)]
+    out_types = [_tensor_type(Access.FULL, d) for d in out_dtypes]
     fn_block = Block(arg_types=[*in_types, *out_types])
-    body_block = Block(arg_types=[t.element_type for t in in_types] + [f32] * len(out_types))
-    env: Dict[fx.Node, SSAValue] = dict(zip(group.inputs, body_block.args[: len(in_types)]))
+    body_block = Block(arg_types=[t.element_type for t in [*in_types, *out_types]])
     body = _Body()
+    env: Dict[fx.Node, SSAValue] = {}
+    narrow: Dict[fx.Node, SSAValue] = {}  # a half-precision node's rounded value in its own type
+    for p, arg, dtype in zip(group.inputs, body_block.args, in_dtypes):
+        env[p] = body.add(arith.ExtFOp(arg, f32)) if dtype in _HALF else arg
     for node in group.nodes:
         spec = ELEMENTWISE[node.target]
         operands = [body.value(node.args[pos], env) if spec.name != "pow" or pos == 0 else None
                     for pos in spec.operands]
-        env[node] = _decompose(body, spec.name, [v for v in operands if v is not None], _params(node))
-    body.ops.append(YieldOp(*[env[n] for n in group.outputs]))
+        value = _decompose(body, spec.name, [v for v in operands if v is not None], _params(node))
+        dtype = node.meta["val"].dtype
+        if dtype in _HALF:  # aten rounds every op's result to its dtype
+            narrow[node] = body.add(arith.TruncFOp(value, _ELEMENT[dtype]))
+            value = body.add(arith.ExtFOp(narrow[node], f32))
+        env[node] = value
+    yields = [narrow.get(n, env[n]) for n in group.outputs]
+    body.ops.append(YieldOp(*yields))
     body_block.add_ops(body.ops)
     maps = [AffineMapAttr(_MAPS[a]) for a in group.access] + [AffineMapAttr(_MAPS[Access.FULL])] * len(out_types)
     generic = GenericOp(list(fn_block.args[: len(in_types)]), list(fn_block.args[len(in_types):]),
@@ -202,6 +224,17 @@ def lower_group(group: Group) -> ModuleOp:
     return module
 
 
+def map_dims(map_results: Sequence[AffineExpr]) -> Tuple[int, ...]:
+    """The iteration dims an input's indexing map reads (``(0, 1)`` full, ``(1,)`` row, ``(0,)``
+    column, ``()`` scalar): what the emitters index by."""
+    dims = tuple(r.position for r in map_results if isinstance(r, AffineDimExpr))
+    if len(map_results) != len(dims):
+        raise ValueError("only dimension results are supported in the kernel's indexing maps")
+    if dims not in ((), (0, 1), (1,), (0,)):
+        raise ValueError(f"unsupported indexing map results {dims}")
+    return dims
+
+
 def generic_of(module: ModuleOp) -> GenericOp:
     """The one ``linalg.generic`` of a module made by ``lower_group``."""
     found = [op for op in module.walk() if isinstance(op, GenericOp)]
@@ -210,4 +243,4 @@ def generic_of(module: ModuleOp) -> GenericOp:
     return found[0]
 
 
-__all__: Sequence[str] = ("lower_group", "generic_of")
+__all__: Sequence[str] = ("lower_group", "generic_of", "map_dims")

@@ -4,18 +4,19 @@ No xDSL here: this module only reads the FX graph, so the transform can decide w
 fuse (and log it) before it needs the compiler side.
 
 A node is a *candidate* when its target is in ``ELEMENTWISE`` (the aten ops that
-``lower.py`` knows how to decompose), its output is a float32 tensor, every non-tensor
-argument is a plain Python number, and every tensor operand is float32 (bool for ``where``'s
-condition) with a shape that reaches the output shape by one of the broadcasts the generated
-kernels index directly (``Access``):
+``lower.py`` knows how to decompose), its output is a tensor of one of the target's float
+dtypes on the target's device (``Target``: float32 for the C++ kernels; float32, bfloat16 and
+float16 for Triton), every non-tensor argument is a plain Python number, and every tensor
+operand is of those dtypes (bool for ``where``'s condition) with a shape that reaches the
+output shape by one of the broadcasts the generated kernels index directly (``Access``):
 
 - ``FULL``: the output's shape (the same symbolic sizes);
 - ``ROW``: the output's last dim alone (``[D]``, ``[1, 1, D]``), broadcast along leading dims;
 - ``COL``: the output's shape with last dim 1 (``[B, S, 1]``), broadcast along the last dim;
 - ``SCALAR``: one element (a 0-d tensor, ``[1]``, ``[1, 1]``).
 
-Anything else (``[B, 1, D]`` against ``[B, S, D]``, bf16/fp16 values, a symbolic scalar
-argument) leaves the node alone. A subgraph is a connected set of candidates with one output
+Anything else (``[B, 1, D]`` against ``[B, S, D]``, another dtype, a symbolic scalar argument)
+leaves the node alone. A subgraph is a connected set of candidates with one output
 shape (so the kernel computes each value once per element, never a broadcast intermediate
 ``D`` times); merging is refused when it would make a cycle (a path from the subgraph out
 through another node and back in), checked over the groups formed so far.
@@ -82,10 +83,23 @@ ELEMENTWISE: Dict[Any, OpSpec] = {
     aten.abs.default: OpSpec("abs", (0,)),
     aten.clamp.default: OpSpec("clamp", (0,), (("min", 1, None), ("max", 2, None))),
     aten.where.self: OpSpec("where", (0, 1, 2)),
-    # casts that keep float32 (a cast to another dtype makes a non-float32 value: a boundary)
+    # casts between the target's float dtypes (a cast to any other dtype is a boundary)
     aten._to_copy.default: OpSpec("identity", (0,)),
     aten.to.dtype: OpSpec("identity", (0,)),
 }
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the generated kernels can read and write: the device type and the float dtypes."""
+
+    device: str = "cpu"
+    dtypes: Tuple[torch.dtype, ...] = (torch.float32,)
+
+
+CPP_TARGET = Target("cpu", (torch.float32,))
+# Triton kernels compute in float32 and round each op's result to its own dtype, as aten does
+TRITON_TARGET = Target("cuda", (torch.float32, torch.bfloat16, torch.float16))
 
 
 @dataclass
@@ -134,11 +148,11 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, numbers.Number) and not isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
-def is_candidate(node: fx.Node) -> bool:
-    """A supported element-wise float32 op whose operands the kernels can index."""
+def is_candidate(node: fx.Node, target: Target = CPP_TARGET) -> bool:
+    """A supported element-wise op of ``target``'s dtypes whose operands the kernels can index."""
     spec = ELEMENTWISE.get(node.target) if node.op == "call_function" else None
     out = _tensor_val(node)
-    if spec is None or out is None or out.dtype != torch.float32 or out.device.type != "cpu":
+    if spec is None or out is None or out.dtype not in target.dtypes or out.device.type != target.device:
         return False
     if node.target in (aten._to_copy.default, aten.to.dtype):
         extra = set(node.kwargs) - {"dtype"}
@@ -156,8 +170,8 @@ def is_candidate(node: fx.Node) -> bool:
         value = node.args[pos]
         if isinstance(value, fx.Node):
             v = _tensor_val(value)
-            want = torch.bool if (spec.name == "where" and k == 0) else torch.float32
-            if v is None or v.dtype != want or access_of(v.shape, out.shape) is None:
+            want = (torch.bool,) if (spec.name == "where" and k == 0) else target.dtypes
+            if v is None or v.dtype not in want or access_of(v.shape, out.shape) is None:
                 return False
         elif not _is_number(value):
             return False
@@ -237,12 +251,12 @@ class _Partitioner:
         self.group_of[node] = gid
 
 
-def find_groups(graph: fx.Graph, min_ops: int = 2) -> List[Group]:
+def find_groups(graph: fx.Graph, min_ops: int = 2, target: Target = CPP_TARGET) -> List[Group]:
     """The maximal fusible subgraphs of ``graph`` with at least ``min_ops`` nodes, in graph order."""
     part = _Partitioner()
     order: List[fx.Node] = list(graph.nodes)
     for node in order:
-        part.visit(node, is_candidate(node))
+        part.visit(node, is_candidate(node, target))
     members: Dict[int, List[fx.Node]] = {}
     for node in order:
         if node in part.group_of:

@@ -8,7 +8,8 @@ Before (float32, CPU; ``w`` a ``[D]`` weight, ``y`` the same shape as ``x``)::
     q = aten.mul(p, w)          # w broadcast along the leading dims
     r = aten.add(q, 1.0)        # r and q both used later
 
-After::
+After (CPU; on CUDA ``autodeploy.triton_fused_elementwise([x, y, w], "<cache>/kernels/triton-<key>",
+"float32,float32")``)::
 
     f = autodeploy.cpu_fused_elementwise([x, y, w], "<cache>/kernels/<key>", 2)
     q = getitem(f, 0);  r = getitem(f, 1)
@@ -24,12 +25,20 @@ fewer than ``min_ops`` nodes are left alone, and so are values that are not floa
 subgraphs: not supported yet), other broadcasts (``[B, 1, D]`` against ``[B, S, D]``) and
 symbolic scalars.
 
-Needs xDSL (``pip install 'autodeploy[mlir]'``) and a C++ compiler; without either it skips
-with one log line. On CUDA it skips too: the Triton path is not built yet.
+On CUDA (``backend: auto`` picks it there) the same module is emitted as a Triton kernel
+(``triton_emit``; ``triton_kernels`` keeps the source on disk and launches it), and the
+subgraphs may also be bfloat16/float16: computed in float32 and rounded after each op where
+aten rounds, casts between float dtypes fused too. A subgraph Triton has no emitter for (a
+general ``pow``) stays unfused.
+
+Needs xDSL (``pip install 'autodeploy[mlir]'``) and a C++ compiler (CPU) or Triton (CUDA);
+without them it skips with one log line. ``backend: triton`` on a CPU device runs only in
+Triton's interpreter (``TRITON_INTERPRET=1``): the tests' way to check the Triton kernels
+without a GPU.
 """
 
 import operator
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import torch
 from pydantic import Field
@@ -37,7 +46,8 @@ from torch import fx
 
 from ...compile.mlir import xdsl_missing
 from ...compile.mlir.kernels import STATS, build_kernel, compiler
-from ...compile.mlir.partition import Group, find_groups
+from ...compile.mlir.partition import CPP_TARGET, TRITON_TARGET, Group, Target, find_groups
+from ...compile.mlir.triton_kernels import build_triton_kernel, dtype_name, interpreting, triton_missing
 from ...utils.logging import get_logger
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
@@ -49,6 +59,9 @@ class MlirElementwiseFusionConfig(TransformConfig):
     stage: Stage = Stage.POST_LOAD_FUSION
     requires_shape_prop: bool = True
     min_ops: int = Field(2, ge=2, description="Fuse a subgraph only when it has at least this many aten ops.")
+    backend: Literal["auto", "cpp", "triton"] = Field(
+        "auto", description="Kernel generator: 'cpp' (OpenMP C++, CPU), 'triton' (CUDA; on CPU only under "
+        "TRITON_INTERPRET=1), 'auto' = triton on CUDA, cpp otherwise.")
     cache_dir: Optional[str] = Field(
         None, description="Where compiled kernels are kept (default $AUTODEPLOY_KERNEL_CACHE, else "
         "$AUTODEPLOY_CACHE/kernels, i.e. ~/.cache/autodeploy/kernels).")
@@ -61,13 +74,12 @@ def _skip_once(reason: str) -> TransformInfo:
     return TransformInfo(skipped=True, reason=reason, is_clean=True, has_valid_shapes=True)
 
 
-def _replace(graph: fx.Graph, group: Group, kernel_dir: str, renamed: Dict[fx.Node, fx.Node]) -> None:
-    """One ``cpu_fused_elementwise`` node (and a getitem per output) in place of ``group``;
+def _replace(graph: fx.Graph, group: Group, op: Any, args: Tuple[Any, ...], renamed: Dict[fx.Node, fx.Node]) -> None:
+    """One fused ``op(*args)`` node (and a getitem per output) in place of ``group``;
     ``renamed`` learns each erased output's getitem (a later group may read it)."""
     members = set(group.nodes)
     with graph.inserting_after(group.nodes[-1]):
-        fused = graph.call_function(torch.ops.autodeploy.cpu_fused_elementwise.default,
-                                    (list(group.inputs), kernel_dir, len(group.outputs)))
+        fused = graph.call_function(op, args)
     fused.meta["val"] = [n.meta["val"] for n in group.outputs]
     anchor = fused
     for k, out in enumerate(group.outputs):
@@ -80,6 +92,26 @@ def _replace(graph: fx.Graph, group: Group, kernel_dir: str, renamed: Dict[fx.No
         graph.erase_node(node)
 
 
+def _cpp_kernel(group: Group, cache_dir: Optional[str]) -> Tuple[Any, Tuple[Any, ...]]:
+    from ...compile.mlir.cpp import emit_cpp
+    from ...compile.mlir.lower import lower_group
+
+    kernel_dir = build_kernel(emit_cpp(lower_group(group)), group.access, len(group.outputs), cache_dir)
+    return torch.ops.autodeploy.cpu_fused_elementwise.default, (list(group.inputs), kernel_dir, len(group.outputs))
+
+
+def _triton_kernel(group: Group, cache_dir: Optional[str]) -> Tuple[Any, Tuple[Any, ...]]:
+    from ...compile.mlir.lower import lower_group
+    from ...compile.mlir.triton_emit import emit_triton
+
+    source = emit_triton(lower_group(group))  # NotImplementedError: the caller leaves the group
+    in_dtypes = [p.meta["val"].dtype for p in group.inputs]
+    out_dtypes = [n.meta["val"].dtype for n in group.outputs]
+    kernel_dir = build_triton_kernel(source, group.access, in_dtypes, out_dtypes, cache_dir or "")
+    return (torch.ops.autodeploy.triton_fused_elementwise.default,
+            (list(group.inputs), kernel_dir, ",".join(dtype_name(d) for d in out_dtypes)))
+
+
 @TransformRegistry.register("mlir_elementwise_fusion")
 class MlirElementwiseFusion(BaseTransform):
     config_class = MlirElementwiseFusionConfig
@@ -87,33 +119,55 @@ class MlirElementwiseFusion(BaseTransform):
     run_after = ("fuse_silu_mul", "fuse_swiglu", "fuse_add_rms_norm", "fuse_rmsnorm", "fuse_l2norm",
                  "fuse_gdn_gating", "optimize_rope")
 
-    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
-        if torch.device(ctx.device).type == "cuda":
-            return _skip_once("on CUDA the kernels would be generated as Triton: the Triton path is not built yet")
+    def _target(self, device: str) -> Tuple[str, Optional[Target], str]:
+        """(backend, the kernels' target, why not) for a model on ``device``."""
+        backend = self.config.backend
+        if backend == "auto":
+            backend = "triton" if device == "cuda" else "cpp"
         missing = xdsl_missing()
         if missing is not None:
-            return _skip_once(missing)
+            return backend, None, missing
+        if backend == "triton":
+            missing = triton_missing()
+            if missing:
+                return backend, None, missing
+            if device != "cuda" and not interpreting():
+                return backend, None, ("backend 'triton' on CPU runs only in Triton's interpreter (TRITON_INTERPRET=1); "
+                                       "use backend 'cpp' or 'auto'")
+            return backend, Target(device, TRITON_TARGET.dtypes), ""
+        if device != "cpu":
+            return backend, None, f"backend 'cpp' generates CPU kernels, the model is on {device}; use 'auto' or 'triton'"
         if compiler() is None:
-            return _skip_once("no C++ compiler found (install g++ or set CXX)")
-        from ...compile.mlir.cpp import emit_cpp
-        from ...compile.mlir.lower import lower_group
+            return backend, None, "no C++ compiler found (install g++ or set CXX)"
+        return backend, CPP_TARGET, ""
 
-        groups: List[Group] = find_groups(gm.graph, self.config.min_ops)
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        backend, target, why_not = self._target(torch.device(ctx.device).type)
+        if target is None:
+            return _skip_once(why_not)
+        groups: List[Group] = find_groups(gm.graph, self.config.min_ops, target)
         if not groups:
             return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
         before = dict(STATS)
         renamed: Dict[fx.Node, fx.Node] = {}
+        fused = []
         for group in groups:
             group.inputs = [renamed.get(p, p) for p in group.inputs]
-            source = emit_cpp(lower_group(group))
-            kernel_dir = build_kernel(source, group.access, len(group.outputs), self.config.cache_dir)
-            _replace(gm.graph, group, kernel_dir, renamed)
+            try:
+                op, args = (_triton_kernel if backend == "triton" else _cpp_kernel)(group, self.config.cache_dir)
+            except NotImplementedError as err:
+                logger.info("mlir_elementwise_fusion: a subgraph of %d ops left unfused: %s", len(group.nodes), err)
+                continue
+            _replace(gm.graph, group, op, args, renamed)
+            fused.append(group)
+        if not fused:
+            return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
         from torch._inductor.pattern_matcher import stable_topological_sort
 
         stable_topological_sort(gm.graph)  # a member's outside user may come before the last member
         gm.graph.lint()
         gm.recompile()
-        logger.info("mlir_elementwise_fusion: %d subgraphs (%d aten ops) -> generated kernels (%d compiled, %d cached)",
-                    len(groups), sum(len(g.nodes) for g in groups), STATS["compiles"] - before["compiles"],
+        logger.info("mlir_elementwise_fusion: %d subgraphs (%d aten ops) -> generated %s kernels (%d new, %d cached)",
+                    len(fused), sum(len(g.nodes) for g in fused), backend, STATS["compiles"] - before["compiles"],
                     STATS["cache_hits"] - before["cache_hits"])
-        return TransformInfo(num_matches=len(groups), is_clean=False, has_valid_shapes=False)
+        return TransformInfo(num_matches=len(fused), is_clean=False, has_valid_shapes=False)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call (~9 min) of what issue 21 still needs from a GPU, for a session that is lent one:
+#   1. the tests never run on a GPU yet: the MLIR fusion's Triton kernels, the FP8 tests whose forms
+#      changed after the last GPU run, the pipeline with the multi-stream transforms on;
+#   2. which node's shape propagation fails on CUDA (scripts/gpu_shape_prop_diag.py);
+#   3. the HF + torch.compile row of the `large` table (RESULTS.md "On a GPU").
+# Run `scripts/gpu_wheels.sh` here first (the device call carries .whl/), then, through the device
+# tool: `bash scripts/gpu_session.sh` with carry [".whl"] and timeout_s 600. Logs land in $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
+    | tee -a "$OUT/gpu.txt"
+timeout 200 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/gpu/test_mlir_triton_gpu.py \
+    tests/gpu/test_fp8_cuda.py "tests/gpu/test_multi_stream_gpu.py::test_pipeline_on_gpu_with_the_transforms_on" \
+    > "$OUT/tests.log" 2>&1
+tail -25 "$OUT/tests.log"
+timeout 90 python3 scripts/gpu_shape_prop_diag.py > "$OUT/diag.log" 2>&1
+grep -E "=====|FAILED NODE|shape prop|Error" "$OUT/diag.log" | head -20
+timeout 260 python3 -m autodeploy.cli bench --model large --dtype bfloat16 --device cuda \
+    --engines hf+torch.compile --batch-sizes 1 32 --new-tokens 32 --prefill-lens 2048 --rounds 1 \
+    --prefill-reps 1 --accuracy-prompts 0 --out "$OUT" > "$OUT/bench.log" 2>&1
+tail -15 "$OUT/bench.log"
