@@ -8,6 +8,12 @@ stage) in every CUDA build, and ``fuse_silu_mul``, ``fuse_gdn_gating``, ``optimi
 FP8 builds. Never on CPU. This builds a float and an FP8 Llama on CUDA and prints the first node
 whose fake propagation raises, with the traceback's last frames. (The session that wrote it ran
 out of GPU time before it finished.)
+
+Hypothesis (2026-11-27, not yet checked on a GPU): torch 2.11's C++ ``linear``/``matmul`` read
+``numel()`` of a symbolic-shaped input on some paths (fixed upstream in pytorch/pytorch#183397), so
+``graph_utils`` now falls back to the output's shape for ``aten.linear`` when that error comes. If
+this script still prints a failing node, its op needs an entry in
+``graph_utils._SYMBOLIC_SIZE_FALLBACKS`` (or another fix).
 """
 import os
 import sys

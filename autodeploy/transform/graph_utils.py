@@ -124,6 +124,19 @@ def _same_value_meta(a: Any, b: Any) -> bool:
     return False
 
 
+def _linear_meta(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# aten ops whose C++ implementation reads concrete sizes (``numel()``) of a symbolic-shaped input in
+# some torch versions, with a shape-only Python stand-in used when that happens. Seen on an H100/H200
+# with torch 2.11 (CUDA builds skipped transforms with "Cannot call numel() on tensor with symbolic
+# sizes/strides"); matmul's folded path for N-d @ 2-d (what a rank-3 ``linear`` without bias takes)
+# read ``numel()`` until pytorch/pytorch#183397 (2026-05). Not reproducible with torch 2.13 on CPU:
+# which op it is on the GPU is what scripts/gpu_shape_prop_diag.py prints.
+_SYMBOLIC_SIZE_FALLBACKS: Dict[Any, Callable[..., Any]] = {torch.ops.aten.linear.default: _linear_meta}
+
+
 class _FakePropWithRealAttrs(FakeTensorProp):
     """FakeTensorProp that also accepts loaded (real) parameters and buffers, and is
     incremental: a node whose target and inputs are the objects of its last propagation keeps
@@ -137,6 +150,15 @@ class _FakePropWithRealAttrs(FakeTensorProp):
     def __init__(self, module: fx.GraphModule, mode: Any, incremental: bool = True):
         super().__init__(module, mode=mode)
         self.incremental = incremental
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            return super().call_function(target, args, kwargs)
+        except RuntimeError as exc:
+            fallback = _SYMBOLIC_SIZE_FALLBACKS.get(target)
+            if fallback is None or "symbolic sizes/strides" not in str(exc):
+                raise
+            return fallback(*args, **kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "get_attr":
