@@ -3,7 +3,7 @@
 The generated source is the one a GPU compiles; the interpreter executes it with numpy, so
 these tests check the emitter, the access patterns, the launch and the half-precision rounding
 without a GPU (``tests/gpu/test_mlir_triton_gpu.py`` runs the same kernels on CUDA). They need
-``triton`` and ``xdsl`` importable (``pip install triton``; the CUDA wheels of torch bring it).
+``triton`` and ``xdsl`` importable (the dev install brings both on Linux x86-64).
 """
 
 import copy

@@ -21,8 +21,8 @@ would make a cycle; ``lower`` writes each as an xDSL module, one ``linalg.generi
 is arith/math primitives (sigmoid, silu, gelu, relu, pow, ... decomposed); ``cpp`` emits an
 OpenMP ``parallel for`` + ``simd`` C++ kernel from that module; ``kernels`` compiles it with
 g++ once per source into an on-disk cache and registers the op that calls it. Subgraphs of
-fewer than ``min_ops`` nodes are left alone, and so are values that are not float32 (bf16/fp16
-subgraphs: not supported yet), other broadcasts (``[B, 1, D]`` against ``[B, S, D]``) and
+fewer than ``min_ops`` nodes are left alone, and so are, on CPU, values that are not float32
+(the C++ kernels have no bf16/fp16 arithmetic), other broadcasts (``[B, 1, D]`` against ``[B, S, D]``) and
 symbolic scalars.
 
 On CUDA (``backend: auto`` picks it there) the same module is emitted as a Triton kernel
