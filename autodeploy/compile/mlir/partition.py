@@ -98,8 +98,9 @@ class Target:
 
 
 CPP_TARGET = Target("cpu", (torch.float32,))
-# Triton kernels compute in float32 and round each op's result to its own dtype, as aten does
-TRITON_TARGET = Target("cuda", (torch.float32, torch.bfloat16, torch.float16))
+# Triton kernels compute in float32 and round each op's result to its own dtype, as aten does; their
+# device is the model's (CUDA, or CPU in Triton's interpreter)
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass

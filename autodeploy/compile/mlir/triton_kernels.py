@@ -18,6 +18,7 @@ kernel module is first imported): that is how the tests check the generated kern
 machine without a GPU; anything else gets an error saying so.
 """
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -110,8 +111,10 @@ def _load(directory: str) -> _Kernel:
     return kernel
 
 
-def _out_dtypes(spec: str) -> List[torch.dtype]:
-    return [_DTYPES[d] for d in spec.split(",")]
+@functools.lru_cache(maxsize=None)
+def _out_dtypes(spec: str) -> Tuple[torch.dtype, ...]:
+    """The dtypes named in ``spec`` (parsed once per distinct string: the op runs every step)."""
+    return tuple(_DTYPES[d] for d in spec.split(","))
 
 
 @torch.library.custom_op("autodeploy::triton_fused_elementwise", mutates_args=())

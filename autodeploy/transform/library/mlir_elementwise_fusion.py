@@ -46,7 +46,7 @@ from torch import fx
 
 from ...compile.mlir import xdsl_missing
 from ...compile.mlir.kernels import STATS, build_kernel, compiler
-from ...compile.mlir.partition import CPP_TARGET, TRITON_TARGET, Group, Target, find_groups
+from ...compile.mlir.partition import CPP_TARGET, TRITON_DTYPES, Group, Target, find_groups
 from ...compile.mlir.triton_kernels import build_triton_kernel, dtype_name, interpreting, triton_missing
 from ...utils.logging import get_logger
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
@@ -134,7 +134,7 @@ class MlirElementwiseFusion(BaseTransform):
             if device != "cuda" and not interpreting():
                 return backend, None, ("backend 'triton' on CPU runs only in Triton's interpreter (TRITON_INTERPRET=1); "
                                        "use backend 'cpp' or 'auto'")
-            return backend, Target(device, TRITON_TARGET.dtypes), ""
+            return backend, Target(device, TRITON_DTYPES), ""
         if device != "cpu":
             return backend, None, f"backend 'cpp' generates CPU kernels, the model is on {device}; use 'auto' or 'triton'"
         if compiler() is None:
