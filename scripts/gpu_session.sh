@@ -3,7 +3,9 @@
 #   1. the tests never run on a GPU yet: the MLIR fusion's Triton kernels, the FP8 tests whose forms
 #      changed after the last GPU run, the pipeline with the multi-stream transforms on;
 #   2. which node's shape propagation fails on CUDA (scripts/gpu_shape_prop_diag.py);
-#   3. the HF + torch.compile row of the `large` table (RESULTS.md "On a GPU").
+#   3. the HF + torch.compile row of the `large` table (RESULTS.md "On a GPU");
+#   4. prefill at 2048 tokens against HF eager again (was 0.85x before the eager steps of
+#      torch-cudagraph took the direct kernels and one host read per attention call).
 # Run `scripts/gpu_wheels.sh` here first (the device call carries .whl/), then, through the device
 # tool: `bash scripts/gpu_session.sh` with carry [".whl"] and timeout_s 600. Logs land in $OUT.
 set -uo pipefail
@@ -20,7 +22,11 @@ timeout 200 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/gpu/test_ml
 tail -25 "$OUT/tests.log"
 timeout 90 python3 scripts/gpu_shape_prop_diag.py > "$OUT/diag.log" 2>&1
 grep -E "=====|FAILED NODE|shape prop|Error" "$OUT/diag.log" | head -20
-timeout 260 python3 -m autodeploy.cli bench --model large --dtype bfloat16 --device cuda \
+timeout 100 python3 -m autodeploy.cli bench --model large --dtype bfloat16 --device cuda \
+    --engines autodeploy hf-eager --batch-sizes 1 --new-tokens 8 --prefill-lens 2048 --rounds 1 \
+    --prefill-reps 3 --accuracy-prompts 0 --out "$OUT" > "$OUT/prefill.log" 2>&1
+tail -8 "$OUT/prefill.log"
+timeout 240 python3 -m autodeploy.cli bench --model large --dtype bfloat16 --device cuda \
     --engines hf+torch.compile --batch-sizes 1 32 --new-tokens 32 --prefill-lens 2048 --rounds 1 \
     --prefill-reps 1 --accuracy-prompts 0 --out "$OUT" > "$OUT/bench.log" 2>&1
 tail -15 "$OUT/bench.log"

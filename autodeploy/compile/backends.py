@@ -76,11 +76,9 @@ def compile_graph(
     if backend not in BACKENDS:
         raise ConfigError(f"unknown compile backend '{backend}'; available: {', '.join(BACKENDS)}")
     if backend == "torch-simple":
-        if not direct_kernels:
-            return gm
         device_type = cache.device.type if cache is not None else "cpu"
-        runner, swapped = direct_kernel_graph(gm, device_type)
-        return CompiledGraph(gm, runner, backend) if swapped else gm
+        runner = _eager_runner(gm, device_type, direct_kernels)
+        return CompiledGraph(gm, runner, backend) if runner is not gm else gm
     if cache is None:
         raise ConfigError(f"compile backend '{backend}' needs the cached graph (keep the cache_init transforms)")
     if piecewise_enabled and backend not in ("torch-cudagraph", "torch-opt"):
@@ -89,6 +87,11 @@ def compile_graph(
     runner: Callable[..., torch.Tensor] = gm
     if backend in ("torch-cudagraph", "torch-opt"):
         _require_cuda(backend, cache)
+    if backend == "torch-cudagraph":
+        # the steps no graph replays (prefill, mixed, batches past the largest bucket) run eagerly,
+        # where every layer's attention reads the batch layout on the host and so waits for the GPU:
+        # the host's per-op cost is then added to each layer's time, not hidden behind the GPU's
+        runner = _eager_runner(gm, cache.device.type, direct_kernels)
     if backend in ("torch-compile", "torch-opt"):
         runner = _torch_compile(gm, cache, cache_dir)
     if backend in ("torch-cudagraph", "torch-opt"):
@@ -100,6 +103,15 @@ def compile_graph(
         sizes = cuda_graph_batch_sizes or default_buckets(cache.max_batch_size)
         runner = DecodeGraphs(runner, cache, sizes, capture=cuda_graph_capture)
     return CompiledGraph(gm, runner, backend)
+
+
+def _eager_runner(gm: fx.GraphModule, device_type: str, direct_kernels: bool) -> fx.GraphModule:
+    """What runs the graph eagerly: a sibling whose autodeploy ops skip the dispatcher
+    (``direct_kernels``), or ``gm`` itself when that is off or the graph has none of our ops."""
+    if not direct_kernels:
+        return gm
+    runner, swapped = direct_kernel_graph(gm, device_type)
+    return runner if swapped else gm
 
 
 def _warm_up_buckets(runner: PiecewiseGraphs, cache: CachedSequenceInterface, buckets: Sequence[int]) -> None:

@@ -57,6 +57,7 @@ from . import attention  # noqa: F401  (torch_attention, the math of the referen
 from .attention import alibi_bias, fp8_output
 from . import native
 from .rope import ROPE_NONE, apply_rope
+from .host_reads import host_lists
 
 # The FP8 KV-cache storage type and its largest finite value (torch.finfo(float8_e4m3fn).max).
 KV_FP8_DTYPE = torch.float8_e4m3fn
@@ -207,7 +208,7 @@ def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_c
                           attention_chunk=None) -> Tensor:
     """Each sequence's queries against its gathered keys, with ``torch_attention``'s math."""
     out = q.new_empty(*q.shape[:-1], d_v)
-    lengths, starts, offsets = seq_len.tolist(), input_pos.tolist(), cu_seqlen.tolist()
+    lengths, starts, offsets = host_lists(seq_len, input_pos, cu_seqlen)
     for i, (n, start) in enumerate(zip(lengths, starts)):
         total = start + n
         keys = _read(k_cache, page_table[i], total, k_scale, q.dtype)[None]
@@ -312,9 +313,8 @@ def _sdpa_attend(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table,
         return out
     if fp8:  # fresh prefills attend to the values as stored, like every later read
         k, v = dequantize_kv(k_stored, k_scale, q.dtype), dequantize_kv(v_stored, v_scale, q.dtype)
-    num_prefill, _, num_decode = batch_info.tolist()
-    offsets = cu_seqlen.tolist()
-    _prefill_sdpa(q, k, v, out, num_prefill, seq_len.tolist(), input_pos.tolist(), offsets, page_table, k_cache,
+    (num_prefill, _, num_decode), lengths, starts, offsets = host_lists(batch_info, seq_len, input_pos, cu_seqlen)
+    _prefill_sdpa(q, k, v, out, num_prefill, lengths, starts, offsets, page_table, k_cache,
                   v_cache, scale, sliding_window, k_scale, v_scale, alibi_slopes)
     if num_decode:
         dec = slice(num_prefill, num_prefill + num_decode)

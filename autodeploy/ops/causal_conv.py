@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .host_reads import host_lists
+
 # (per-token inputs [b, s, ...], initial state [b, *state_shape]) -> (outputs [b, s, ...], final state)
 ScanFn = Callable[[Sequence[Tensor], Tensor], Tuple[Tensor, Tensor]]
 
@@ -96,9 +98,11 @@ def scan_each_sequence(
     num_seqs = seq_len.shape[0]
     num_prefill, first_single = 0, 0
     if out.shape[1] != num_seqs:  # not one new token per sequence: some prefill rows (host reads)
-        num_prefill, first_single = batch_info[:2].tolist()
-    prefills = zip(cu_seqlen[:num_prefill].tolist(), seq_len[:num_prefill].tolist(),
-                   slot_idx[:num_prefill].tolist(), use_initial_state[:num_prefill].tolist()) if num_prefill else ()
+        info, starts, lengths, slots, carries = host_lists(batch_info, cu_seqlen, seq_len, slot_idx, use_initial_state)
+        num_prefill, first_single = info[:2]
+        prefills = zip(starts[:num_prefill], lengths[:num_prefill], slots[:num_prefill], carries[:num_prefill])
+    else:
+        prefills = ()
     for start, n, slot, carry in prefills:
         rows = slice(start, start + n)
         initial = state_cache[slot:slot + 1] if carry else torch.zeros_like(state_cache[slot:slot + 1])

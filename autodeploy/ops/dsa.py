@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .cached_attention import gather_sequence
+from .host_reads import host_lists
 
 
 def index_scores(q: Tensor, k: Tensor, w: Tensor, scale: float) -> Tensor:
@@ -90,7 +91,7 @@ def torch_cached_dsa_indexer(
     d = index_cache.shape[-1]
     index_cache.view(-1, d).index_copy_(0, slot_mapping, k.reshape(-1, d).to(index_cache.dtype))
     out = q.new_full((1, q.shape[1], topk), -1, dtype=torch.int32)
-    lengths, starts, offsets = seq_len.tolist(), input_pos.tolist(), cu_seqlen.tolist()
+    lengths, starts, offsets = host_lists(seq_len, input_pos, cu_seqlen)
     for i, (n, start) in enumerate(zip(lengths, starts)):
         total = start + n
         keys = gather_sequence(index_cache, page_table[i], total)[:, 0].to(q.dtype)

@@ -48,6 +48,7 @@ from . import attention  # noqa: F401  (torch_attention, the math of the referen
 from .rope import ROPE_NONE, apply_rope
 from .cached_attention import gather_sequence
 from .dsa import topk_keep_mask
+from .host_reads import host_lists
 
 
 def _expand(compressed_kv: Tensor, kpe: Tensor, weight: Tensor, d_nope: int, d_v: int) -> Tuple[Tensor, Tensor]:
@@ -154,7 +155,7 @@ def torch_cached_mla_with_cache(
     d_nope, d_v = _check_shapes(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight)
     _write_latent(compressed_kv, kpe, slot_mapping, mla_cache)
     out = q_nope.new_empty(*q_nope.shape[:-1], d_v)
-    lengths, starts, offsets = seq_len.tolist(), input_pos.tolist(), cu_seqlen.tolist()
+    lengths, starts, offsets = host_lists(seq_len, input_pos, cu_seqlen)
     for i, (n, start) in enumerate(zip(lengths, starts)):
         rows = slice(offsets[i], offsets[i] + n)
         latent = gather_sequence(mla_cache, page_table[i], start + n)[:, 0]
@@ -230,10 +231,9 @@ def sdpa_cached_mla_with_cache(
     scale = 1.0 / math.sqrt(d_nope + q_pe.shape[-1]) if scale is None else scale
     rows = _write_latent(compressed_kv, kpe, slot_mapping, mla_cache)
     out = q_nope.new_empty(*q_nope.shape[:-1], d_v)
-    num_prefill, _, num_decode = batch_info.tolist()
-    offsets = cu_seqlen.tolist()
+    (num_prefill, _, num_decode), lengths, starts, offsets = host_lists(batch_info, seq_len, input_pos, cu_seqlen)
     if num_prefill:
-        _prefill(q_nope[0], q_pe[0], rows, out[0], num_prefill, seq_len.tolist(), input_pos.tolist(), offsets,
+        _prefill(q_nope[0], q_pe[0], rows, out[0], num_prefill, lengths, starts, offsets,
                  page_table, mla_cache, kv_b_proj_weight, d_nope, d_v, scale,
                  None if topk_indices is None else topk_indices[0])
     if num_decode:

@@ -69,8 +69,9 @@ class CompileModelConfig(TransformConfig):
     )
     direct_kernels: bool = Field(
         default=True,
-        description="torch-simple: run autodeploy's ops as direct Python calls, skipping the dispatcher's "
-        "per-call layers (~9-150 us per call on CPU); the graph itself keeps the ops.",
+        description="torch-simple, and torch-cudagraph's steps no graph replays (prefill, mixed): run "
+        "autodeploy's ops as direct Python calls, skipping the dispatcher's per-call layers (~9-150 us per "
+        "call on CPU); the graph itself keeps the ops.",
     )
 
 
