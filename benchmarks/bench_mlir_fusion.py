@@ -3,6 +3,7 @@
 
     python benchmarks/bench_mlir_fusion.py                          # tiny-llama and small
     python benchmarks/bench_mlir_fusion.py --models small --rounds 8
+    python benchmarks/bench_mlir_fusion.py --models small-gpt2 --pipelines default --prefill-len 256
 
 For each model, two pipelines:
 
@@ -15,7 +16,9 @@ and each pipeline with the transform off and on. Reported per pair: the transfor
 the final graph's op count (call_function nodes; ``getitem`` counted apart: it is a Python
 subscript, not a kernel call), the build time (the "on" build once with an empty kernel cache,
 cold, and once warm), the logits' relative RMSE between off and on (uncached graphs at two
-shapes), and the batch-1 decode ms/step (one request, interleaved blocks of steps, medians).
+shapes), and the batch-1 decode ms/step (one request, interleaved blocks of steps, medians);
+with ``--prefill-len N`` also the time of one N-token prefill (one request, ``max_tokens=1``,
+off and on interleaved, medians of ``--rounds``), where each element-wise op streams N rows.
 Writes ``benchmarks/results/mlir-fusion-<time>.json``. ``--threads`` (default 1) sets torch's
 thread count for every step of both variants.
 """
@@ -40,8 +43,11 @@ PIPELINES = {"default": {}, "no-patterns": {"match_rmsnorm_pattern": {"enabled":
                                             "match_swiglu_pattern": {"enabled": False}}}
 
 
+MIN_OPS: Dict[str, int] = {}  # --min-ops (empty: the transform's default)
+
+
 def _transforms(pipeline: str, on: bool, cache_dir: str) -> Dict[str, Any]:
-    return {**PIPELINES[pipeline], "mlir_elementwise_fusion": {"enabled": on, "cache_dir": cache_dir}}
+    return {**PIPELINES[pipeline], "mlir_elementwise_fusion": {"enabled": on, "cache_dir": cache_dir, **MIN_OPS}}
 
 
 def _op_counts(compiled: Any) -> Dict[str, int]:
@@ -101,7 +107,23 @@ def _decode_ms(llms: Dict[str, Any], rounds: int, block: int) -> Dict[str, float
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def run_model(model: str, pipeline: str, rounds: int, block: int) -> Dict[str, Any]:
+def _prefill_ms(llms: Dict[str, Any], rounds: int, length: int) -> Dict[str, float]:
+    from autodeploy import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prompt = {"prompt_token_ids": [(7 * i) % 400 + 5 for i in range(length)]}
+    for llm in llms.values():  # untimed: first allocation of the step's buffers
+        llm.generate(prompt, params)
+    times: Dict[str, List[float]] = {k: [] for k in llms}
+    for r in range(rounds):
+        for label in (list(llms) if r % 2 == 0 else list(reversed(llms))):
+            start = time.perf_counter()
+            llms[label].generate(prompt, params)
+            times[label].append((time.perf_counter() - start) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run_model(model: str, pipeline: str, rounds: int, block: int, prefill_len: int = 0) -> Dict[str, Any]:
     from autodeploy import LLM
 
     cold = tempfile.mkdtemp(prefix="mlir-kernels-")
@@ -119,6 +141,9 @@ def run_model(model: str, pipeline: str, rounds: int, block: int) -> Dict[str, A
     out["matches"] = _matches(llms["on"].build)
     out["graph_ops"] = {k: _op_counts(v.build.graph) for k, v in llms.items()}
     out["decode_ms_per_step"] = _decode_ms(llms, rounds, block)
+    if prefill_len:
+        out["prefill_len"] = prefill_len
+        out["prefill_ms"] = _prefill_ms(llms, rounds, prefill_len)
     del llms
     out["logits_rel_rmse_on_vs_off"] = _logit_error(model, pipeline, cold)
     return out
@@ -130,13 +155,19 @@ def main() -> int:
     parser.add_argument("--pipelines", nargs="+", default=list(PIPELINES))
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--prefill-len", type=int, default=0,
+                        help="also time one prefill of this many tokens, off vs on (default 0: decode only)")
+    parser.add_argument("--min-ops", type=int, default=None,
+                        help="the transform's min_ops for the 'on' builds (default: the transform's default, 3)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch/OpenMP threads (default 1: on a shared machine, OpenMP barriers across "
                              "oversubscribed cores make step times swing by 10x; the kernels run one thread at "
                              "decode sizes anyway)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from autodeploy.bench.runner import cpu_name
+    if args.min_ops is not None:
+        MIN_OPS["min_ops"] = args.min_ops
+    from autodeploy.bench.runner import cpu_name, git_commit
 
     from autodeploy import LLM
 
@@ -144,11 +175,11 @@ def main() -> int:
     rows = []
     for model in args.models:
         for pipeline in args.pipelines:
-            row = run_model(model, pipeline, args.rounds, args.block)
+            row = run_model(model, pipeline, args.rounds, args.block, args.prefill_len)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    report = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "rounds": args.rounds, "block": args.block, "rows": rows}
+    report = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": git_commit(),
+              "rounds": args.rounds, "block": args.block, "min_ops": args.min_ops, "rows": rows}
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"mlir-fusion-{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:

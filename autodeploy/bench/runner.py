@@ -78,14 +78,19 @@ def cpu_name() -> str:
     return f"{name} ({' '.join(present)})" if present else name
 
 
+def git_commit() -> str:
+    """The checkout's short commit (recorded with every result), or 'unknown' outside git."""
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def _meta(cfg: BenchConfig) -> Dict[str, Any]:
     import transformers
 
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                                         stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    commit = git_commit()
     cpu = cpu_name()
     gpu = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else None
     return {"model": cfg.model, "dtype": cfg.dtype, "device": cfg.device, "gpu": gpu, "cpu": cpu,

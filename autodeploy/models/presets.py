@@ -81,6 +81,10 @@ PRESETS: Dict[str, Preset] = {
                dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                     num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=32000,
                     max_position_embeddings=4096, tie_word_embeddings=False)),
+        Preset("small-gpt2", "~110M GPT-2 (hidden 768, 12 layers, 12 heads, tanh-GELU MLP, LayerNorm, vocab 32000), "
+               "random weights; benchmarks of element-wise chains no pattern fusion covers",
+               dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_inner=3072, vocab_size=32000,
+                    n_positions=2048, activation_function="gelu_new")),
         Preset("medium", "~0.45B Llama (hidden 1024, 24 layers, 16/8 heads, vocab 32000), random weights; benchmarks",
                dict(model_type="llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                     num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,

@@ -20,7 +20,7 @@ from torch import nn
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")]
-pytest.importorskip("xdsl", reason="mlir_elementwise_fusion needs xdsl (pip install 'autodeploy[mlir]')")
+pytest.importorskip("xdsl", reason="mlir_elementwise_fusion needs xdsl (pip install xdsl==0.74.0)")
 pytest.importorskip("triton", reason="needs triton (it comes with torch's CUDA wheels)")
 
 from helpers import count_op, export_gm  # noqa: E402
@@ -37,7 +37,8 @@ def _fuse(module, inputs, tmp_path):
     gm = export_gm(module.eval(), *inputs)
     reference = copy.deepcopy(gm)
     ctx = PipelineContext(device="cuda")
-    gm = build_transform("mlir_elementwise_fusion", {"enabled": True, "cache_dir": str(tmp_path)})(gm, ctx)
+    gm = build_transform("mlir_elementwise_fusion", {"enabled": True, "backend": "triton", "min_ops": 2,
+                                                    "cache_dir": str(tmp_path)})(gm, ctx)
     record = ctx.history[-1]
     assert record.status == "ok", record
     return reference, gm, record.num_matches
@@ -136,8 +137,8 @@ def test_llama_bf16_without_norm_patterns(tmp_path):
     no_patterns = {"match_rmsnorm_pattern": {"enabled": False}, "match_swiglu_pattern": {"enabled": False}}
     common = dict(device="cuda", dtype="bfloat16", max_seq_len=64, max_batch_size=2)
     off = build(ckpt, overrides={**no_patterns, "mlir_elementwise_fusion": {"enabled": False}}, **common)
-    on = build(ckpt, overrides={**no_patterns, "mlir_elementwise_fusion": {"enabled": True,
-                                                                           "cache_dir": str(tmp_path)}}, **common)
+    on = build(ckpt, overrides={**no_patterns, "mlir_elementwise_fusion": {"enabled": True, "backend": "triton",
+                                                                           "min_ops": 2, "cache_dir": str(tmp_path)}}, **common)
     record = next(r for r in on.context.history if r.key == "mlir_elementwise_fusion")
     assert record.status == "ok" and record.num_matches > 0, record
     seqs, lengths = [[3, 7, 11, 2, 9, 4, 8], [5, 1, 6, 2, 7]], [4, 2]

@@ -29,8 +29,7 @@ D = 32
 
 @pytest.fixture(scope="session")
 def kernel_dir(tmp_path_factory):
-    """The kernel cache of the tests that fuse (they need xdsl; the skip tests below do not)."""
-    pytest.importorskip("xdsl", reason="mlir_elementwise_fusion needs xdsl (pip install 'autodeploy[mlir]')")
+    """The kernel cache of the tests that fuse (xdsl is a dependency: no skip without it)."""
     return str(tmp_path_factory.mktemp("mlir-kernels"))
 
 
@@ -40,6 +39,7 @@ def _shapes(n_inputs, rows=((2, 5), (3, 1))):
 
 
 def _run(module, n_inputs, kernel_dir, **config):
+    config.setdefault("min_ops", 2)  # these small modules check the mechanics on 2-op subgraphs too
     gm = export_gm(module.eval(), *_shapes(n_inputs)[0])
     reference = copy.deepcopy(gm)
     gm, record = apply_transform("mlir_elementwise_fusion", gm, cache_dir=kernel_dir, **config)
@@ -172,7 +172,7 @@ def test_near_misses_left_alone(kernel_dir):
     dyn = ({0: Dim("b"), 1: Dim("s")}, {0: Dim("b")})
     gm = export_gm(MiddleBroadcast(), x, z, dynamic=dyn)
     reference = copy.deepcopy(gm)
-    gm, record = apply_transform("mlir_elementwise_fusion", gm, cache_dir=kernel_dir)
+    gm, record = apply_transform("mlir_elementwise_fusion", gm, cache_dir=kernel_dir, min_ops=2)
     # mul(x, z) is not a candidate; sigmoid(mul) + tanh(z) would be, but tanh(z) has another
     # shape and sigmoid alone is one op: nothing reaches two ops
     assert record.num_matches == 0 and count_op(gm, FUSED) == 0
@@ -187,7 +187,7 @@ def test_near_misses_left_alone(kernel_dir):
 
 
 def test_min_ops_leaves_short_subgraphs(kernel_dir):
-    """``min_ops: 3``: the rmsnorm's two-op subgraphs are left alone."""
+    """``min_ops: 3`` (the default): the rmsnorm's two-op subgraphs are left alone."""
     reference, gm, record = _run(RawRMSNorm(), 1, kernel_dir, min_ops=3)
     assert record.num_matches == 0 and count_op(gm, aten.rsqrt) == 1
 
@@ -232,6 +232,38 @@ def test_cpp_backend_skips_on_cuda_with_a_reason(tmp_path):
     assert count_op(gm, FUSED) == 0
 
 
+def test_auto_leaves_cuda_models_alone(tmp_path, monkeypatch, caplog):
+    """``backend: auto`` (the default) does not fuse on CUDA until the Triton kernels have run on
+    a GPU: skipped with one info line saying how to opt in."""
+    monkeypatch.setattr(logging.getLogger("autodeploy"), "propagate", True)
+    monkeypatch.setattr(mlir_module, "_warned", set())
+    gm = export_gm(SiluGate(), *_shapes(2)[0])
+    ctx = PipelineContext(device="cuda")
+    with caplog.at_level(logging.INFO, logger="autodeploy"):
+        build_transform("mlir_elementwise_fusion", {"cache_dir": str(tmp_path)})(gm, ctx)
+    record = ctx.history[-1]
+    assert record.status == "skipped" and "backend: triton" in record.error
+    assert count_op(gm, FUSED) == 0 and count_op(gm, aten.sigmoid) == 1
+    lines = [r for r in caplog.records if "mlir_elementwise_fusion skipped" in r.getMessage()]
+    assert lines and all(r.levelno == logging.INFO for r in lines)
+
+
+def test_a_kernel_the_compiler_refuses_stays_unfused(tmp_path, monkeypatch, caplog):
+    """A compiler that fails (here ``false``): the build goes on with the subgraph as aten ops,
+    numerics unchanged, one warning naming the failure."""
+    monkeypatch.setattr(logging.getLogger("autodeploy"), "propagate", True)
+    monkeypatch.setattr(mlir_module, "_warned", set())
+    monkeypatch.setenv("CXX", "false")
+    module = SiluGate().eval()
+    gm = export_gm(module, *_shapes(2)[0])
+    with caplog.at_level(logging.WARNING, logger="autodeploy"):
+        gm, record = apply_transform("mlir_elementwise_fusion", gm, cache_dir=str(tmp_path))
+    assert record.status == "ok" and record.num_matches == 0
+    assert count_op(gm, FUSED) == 0 and count_op(gm, aten.sigmoid) == 1
+    assert_same_outputs(module, gm, _shapes(2))
+    assert any("did not compile" in r.getMessage() for r in caplog.records)
+
+
 def test_kernel_checks_its_inputs(kernel_dir):
     _, gm, _ = _run(SiluGate(), 2, kernel_dir)
     (node,) = _fused_nodes(gm)
@@ -249,7 +281,8 @@ def test_llama_without_norm_patterns_matches_hf(kernel_dir):
     ``add(mean, eps) -> rsqrt`` column and ``x * rstd * w`` of each norm fuse (final norm too)."""
     ckpt = family_checkpoint("llama")
     result = build(ckpt, up_to=Stage.POST_LOAD_FUSION,
-                   overrides={**NO_PATTERNS, "mlir_elementwise_fusion": {"enabled": True, "cache_dir": kernel_dir}})
+                   overrides={**NO_PATTERNS, "mlir_elementwise_fusion": {"enabled": True, "cache_dir": kernel_dir,
+                                                                       "min_ops": 2}})
     record = next(r for r in result.context.history if r.key == "mlir_elementwise_fusion")
     assert record.status == "ok" and record.num_matches == 14
     assert count_op(result.graph, FUSED) == 14
@@ -268,7 +301,8 @@ def test_llama_cached_decode_equals_the_build_without(kernel_dir):
     seqs, lengths = [[3, 7, 11, 2, 9, 4, 8], [5, 1, 6, 2, 7]], [4, 2]
     for base, matches in (({}, 0), (NO_PATTERNS, 14)):
         off = build(ckpt, overrides={**base, "mlir_elementwise_fusion": {"enabled": False}})
-        on = build(ckpt, overrides={**base, "mlir_elementwise_fusion": {"enabled": True, "cache_dir": kernel_dir}})
+        on = build(ckpt, overrides={**base, "mlir_elementwise_fusion": {"enabled": True, "cache_dir": kernel_dir,
+                                                                       "min_ops": 2}})
         record = next(r for r in on.context.history if r.key == "mlir_elementwise_fusion")
         assert record.num_matches == matches
         a, b = prefill_then_decode(off, seqs, lengths), prefill_then_decode(on, seqs, lengths)

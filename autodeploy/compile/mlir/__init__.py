@@ -6,8 +6,9 @@ primitives; ``cpp`` emits the C++ (OpenMP + SIMD) kernel of that module; ``kerne
 it once per source into an on-disk cache and provides ``autodeploy::cpu_fused_elementwise``,
 the op that runs it. The transform ``mlir_elementwise_fusion`` ties them together.
 
-xDSL is optional (``pip install autodeploy[mlir]``): ``xdsl_missing()`` says why it cannot be
-imported, and the modules that need it are imported only after that check.
+xDSL is a dependency of autodeploy, but an install without it (``--no-deps``) still works:
+``xdsl_missing()`` says why it cannot be imported, and the modules that need it are imported
+only after that check.
 """
 
 from typing import Optional
@@ -18,5 +19,5 @@ def xdsl_missing() -> Optional[str]:
     try:
         import xdsl.dialects.linalg  # noqa: F401
     except ImportError as err:
-        return f"xdsl is not installed ({err}); pip install 'autodeploy[mlir]'"
+        return f"xdsl is not installed ({err}); pip install xdsl==0.74.0"
     return None

@@ -87,14 +87,22 @@ def kernel_key(source: str, cxx: str) -> str:
     return digest.hexdigest()[:20]
 
 
+class KernelBuildError(RuntimeError):
+    """The C++ compiler refused or failed on a generated kernel."""
+
+
 def _compile(cxx: str, source_path: str, target: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)
     cmd = [cxx, *FLAGS, source_path, "-o", tmp, "-lm"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        os.unlink(tmp)
+        raise KernelBuildError(f"{' '.join(cmd)} could not run: {err}") from err
     if done.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+        raise KernelBuildError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     os.replace(tmp, target)
     STATS["compiles"] += 1
 
