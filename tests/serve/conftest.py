@@ -6,6 +6,7 @@ parallel with each other and with the reference model), and every process starte
 terminated at the end of the session, whatever happened.
 """
 
+import os
 import signal
 from typing import Dict
 
@@ -30,7 +31,12 @@ def _get_server(name: str) -> ServerProcess:
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection
 def pytest_collection_modifyitems(session, config, items):
-    """Start the servers the selected tests need right away, so they load in parallel."""
+    """Start the servers the selected tests need right away, so they load in parallel. Not in a
+    pytest-xdist worker: every worker collects every test but runs only some files, so each
+    would start every server (``make test``'s two workers started six where three are used);
+    there a server starts when a test first asks for it."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     wanted = {FIXTURE_OF[f] for item in items for f in getattr(item, "fixturenames", ()) if f in FIXTURE_OF}
     for name in sorted(wanted):
         _get_server(name)
