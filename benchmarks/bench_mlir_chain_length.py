@@ -13,7 +13,6 @@ Medians of ``--reps`` calls, interleaved in blocks; writes
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPES = ((1, 768), (1, 3072), (32, 3072))
 
 
@@ -84,7 +82,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from autodeploy.bench.runner import cpu_name, git_commit
+    from _report import write_report
 
     cache_dir = tempfile.mkdtemp(prefix="mlir-chain-")
     rows: List[Dict[str, float]] = []
@@ -95,13 +93,7 @@ def main() -> int:
             rows.append(row)
             print(f"| {n} | {'x'.join(map(str, shape))} | {row['aten_us']:.1f} | {row['fused_us']:.1f} | "
                   f"{row['speedup']:.2f}x |", flush=True)
-    report = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "commit": git_commit(), "reps": args.reps, "rows": rows}
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, f"mlir-chain-length-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {path}")
+    print(f"wrote {write_report('mlir-chain-length', {'reps': args.reps, 'rows': rows})}")
     return 0
 
 

@@ -38,7 +38,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import torch  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PIPELINES = {"default": {}, "no-patterns": {"match_rmsnorm_pattern": {"enabled": False},
                                             "match_swiglu_pattern": {"enabled": False}}}
 
@@ -167,7 +166,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     if args.min_ops is not None:
         MIN_OPS["min_ops"] = args.min_ops
-    from autodeploy.bench.runner import cpu_name, git_commit
+    from _report import write_report
 
     from autodeploy import LLM
 
@@ -178,12 +177,8 @@ def main() -> int:
             row = run_model(model, pipeline, args.rounds, args.block, args.prefill_len)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    report = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": git_commit(),
-              "rounds": args.rounds, "block": args.block, "min_ops": args.min_ops, "rows": rows}
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, f"mlir-fusion-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    path = write_report("mlir-fusion", {"rounds": args.rounds, "block": args.block, "min_ops": args.min_ops,
+                                        "rows": rows})
     print(f"wrote {path}")
     return 0
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call (~9 min) of what issue 21 still needs from a GPU, for a session that is lent one:
-#   1. the tests never run on a GPU yet: the MLIR fusion's Triton kernels, the FP8 tests whose forms
+#   1. the tests never run on a GPU yet: the MLIR fusion's Triton kernels (if they pass and pay,
+#      mlir_elementwise_fusion's `backend: auto` can pick triton on CUDA; it skips there now), the FP8 tests whose forms
 #      changed after the last GPU run, the pipeline with the multi-stream transforms on;
 #   2. which node's shape propagation fails on CUDA (scripts/gpu_shape_prop_diag.py);
 #   3. the HF + torch.compile row of the `large` table (RESULTS.md "On a GPU");
