@@ -22,6 +22,7 @@ from torch import fx, nn
 
 from ..cache import CachedSequenceInterface
 from ..cache.resources import ResourceHandler, StateHandler, TokenBufferHandler
+from ..compile.mlir import missing_kernels
 from ..transform.interface import PipelineContext, TransformInfo
 from ..utils.logging import get_logger
 from ..utils.paths import cache_root
@@ -229,6 +230,9 @@ def load_entry(entry: str, ctx: PipelineContext) -> fx.GraphModule:
     if record.get("format") != CACHE_FORMAT_VERSION:
         raise ValueError(f"entry format {record.get('format')} is not {CACHE_FORMAT_VERSION}")
     graph = decode_graph(record["graph"])
+    gone = missing_kernels(graph)
+    if gone:
+        raise ValueError(f"{len(gone)} generated kernel(s) the graph calls are gone from disk, e.g. {gone[0]}")
     tensors = load_tensors(os.path.join(entry, WEIGHTS_FILE), record["tensors"])
     attrs = {str(n.target) for n in graph.nodes if n.op == "get_attr"}
     if attrs != set(tensors):

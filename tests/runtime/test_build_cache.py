@@ -207,6 +207,30 @@ def test_corrupt_entry_is_rebuilt_with_one_warning(cold, caplog, damage):
     assert _build().from_cache  # the rebuilt entry replaced the broken one
 
 
+def test_a_graph_whose_generated_kernels_are_gone_is_rebuilt(isolated_cache, caplog):
+    """A stored graph calls element-wise kernels generated into the kernel cache (here the norms'
+    chains of a Llama whose norm patterns are off); with that cache cleaned the entry cannot run:
+    it is rebuilt, kernels compiled again, with one warning, and the next build hits."""
+    fused = {"transforms": {"match_rmsnorm_pattern": {"enabled": False}, "match_swiglu_pattern": {"enabled": False},
+                            "mlir_elementwise_fusion": {"min_ops": 2}}}
+
+    def build():
+        config = load_deploy_config([], fused, model="tiny-llama", build_cache=True, **SETTINGS)
+        return build_graph(config, log_summary=False)
+
+    first = build()
+    calls = [n for n in first.graph_module.graph.nodes if n.target is torch.ops.autodeploy.cpu_fused_elementwise.default]
+    assert calls and all(n.args[1].startswith(os.path.join(isolated_cache, "kernels")) for n in calls)
+    shutil.rmtree(os.path.join(isolated_cache, "kernels"))
+    with caplog.at_level(logging.WARNING):
+        rebuilt = build()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "build cache" in r.message]
+    assert len(warnings) == 1 and "generated kernel" in warnings[0].message
+    assert not rebuilt.from_cache
+    assert torch.equal(_logits(rebuilt, [[1, 5, 7, 9]]), _logits(first, [[1, 5, 7, 9]]))
+    assert build().from_cache
+
+
 @pytest.mark.slow
 def test_garbled_op_name_is_rebuilt(cold, caplog):
     """Valid JSON naming an operator that does not exist: the graph fails to rebuild."""

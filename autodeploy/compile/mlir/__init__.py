@@ -11,7 +11,13 @@ xDSL is a dependency of autodeploy, but an install without it (``--no-deps``) st
 only after that check.
 """
 
-from typing import Optional
+import os
+from typing import List, Optional
+
+from torch import fx
+
+# The fused ops and the file of their kernel directory that the kernel is (re)built from.
+_KERNEL_SOURCES = {"autodeploy::cpu_fused_elementwise": "kernel.cpp", "autodeploy::triton_fused_elementwise": "kernel.py"}
 
 
 def xdsl_missing() -> Optional[str]:
@@ -21,3 +27,19 @@ def xdsl_missing() -> Optional[str]:
     except ImportError as err:
         return f"xdsl is not installed ({err}); pip install xdsl==0.74.0"
     return None
+
+
+def missing_kernels(graph: fx.Graph) -> List[str]:
+    """The generated-kernel directories the fused ops of ``graph`` name whose source or metadata
+    is gone (e.g. the kernel cache was cleaned): a graph with any cannot run. The build cache
+    checks this before it reuses a stored graph."""
+    missing = []
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        source = _KERNEL_SOURCES.get(getattr(schema, "name", ""))
+        if source is None:
+            continue
+        directory = node.args[1]
+        if not all(os.path.exists(os.path.join(directory, f)) for f in (source, "kernel.json")):
+            missing.append(directory)
+    return missing
