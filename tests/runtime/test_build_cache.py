@@ -30,9 +30,19 @@ from autodeploy.utils.paths import cache_root
 SETTINGS = dict(max_seq_len=64, max_batch_size=2, max_num_tokens=64)
 
 
-def _build(model: str = "tiny-llama", **overrides):
-    config = load_deploy_config([], model=model, build_cache=True, **{**SETTINGS, **overrides})
+def _build(model: str = "tiny-llama", overrides=None, **settings):
+    config = load_deploy_config([], overrides, model=model, build_cache=True, **{**SETTINGS, **settings})
     return build_graph(config, log_summary=False)
+
+
+def _rebuilt_with_one_warning(build, caplog, says: str):
+    """``build()`` after its entry was damaged: built anew, with one build-cache warning saying ``says``."""
+    with caplog.at_level(logging.WARNING):
+        rebuilt = build()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "build cache" in r.message]
+    assert len(warnings) == 1 and says in warnings[0].message
+    assert not rebuilt.from_cache
+    return rebuilt
 
 
 def _logits(result, tokens):
@@ -198,11 +208,7 @@ def test_corrupt_entry_is_rebuilt_with_one_warning(cold, caplog, damage):
             f.write(json.dumps(record)[:-100])  # and cut short: not even JSON
     else:
         os.remove(os.path.join(entry, WEIGHTS_FILE))
-    with caplog.at_level(logging.WARNING):
-        rebuilt = _build()
-    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "build cache" in r.message]
-    assert len(warnings) == 1 and "unusable" in warnings[0].message
-    assert not rebuilt.from_cache
+    rebuilt = _rebuilt_with_one_warning(_build, caplog, "unusable")
     assert torch.equal(_logits(rebuilt, [[1, 5, 7, 9]]), _logits(cold, [[1, 5, 7, 9]]))
     assert _build().from_cache  # the rebuilt entry replaced the broken one
 
@@ -215,18 +221,13 @@ def test_a_graph_whose_generated_kernels_are_gone_is_rebuilt(isolated_cache, cap
                             "mlir_elementwise_fusion": {"min_ops": 2}}}
 
     def build():
-        config = load_deploy_config([], fused, model="tiny-llama", build_cache=True, **SETTINGS)
-        return build_graph(config, log_summary=False)
+        return _build(overrides=fused)
 
     first = build()
     calls = [n for n in first.graph_module.graph.nodes if n.target is torch.ops.autodeploy.cpu_fused_elementwise.default]
     assert calls and all(n.args[1].startswith(os.path.join(isolated_cache, "kernels")) for n in calls)
     shutil.rmtree(os.path.join(isolated_cache, "kernels"))
-    with caplog.at_level(logging.WARNING):
-        rebuilt = build()
-    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "build cache" in r.message]
-    assert len(warnings) == 1 and "generated kernel" in warnings[0].message
-    assert not rebuilt.from_cache
+    rebuilt = _rebuilt_with_one_warning(build, caplog, "generated kernel")
     assert torch.equal(_logits(rebuilt, [[1, 5, 7, 9]]), _logits(first, [[1, 5, 7, 9]]))
     assert build().from_cache
 
@@ -240,10 +241,7 @@ def test_garbled_op_name_is_rebuilt(cold, caplog):
     call["target"] = "torch.ops.aten.no_such_op.default"
     with open(path, "w") as f:
         json.dump(record, f)
-    with caplog.at_level(logging.WARNING):
-        rebuilt = _build()
-    assert not rebuilt.from_cache
-    assert sum("unusable" in r.message for r in caplog.records) == 1
+    _rebuilt_with_one_warning(_build, caplog, "unusable")
 
 
 def _embedding_and_head(result):
