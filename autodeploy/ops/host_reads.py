@@ -8,7 +8,7 @@ kernels: four such reads in one attention call of each layer were four drains of
 layer. ``host_lists`` reads any number of small metadata tensors with one copy (one drain).
 """
 
-from typing import List
+from typing import List, Sequence
 
 import torch
 from torch import Tensor
@@ -21,6 +21,12 @@ def host_lists(*tensors: Tensor) -> List[list]:
         raise ValueError(f"host_lists reads 1-d metadata; got shapes {[tuple(t.shape) for t in tensors]}")
     if not tensors or tensors[0].device.type == "cpu":
         return [t.tolist() for t in tensors]
+    return read_once(tensors)
+
+
+def read_once(tensors: Sequence[Tensor]) -> List[list]:
+    """The accelerator path of ``host_lists``: concatenated as int64, one ``tolist()``, split
+    again (bool tensors back to bools). Device-agnostic, so the CPU tests check its splitting."""
     flat = torch.cat([t.to(torch.int64) for t in tensors]).tolist()
     lists, at = [], 0
     for t in tensors:
