@@ -138,3 +138,65 @@ def test_linear_whose_cpp_path_reads_concrete_sizes_falls_back_to_its_shape(monk
         raising = {target: message}
         with pytest.raises(RuntimeError, match=re.escape(message)):
             run_shape_prop(gm, incremental=False)
+
+
+def test_traced_values_are_adopted_so_nothing_is_recomputed(monkeypatch):
+    gm = export_gm(Block(), torch.randn(2, 5, 16), clean=False)
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "get_attr")]
+    traced = {n.name: n.meta["val"] for n in nodes}
+    assert graph_utils.adopt_traced_values(gm) == len(nodes)
+    calls = _count_computed(monkeypatch)
+    run_shape_prop(gm)
+    assert [c for c in calls if c in traced] == []
+    assert all(n.meta["val"] is traced[n.name] for n in nodes)
+    adopted = _metas(gm)
+    for n in gm.graph.nodes:
+        n.meta.pop(graph_utils._PROP_MEMO, None)
+    run_shape_prop(gm, incremental=False)
+    assert _metas(gm) == adopted
+
+
+def test_adopted_values_do_not_hide_a_change(monkeypatch):
+    gm = export_gm(Block(), torch.randn(2, 5, 16), clean=False)
+    graph_utils.adopt_traced_values(gm)
+    reshape = next(n for n in gm.graph.nodes if n.target in (torch.ops.aten.reshape.default, torch.ops.aten.view.default))
+    reshape.args = (reshape.args[0], [*reshape.args[1][:-2], 2, 8])
+    gm.a.weight = nn.Parameter(gm.a.weight.detach().double())
+    gm.a.bias = nn.Parameter(gm.a.bias.detach().double())
+    gm.recompile()
+    run_shape_prop(gm)
+    first = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default)
+    total = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList)
+    assert first.meta["val"].dtype == torch.float64 and total.meta["val"].shape[-1] == 2
+
+
+def test_values_of_another_fake_mode_are_not_adopted():
+    gm = export_gm(Block(), torch.randn(2, 5, 16), clean=False)
+    relu = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.relu.default)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as other:
+        relu.meta["val"] = torch.empty(3, 3)
+    assert relu.meta["val"].fake_mode is other
+    count = graph_utils.adopt_traced_values(gm)
+    assert graph_utils._PROP_MEMO not in relu.meta
+    # its users read a value of another mode: not adopted either
+    assert all(graph_utils._PROP_MEMO not in u.meta for u in relu.users)
+    assert 0 < count < sum(n.op in ("call_function", "get_attr") for n in gm.graph.nodes) - 1
+
+
+def test_the_first_propagation_of_a_build_redoes_only_what_the_cleanups_changed(monkeypatch):
+    """export_to_gm adopts the export's values: the first propagation of the pipeline (before the
+    first pattern matcher) recomputes a small part of the graph, and its values equal a full one."""
+    from autodeploy.transform.interface import Stage
+    from helpers import build
+
+    gm = build("tiny-llama", up_to=Stage.POST_EXPORT).graph_module
+    calls = _count_computed(monkeypatch)
+    run_shape_prop(gm)
+    computed = [n for n in gm.graph.nodes if n.name in set(calls) and n.op == "call_function"]
+    total = sum(n.op == "call_function" for n in gm.graph.nodes)
+    assert 0 < len(computed) < total // 4, (len(computed), total)
+    incremental = _metas(gm)
+    for n in gm.graph.nodes:
+        n.meta.pop(graph_utils._PROP_MEMO, None)
+    run_shape_prop(gm, incremental=False)
+    assert _metas(gm) == incremental

@@ -19,6 +19,7 @@ from torch import nn
 from ...export.exporter import export_causal_lm
 from ...export.patch_registry import export_patches
 from ...utils.logging import get_logger
+from ..graph_utils import adopt_traced_values
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
 logger = get_logger(__name__)
@@ -85,6 +86,8 @@ class ExportToGM(BaseTransform):
                 "recompute step runs all of it (set max_seq_len to choose another length)", ctx.max_seq_len, static,
             )
             ctx.max_seq_len = static
+        # export computed every node's value: the first shape propagation only redoes what changed
+        adopt_traced_values(gm)
         # The export graph is functional but carries dead mask nodes and export checks.
         return gm, TransformInfo(num_matches=1, is_clean=False, has_valid_shapes=True)
 
