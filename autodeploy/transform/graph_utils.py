@@ -337,5 +337,4 @@ def weight_expression(node: Any) -> Optional[List[fx.Node]]:
             return None  # a factory op (zeros, arange): not a weight
         found[n] = None
         stack.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return sorted(found, key=order.__getitem__)
+    return sorted(found)  # fx nodes order by their position in the graph (no walk over the graph per call)

@@ -13,7 +13,7 @@ import time
 from abc import ABC
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Literal, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Literal, Optional, Tuple, Type
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -189,8 +189,7 @@ def model_tensor_bytes(mod: Optional[nn.Module]) -> int:
     if mod is None:
         return 0
     seen, total = set(), 0
-    tensors = list(mod.parameters()) + list(mod.buffers())
-    for t in tensors:
+    for t in _own_tensors(mod):
         if t.is_meta:
             continue
         if t.is_mkldnn:  # opaque packed weights have no storage to share
@@ -202,6 +201,24 @@ def model_tensor_bytes(mod: Optional[nn.Module]) -> int:
         seen.add(key)
         total += t.untyped_storage().nbytes()
     return total
+
+
+def _own_tensors(mod: nn.Module) -> Iterator[torch.Tensor]:
+    """Every parameter and buffer of ``mod`` and its submodules (duplicates included).
+
+    Why not ``parameters()``/``buffers()``: the driver counts the model's bytes before and after
+    every transform, and their ``named_modules`` walk (prefix strings, a memo per call) took 19 s
+    of a 16-layer, 128-expert build (6,300 weight modules, 152 counts); this walks the module
+    dicts directly."""
+    stack, seen = [mod], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield from (t for t in m._parameters.values() if t is not None)
+        yield from (t for t in m._buffers.values() if t is not None)
+        stack.extend(c for c in m._modules.values() if c is not None)
 
 
 class ShapePropError(RuntimeError):

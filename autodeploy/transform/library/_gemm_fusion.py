@@ -99,12 +99,17 @@ def _concat_params(gm: fx.GraphModule, nodes: List[fx.Node], made: Optional[Fuse
 def release_unused(gm: fx.GraphModule, nodes: List[Optional[fx.Node]]) -> None:
     """Erase ``get_attr`` nodes nothing uses and free their tensors unless another node still
     reads them (a weight shared with another linear stays)."""
+    readers: Dict[str, int] = {}  # get_attr nodes per target, counted once (not a graph walk per node)
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            readers[str(n.target)] = readers.get(str(n.target), 0) + 1
     for node in nodes:
-        if node is None or node.users:
+        if node is None or node.users or node._erased:  # a node listed twice is erased once
             continue
         target = str(node.target)
         gm.graph.erase_node(node)
-        if any(n.op == "get_attr" and str(n.target) == target for n in gm.graph.nodes):
+        readers[target] -= 1
+        if readers[target]:
             continue
         owner, leaf = _owner(gm, target)
         if leaf in owner._parameters:
