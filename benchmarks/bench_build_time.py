@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Build time against depth and expert count: ``autodeploy export`` of three models, each build in a
+fresh process, optionally for several source trees interleaved (before/after a change).
+
+    python benchmarks/bench_build_time.py                                   # this tree, 2 rounds
+    python benchmarks/bench_build_time.py --trees before=/tmp/wt after=.    # a worktree of an older commit
+
+Models: the ``small`` preset (12 layers), ``deep48`` (a 48-layer Llama of hidden 256: what grows
+with depth, the weights are small) and ``moe16`` (a 16-layer Qwen3-MoE of 128 experts, 6,293 weight
+tensors: what grows with the expert count). The two test checkpoints are written once with random
+weights under ``$AUTODEPLOY_CACHE/bench-build`` (``autodeploy.models.presets.write_random_checkpoint``).
+Each build reports the transform summary table; the JSON keeps every transform's time, the table
+printed at the end the total and the largest items. The pattern cache should be warm (one build of
+each model first, not counted, does that). Writes ``benchmarks/results/build-time-<time>.json``.
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+from typing import Dict, List, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _report import write_report  # noqa: E402
+
+TEST_MODELS = {
+    "deep48": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=48,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4000,
+                   max_position_embeddings=2048, tie_word_embeddings=False),
+    "moe16": dict(model_type="qwen3_moe", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                  num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=4000,
+                  num_experts=128, num_experts_per_tok=8, max_position_embeddings=2048, tie_word_embeddings=False,
+                  decoder_sparse_step=1, mlp_only_layers=[]),
+}
+ROW = re.compile(r"^([a-z_0-9]+)\s+[a-z_]+\s+\d*\s+([0-9.]+)\s")
+TOTAL = re.compile(r"^total\s+([0-9.]+)")
+
+
+def model_path(name: str) -> str:
+    """A preset's name as it is, a test model's checkpoint directory (written on first use)."""
+    if name not in TEST_MODELS:
+        return name
+    from autodeploy.models.presets import cache_root, write_random_checkpoint
+
+    path = os.path.join(cache_root(), "bench-build", name)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        write_random_checkpoint(TEST_MODELS[name], path)
+    return path
+
+
+def build_once(tree: str, model: str) -> Tuple[float, Dict[str, float]]:
+    """(total transform time, each transform's time) of one ``autodeploy export`` run from ``tree``."""
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    out = subprocess.run([sys.executable, "-m", "autodeploy.cli", "export", "--model", model], cwd=tree, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    steps = {m.group(1): float(m.group(2)) for m in map(ROW.match, out.splitlines()) if m}
+    total = next(float(m.group(1)) for m in map(TOTAL.match, out.splitlines()) if m)
+    return total, steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["small", "deep48", "moe16"])
+    parser.add_argument("--trees", nargs="+", default=[f"this={ROOT}"], help="name=path of a source tree")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    trees = dict(t.split("=", 1) for t in args.trees)
+    models = {m: model_path(m) for m in args.models}
+    for model in models.values():  # warm the pattern cache of each tree
+        for tree in trees.values():
+            build_once(tree, model)
+    runs: Dict[str, Dict[str, List]] = {m: {t: [] for t in trees} for m in models}
+    for r in range(args.rounds):
+        for name, model in models.items():
+            for tree_name, tree in trees.items():
+                total, steps = build_once(tree, model)
+                runs[name][tree_name].append({"total_s": total, "steps": steps})
+                print(f"round {r + 1} {name} {tree_name}: {total:.2f} s", flush=True)
+    path = write_report("build-time", {"trees": trees, "runs": runs})
+    print(f"\n| model | tree | transforms total [s] (median) | export_to_gm [s] | largest other steps [s] |")
+    print("|---|---|---|---|---|")
+    for name in models:
+        for tree_name in trees:
+            rs = runs[name][tree_name]
+            total = statistics.median(x["total_s"] for x in rs)
+            steps = {k: statistics.median(x["steps"].get(k, 0.0) for x in rs) for k in rs[0]["steps"]}
+            export = steps.pop("export_to_gm", 0.0)
+            top = ", ".join(f"{k} {v:.2f}" for k, v in sorted(steps.items(), key=lambda kv: -kv[1])[:3])
+            print(f"| {name} | {tree_name} | {total:.2f} | {export:.2f} | {top} |")
+    print(f"\nraw: {os.path.relpath(path, ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
