@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 
 from autodeploy.transform.interface import Stage
 from autodeploy.utils.memory import measure_peak
@@ -328,3 +328,25 @@ def test_llama_pipeline_counts_and_numerics():
 
     for result in (default, no_swiglu):
         assert_matches_hf(result.graph, ckpt)
+
+
+def test_release_unused_frees_a_weight_only_when_its_last_reader_goes():
+    """release_unused counts the readers of each weight once: a weight another get_attr still
+    reads stays; a node listed twice is erased once; the last reader's erasure frees it."""
+    from autodeploy.transform.library._gemm_fusion import release_unused
+
+    gm = fx.GraphModule(nn.Module(), fx.Graph())
+    gm.register_parameter("w", nn.Parameter(torch.ones(2), requires_grad=False))
+    gm.register_parameter("v", nn.Parameter(torch.ones(2), requires_grad=False))
+    x = gm.graph.placeholder("x")
+    w1, w2, v = gm.graph.get_attr("w"), gm.graph.get_attr("w"), gm.graph.get_attr("v")
+    gm.graph.output(gm.graph.call_function(torch.add, (x, w2)))
+    release_unused(gm, [w1, w1, v])
+    assert "w" in dict(gm.named_parameters()) and "v" not in dict(gm.named_parameters())
+    assert [n.target for n in gm.graph.nodes if n.op == "get_attr"] == ["w"]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    gm.graph.erase_node(out)
+    gm.graph.erase_node(next(n for n in gm.graph.nodes if n.op == "call_function"))
+    gm.graph.output(x)
+    release_unused(gm, [w2])
+    assert dict(gm.named_parameters()) == {}

@@ -35,6 +35,15 @@ def _metas(gm):
     return {n.name: meta(n.meta.get("val")) for n in gm.graph.nodes}
 
 
+def _assert_equals_a_full_propagation(gm):
+    """The values in the graph now equal those of a propagation that recomputes every node."""
+    incremental = _metas(gm)
+    for n in gm.graph.nodes:
+        n.meta.pop(graph_utils._PROP_MEMO, None)
+    run_shape_prop(gm, incremental=False)
+    assert _metas(gm) == incremental
+
+
 def _count_computed(monkeypatch):
     calls = []
     original = FakeTensorProp.run_node
@@ -82,11 +91,7 @@ def test_incremental_equals_full_after_a_rewrite():
     gm, record = apply_transform("match_rope_pattern", gm)
     assert record.num_matches == 1
     run_shape_prop(gm)  # incremental: the rope op is new, the rest is reused
-    incremental = _metas(gm)
-    for n in gm.graph.nodes:
-        n.meta.pop(graph_utils._PROP_MEMO, None)
-    run_shape_prop(gm, incremental=False)
-    assert _metas(gm) == incremental
+    _assert_equals_a_full_propagation(gm)
 
 
 def test_a_replaced_weight_is_seen(monkeypatch):
@@ -149,11 +154,7 @@ def test_traced_values_are_adopted_so_nothing_is_recomputed(monkeypatch):
     run_shape_prop(gm)
     assert [c for c in calls if c in traced] == []
     assert all(n.meta["val"] is traced[n.name] for n in nodes)
-    adopted = _metas(gm)
-    for n in gm.graph.nodes:
-        n.meta.pop(graph_utils._PROP_MEMO, None)
-    run_shape_prop(gm, incremental=False)
-    assert _metas(gm) == adopted
+    _assert_equals_a_full_propagation(gm)
 
 
 def test_adopted_values_do_not_hide_a_change(monkeypatch):
@@ -195,8 +196,4 @@ def test_the_first_propagation_of_a_build_redoes_only_what_the_cleanups_changed(
     computed = [n for n in gm.graph.nodes if n.name in set(calls) and n.op == "call_function"]
     total = sum(n.op == "call_function" for n in gm.graph.nodes)
     assert 0 < len(computed) < total // 4, (len(computed), total)
-    incremental = _metas(gm)
-    for n in gm.graph.nodes:
-        n.meta.pop(graph_utils._PROP_MEMO, None)
-    run_shape_prop(gm, incremental=False)
-    assert _metas(gm) == incremental
+    _assert_equals_a_full_propagation(gm)
