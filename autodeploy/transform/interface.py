@@ -10,6 +10,7 @@ history and visualisation. Subclasses implement ``_apply`` (per GraphModule) or
 
 import os
 import time
+import weakref
 from abc import ABC
 from dataclasses import dataclass, field
 from enum import Enum
@@ -178,6 +179,9 @@ class PipelineContext:
     # sharding_transform_executor -> load_weights: parameter name -> the slice of its checkpoint
     # tensor this rank loads (``library._sharding.WeightShard``).
     weight_shards: Dict[str, "WeightShard"] = field(default_factory=dict)
+    # The transform driver: (a weak reference to the model a transform returned, its tensor bytes),
+    # so that the next transform's "before" count is not a second walk over the same unchanged model.
+    last_tensor_bytes: Optional[Tuple["weakref.ref[nn.Module]", int]] = None
 
 
 _META_LAST_INFO = "autodeploy_last_info"
@@ -195,11 +199,12 @@ def model_tensor_bytes(mod: Optional[nn.Module]) -> int:
         if t.is_mkldnn:  # opaque packed weights have no storage to share
             total += t.numel() * t.element_size()
             continue
-        key = (t.device, t.untyped_storage().data_ptr())
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
         if key in seen:
             continue
         seen.add(key)
-        total += t.untyped_storage().nbytes()
+        total += storage.nbytes()
     return total
 
 
@@ -293,13 +298,15 @@ class BaseTransform(ABC):
                 logger.warning("transform %s skipped: %s", self._key, err)
                 ctx.history.append(TransformRecord(self._key, cfg.stage.value, "skipped", error=str(err)[:200]))
                 return mod
-        mem_before = model_tensor_bytes(mod)
+        last = ctx.last_tensor_bytes
+        mem_before = last[1] if last is not None and last[0]() is mod else model_tensor_bytes(mod)
         try:
             mod, info = self._run(mod, ctx)
         except Exception as exc:  # noqa: BLE001 - re-raised unless skip_on_error
             if not cfg.skip_on_error:
                 raise
             elapsed = time.perf_counter() - start
+            ctx.last_tensor_bytes = None  # it may have changed tensors before failing
             logger.warning("transform %s failed and was skipped (skip_on_error): %s", self._key, exc)
             ctx.history.append(
                 TransformRecord(self._key, cfg.stage.value, "failed", time_s=elapsed, error=str(exc).splitlines()[0])
@@ -308,7 +315,9 @@ class BaseTransform(ABC):
         if mod is not None:
             self._finish(mod, info)
         elapsed = time.perf_counter() - start
-        mem_delta = model_tensor_bytes(mod) - mem_before
+        mem_after = model_tensor_bytes(mod)
+        ctx.last_tensor_bytes = (weakref.ref(mod), mem_after) if mod is not None else None
+        mem_delta = mem_after - mem_before
         self._check_memory(mem_delta)
         record = TransformRecord(
             self._key,

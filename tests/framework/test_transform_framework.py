@@ -92,6 +92,26 @@ class GrowsMemory(BaseTransform):
         return TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
 
 
+@TransformRegistry.register("_test_grows_memory_then_fails")
+class GrowsMemoryThenFails(BaseTransform):
+    config_class = GrowsConfig
+    run_after = ("_test_grows_memory",)
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        gm.register_buffer("_blob_of_a_failure", torch.zeros(1 << 20))  # 4 MiB
+        raise RuntimeError("boom after allocating")
+
+
+@TransformRegistry.register("_test_grows_memory_last")
+class GrowsMemoryLast(BaseTransform):
+    config_class = GrowsConfig
+    run_after = ("_test_grows_memory_then_fails",)
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
+        gm.register_buffer("_last_blob", torch.zeros(1 << 19))  # 2 MiB
+        return TransformInfo(num_matches=1, is_clean=True, has_valid_shapes=True)
+
+
 def _run(pipeline, gm=None):
     ctx = PipelineContext()
     out = InferenceOptimizer(pipeline)(ctx, gm if gm is not None else _gm())
@@ -168,6 +188,18 @@ def test_memory_change_warns_unless_expected(caplog):
         gm, ctx = _run({"_test_grows_memory": {"expect_mem_change": True}})
     assert not any("changed model memory" in r.getMessage() for r in caplog.records)
     assert ctx.history[0].mem_delta_mb == pytest.approx(2.0)
+
+
+def test_each_transform_reports_its_own_memory_change():
+    """The driver reuses one transform's "after" count as the next one's "before": each delta is
+    still the transform's own, also after a failed transform that allocated before failing."""
+    grow = {"expect_mem_change": True}
+    gm, ctx = _run({"_test_grows_memory": grow, "_test_grows_memory_last": grow})
+    assert [r.mem_delta_mb for r in ctx.history] == pytest.approx([2.0, 2.0])
+    gm, ctx = _run({"_test_grows_memory": grow, "_test_grows_memory_then_fails": {**grow, "skip_on_error": True},
+                    "_test_grows_memory_last": grow})
+    assert [r.status for r in ctx.history] == ["ok", "failed", "ok"]
+    assert ctx.history[2].mem_delta_mb == pytest.approx(2.0)  # not the failed transform's 4 MiB too
 
 
 def test_summary_table_lists_each_transform():
