@@ -183,6 +183,36 @@ def test_grad_mode_and_autocast_off_regions_are_inlined():
     torch.testing.assert_close(gm(x), module(x))
 
 
+def _grad_regions(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        y = x * 2
+        with torch.enable_grad():
+            y = y + 1
+    return y
+
+
+def _recorded_grad_mode_calls(fn) -> list:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with torch.no_grad():
+        gm = make_fx(fn, pre_dispatch=True)(torch.randn(3))
+    return [n.args[0] for n in gm.graph.nodes if n.target is torch._C._set_grad_enabled]
+
+
+def test_grad_mode_calls_that_change_nothing_are_not_recorded():
+    """Each recorded grad-mode call makes torch.export split and re-inline the whole graph
+    (quadratic in the parameter count): under no_grad, HF's no_grad regions change nothing and
+    are dropped before export sees them; an enable_grad region inside is still recorded."""
+    from autodeploy.export.exporter import _UnchangedGradModeSkipped
+
+    def skipped(x: torch.Tensor) -> torch.Tensor:
+        with _UnchangedGradModeSkipped():
+            return _grad_regions(x)
+
+    assert _recorded_grad_mode_calls(_grad_regions) == [False, True, False, False]
+    assert _recorded_grad_mode_calls(skipped) == [True, False]
+
+
 def test_export_to_graph_module_unknown_patch():
     with pytest.raises(ValueError, match="nope"):
         export_to_graph_module(TwoInputs(), (torch.randn(2, 5, 8), torch.randn(2, 5, 3)), patches={"nope": True})
