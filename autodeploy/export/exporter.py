@@ -163,6 +163,7 @@ def export_causal_lm(
     experts_implementation: str = "autodeploy",
     checkpoint_keys: Optional[Collection[str]] = None,
     static_seq_len: Optional[int] = None,
+    stack_experts: bool = False,
 ) -> fx.GraphModule:
     """Export ``model`` (any device, usually meta) with dynamic batch and sequence dims.
 
@@ -200,7 +201,7 @@ def export_causal_lm(
         try:
             with apply_export_patches(model, dict(patches or {})), hf_attention_route(
                 model, attn_implementation
-            ), hf_experts_route(model, experts_implementation, checkpoint_keys), _logits_only_forward(
+            ), hf_experts_route(model, experts_implementation, checkpoint_keys, stack_experts), _logits_only_forward(
                 model
             ), _module_tracker(model, stack):
                 ep = torch.export.export(

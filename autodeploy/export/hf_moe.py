@@ -12,15 +12,22 @@ scaling) stays plain ops in the graph, exactly the model's numerics.
 
 Two things happen per experts module:
 
-* Parameters follow the checkpoint. HF checkpoints of most families store each expert's
-  weights separately (``experts.<e>.w1.weight`` or ``experts.<e>.gate_proj.weight``) and HF
-  stacks them while loading (its ``conversion_mapping``). Our loader reads tensors by name, so
-  for the export the stacked parameters are replaced by per-expert ones named exactly as the
-  checkpoint names them (derived from transformers' own conversion mapping, renamings
+* Parameters: stacked, or one per checkpoint tensor. HF checkpoints of most families store
+  each expert's weights separately (``experts.<e>.w1.weight`` or ``experts.<e>.gate_proj.weight``)
+  and HF stacks them while loading (its ``conversion_mapping``). By default
+  (``stack_experts``) the module keeps its stacked parameters and our loader stacks the
+  checkpoint's tensors into them by replaying those converters (``conversion_hooks``): three
+  parameters per MoE layer instead of 3 x E, which matters because torch.export's time, and
+  every later walk over the graph's weights, grows with the number of parameters (a 16-layer,
+  128-expert model: 19 s -> 4 s of export). Sharded builds and checkpoints whose experts are
+  quantized (any tensor beside an expert's ``weight``: scales, packed weights) need the experts
+  one by one, so there the stacked parameters are replaced by per-expert ones named exactly as
+  the checkpoint names them (derived from transformers' own conversion mapping, renamings
   included, e.g. Mixtral's ``block_sparse_moe``; the other renamed tensors, such as Mixtral's
-  router, are renamed after export by ``hf_names``). ``fuse_moe`` stacks them once after loading.
-  Modules with no such conversion (GPT-OSS stores stacked, transposed, interleaved weights with
-  biases), or whose checkpoint (when known) holds the stacked names, keep their parameters.
+  router, are renamed after export by ``hf_names``), and ``fuse_moe`` stacks them once after
+  loading. Modules with no such conversion (GPT-OSS stores stacked, transposed, interleaved
+  weights with biases), or whose checkpoint (when known) holds the stacked names, keep their
+  parameters.
 * The computation becomes canonical (``experts_implementation="autodeploy"``): ``torch_moe``
   over the per-expert parameters, or ``torch_moe_fused`` over the stacked ones, with any layout
   difference (transposed, interleaved gate/up) written as view/cat ops on the parameters, which
@@ -34,7 +41,7 @@ Two things happen per experts module:
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Collection, Dict, Iterator, List, Optional, Tuple
+from typing import Collection, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -226,9 +233,26 @@ def autodeploy_experts_forward(
             module.__dict__.pop(name, None)
 
 
+def _extra_leaves(checkpoint_keys: Collection[str]) -> Dict[str, Set[str]]:
+    """Checkpoint module path -> the names of its tensors other than ``weight`` (quantization
+    formats store scales, zero points or packed weights next to an expert's weight)."""
+    extra: Dict[str, Set[str]] = {}
+    for key in checkpoint_keys:
+        path, _, leaf = key.rpartition(".")
+        if leaf != "weight":
+            extra.setdefault(path, set()).add(leaf)
+    return extra
+
+
+def _plain_per_expert_weights(names: Dict[str, List[str]], extra: Dict[str, Set[str]]) -> bool:
+    """Each expert's gate/up/down is one plain ``weight`` tensor in the checkpoint (no quantization
+    tensors beside it): then the loader can stack them into the module's own parameters."""
+    return not any(name.rpartition(".")[0] in extra for ns in names.values() for name in ns)
+
+
 def _plan_module(
     model: nn.Module, path: str, module: nn.Module, mode: str, checkpoint_keys: Optional[Collection[str]],
-    undo: Undo, removed: List[Tuple[nn.Module, str, nn.Parameter]],
+    undo: Undo, removed: List[Tuple[nn.Module, str, nn.Parameter]], stack: Optional[Dict[str, Set[str]]] = None,
 ) -> ExpertsPlan:
     act, alpha, limit = identify_activation(module)
     num_experts = int(module.gate_up_proj.shape[0])
@@ -245,6 +269,8 @@ def _plan_module(
             in_checkpoint(n, checkpoint_keys) for n in stacked_names
         ):
             names = None  # the checkpoint was saved stacked (transformers' new format)
+        elif stack is not None and _plain_per_expert_weights(names, stack):
+            names = None  # stacked by the loader from the per-expert tensors (transformers' converters)
     if names is None:
         return plan
     inter = _intermediate(module)
@@ -265,12 +291,15 @@ def _plan_module(
 
 @contextmanager
 def hf_experts_route(
-    model: nn.Module, experts_implementation: str = AD_EXPERTS_IMPL, checkpoint_keys: Optional[Collection[str]] = None
+    model: nn.Module, experts_implementation: str = AD_EXPERTS_IMPL, checkpoint_keys: Optional[Collection[str]] = None,
+    stack_experts: bool = False,
 ) -> Iterator[List[ExpertsPlan]]:
     """Export ``model``'s HF experts modules through ``experts_implementation`` (see module doc).
 
     ``checkpoint_keys`` (the checkpoint's tensor names, when known) decides between per-expert
-    and stacked parameters; without it, transformers' conversion mapping decides.
+    and stacked parameters; without it, transformers' conversion mapping decides. With
+    ``stack_experts`` a checkpoint of plain per-expert weights is exported stacked too (the
+    loader stacks them); without it, or when the experts' tensors are quantized, per expert.
     """
     if experts_implementation not in SUPPORTED_EXPERTS_IMPLS:
         raise ValueError(
@@ -289,9 +318,10 @@ def hf_experts_route(
     saved_fn = mapping.get(AD_EXPERTS_IMPL)
     configs = {id(m.config): m.config for _, m in experts if getattr(m, "config", None) is not None}
     saved_impls = {k: getattr(c, "_experts_implementation_internal", None) for k, c in configs.items()}
+    stack = _extra_leaves(checkpoint_keys) if stack_experts and checkpoint_keys is not None else None
     try:
         for name, module in experts:
-            plan = _plan_module(model, name, module, experts_implementation, checkpoint_keys, undo, removed)
+            plan = _plan_module(model, name, module, experts_implementation, checkpoint_keys, undo, removed, stack)
             _PLANS[id(module)] = plan
             plans.append(plan)
         ExpertsInterface.register(AD_EXPERTS_IMPL, autodeploy_experts_forward)

@@ -6,11 +6,12 @@ One computation, three ops::
     expert_e(v) = down_e(act(gate_e(v), up_e(v)))
 
 * ``torch_moe``: per-expert weight lists (``gate_weights[e]`` ``[I, H]``, ``up_weights[e]``
-  ``[I, H]``, ``down_weights[e]`` ``[H, I]``). The IR for checkpoints that store each expert
-  separately (Mixtral, Qwen-MoE, OLMoE, DeepSeek): the graph's parameters are the checkpoint's
-  tensors, so sharding and loading see them one by one.
+  ``[I, H]``, ``down_weights[e]`` ``[H, I]``). The IR where experts must be seen one by one:
+  sharded builds and quantized experts of checkpoints that store each expert separately
+  (Mixtral, Qwen-MoE, OLMoE, DeepSeek), whose graph parameters are the checkpoint's tensors.
 * ``torch_moe_fused``: the same with stacked weights, ``gate_up_weight`` ``[E, 2I, H]`` (gate
-  rows first, then up rows) and ``down_weight`` ``[E, H, I]``. The IR for checkpoints that store
+  rows first, then up rows) and ``down_weight`` ``[E, H, I]``. The IR of an unsharded build of
+  plain weights (the loader stacks per-expert checkpoint tensors) and of checkpoints that store
   experts stacked, and what ``fuse_moe`` produces from ``torch_moe`` at load time.
 * ``grouped_moe_fused``: ``torch_moe_fused``'s signature and numerics, the fast implementation
   ``fuse_moe`` chooses (see its docstring for the two strategies and the measurements).

@@ -19,11 +19,15 @@ from autodeploy.utils.errors import ConfigError
 from helpers import MOE_FAMILIES, MOE_LAYERS, build, count_op, moe_family_checkpoint
 from test_collectives import _run_ranks
 
+# a sharded build exports experts per expert; these plan a world-size-1 build for other world sizes
+PER_EXPERT = {"export_to_gm": {"experts_layout": "per_expert"}}
+
 ad = torch.ops.autodeploy
 
 
 def test_plan_splits_whole_experts_when_the_world_size_divides_them():
-    gm = build(moe_family_checkpoint("mixtral"), up_to=Stage.PATTERN_MATCHER).graph_module
+    gm = build(moe_family_checkpoint("mixtral"), up_to=Stage.PATTERN_MATCHER,
+               overrides=PER_EXPERT).graph_module
     for rank in (0, 1):
         shards = [d for d in detect(gm, world_size=2, rank=rank).decisions if isinstance(d, ExpertShard)]
         assert len(shards) == MOE_LAYERS["mixtral"]

@@ -32,6 +32,9 @@ from autodeploy.transform.library.detect_sharding import detect
 from helpers import build, count_op, graph_logits, hf_greedy_tokens, moe_family_checkpoint, rel_rmse
 from test_collectives import _run_ranks
 
+# a sharded build exports experts per expert; these plan a world-size-1 build for other world sizes
+PER_EXPERT = {"export_to_gm": {"experts_layout": "per_expert"}}
+
 ad = torch.ops.autodeploy
 LAYERS = qc.TINY["num_hidden_layers"]
 # per quantized linear: the tensors a split carries along with the weight (dim), per format
@@ -92,7 +95,8 @@ def test_an_mlp_whose_gate_has_another_reader_stays_whole():
 
 
 def test_fewer_experts_than_ranks_split_inside_the_experts():
-    gm = build(moe_family_checkpoint("mixtral", num_local_experts=2), up_to=Stage.PATTERN_MATCHER).graph_module
+    gm = build(moe_family_checkpoint("mixtral", num_local_experts=2), up_to=Stage.PATTERN_MATCHER,
+               overrides=PER_EXPERT).graph_module
     plan = detect(gm, world_size=4, rank=3)  # 2 experts, 4 ranks: 128 hidden features -> 32 a rank
     inside = [d for d in plan.decisions if isinstance(d, ExpertTensorShard)]
     assert len(inside) == LAYERS and not any(isinstance(d, ExpertShard) for d in plan.decisions)

@@ -143,18 +143,26 @@ def test_input_dependent_weights_left_alone():
     assert_same_outputs(reference, gm, SHAPES)
 
 
-@pytest.mark.parametrize("family", ["mixtral", pytest.param("gpt_oss", marks=pytest.mark.slow)])
-def test_pipeline_fuses_every_moe_layer(family):
+@pytest.mark.parametrize("family,layout", [("mixtral", "auto"), ("mixtral", "per_expert"),
+                                           pytest.param("gpt_oss", "auto", marks=pytest.mark.slow)])
+def test_pipeline_fuses_every_moe_layer(family, layout):
+    """Mixtral's checkpoint stores each expert: by default the export keeps the module's stacked
+    parameters (the loader stacks the checkpoint's tensors) and fuse_moe reads them as they are;
+    exported per expert, fuse_moe stacks them into new parameters. GPT-OSS's stacked, transposed,
+    interleaved layout is folded into new parameters."""
     # select_moe_backend off: this checks fuse_moe's own result (test_select_moe_backend.py the packing)
     result = build(moe_family_checkpoint(family), up_to=Stage.POST_LOAD_FUSION,
-                   overrides={"select_moe_backend": {"backend": "torch"}})
+                   overrides={"select_moe_backend": {"backend": "torch"},
+                              "export_to_gm": {"experts_layout": layout}})
     record = next(r for r in result.context.history if r.key == "fuse_moe")
     assert record.status == "ok" and record.num_matches == MOE_LAYERS[family]
     gm = result.graph
     assert count_op(gm, ad.grouped_moe_fused) == MOE_LAYERS[family]
     assert count_op(gm, [ad.torch_moe, ad.torch_moe_fused]) == 0
     params = dict(gm.named_parameters())
-    assert not [n for n in params if ".experts.0." in n or n.endswith("experts.gate_up_proj")]
+    assert not [n for n in params if ".experts.0." in n]
+    read_as_exported = [n for n in params if n.endswith("experts.gate_up_proj")]
+    assert len(read_as_exported) == (MOE_LAYERS[family] if (family, layout) == ("mixtral", "auto") else 0)
     assert all(not p.is_meta for p in params.values())
     assert_matches_hf(gm, moe_family_checkpoint(family))
 

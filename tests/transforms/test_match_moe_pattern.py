@@ -96,11 +96,12 @@ def test_whole_model_per_expert_weights_become_torch_moe(family):
 @pytest.mark.parametrize("family", [f if f == "mixtral" else pytest.param(f, marks=pytest.mark.slow)
                                     for f in sorted(MOE_FAMILIES)])
 def test_pipeline_parameters_are_checkpoint_tensors(family):
-    """Through the pipeline (batched_mm route), each MoE layer matches once and every parameter of
-    the graph is a tensor of the checkpoint transformers saved (per expert where it saves so)."""
+    """Through the pipeline (batched_mm route, experts exported per expert), each MoE layer matches
+    once and every parameter of the graph is a tensor of the checkpoint transformers saved (per
+    expert where it saves so)."""
     ckpt = moe_family_checkpoint(family)
     result = build(ckpt, up_to=Stage.PATTERN_MATCHER,
-                   overrides={"export_to_gm": {"experts_implementation": "batched_mm"}})
+                   overrides={"export_to_gm": {"experts_implementation": "batched_mm", "experts_layout": "per_expert"}})
     record = next(r for r in result.context.history if r.key == "match_moe_pattern")
     assert record.status == "ok" and record.num_matches == MOE_LAYERS[family]
     per_expert = family != "gpt_oss"

@@ -39,6 +39,14 @@ class ExportToGMConfig(TransformConfig):
         description="HF MoE experts implementation used while tracing: 'autodeploy' emits torch_moe / "
         "torch_moe_fused directly; 'batched_mm' keeps HF's exportable code for match_moe_pattern.",
     )
+    experts_layout: Literal["auto", "per_expert"] = Field(
+        default="auto",
+        description="Parameters of HF MoE experts whose checkpoint stores each expert separately: 'auto' keeps "
+        "the module's stacked [E, ...] parameters, which the loader fills from the per-expert tensors (three "
+        "parameters per MoE layer instead of 3 x E: export time does not grow with the expert count), unless the "
+        "model is sharded (world_size > 1) or the experts' checkpoint tensors are quantized; 'per_expert' always "
+        "exports one parameter per expert tensor, named as the checkpoint names it.",
+    )
     static_seq_fallback: bool = Field(
         default=True,
         description="When the sequence dim cannot be exported dynamic (Python loops over it, chunk-size "
@@ -78,6 +86,8 @@ class ExportToGM(BaseTransform):
             experts_implementation=cfg.experts_implementation,
             checkpoint_keys=_checkpoint_keys(ctx),
             static_seq_len=_static_length(ctx, cfg),
+            # sharding and the quantized-expert transforms work on per-expert parameters
+            stack_experts=cfg.experts_layout == "auto" and ctx.world_size == 1,
         )
         static = (gm.meta.get("autodeploy_export") or {}).get("static_seq_len")
         if static is not None and static < ctx.max_seq_len:
