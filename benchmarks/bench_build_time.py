@@ -10,8 +10,10 @@ with depth, the weights are small) and ``moe16`` (a 16-layer Qwen3-MoE of 128 ex
 tensors: what grows with the expert count). The two test checkpoints are written once with random
 weights under ``$AUTODEPLOY_CACHE/bench-build`` (``autodeploy.models.presets.write_random_checkpoint``).
 Each build reports the transform summary table; the JSON keeps every transform's time, the table
-printed at the end the total and the largest items. The pattern cache should be warm (one build of
-each model first, not counted, does that). Writes ``benchmarks/results/build-time-<time>.json``.
+(printed, and written beside the JSON as ``.md``) the total and the largest items, the chart
+(``benchmarks/build-time.png``) torch.export's share of each total. The pattern cache should be
+warm (one build of each model first, not counted, does that). Writes
+``benchmarks/results/build-time-<time>.{json,md}``.
 """
 
 import argparse
@@ -20,7 +22,7 @@ import re
 import statistics
 import subprocess
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -82,17 +84,64 @@ def main() -> None:
                 runs[name][tree_name].append({"total_s": total, "steps": steps})
                 print(f"round {r + 1} {name} {tree_name}: {total:.2f} s", flush=True)
     path = write_report("build-time", {"trees": trees, "runs": runs})
-    print(f"\n| model | tree | transforms total [s] (median) | export_to_gm [s] | largest other steps [s] |")
-    print("|---|---|---|---|---|")
+    medians = {name: {tree_name: _medians(runs[name][tree_name]) for tree_name in trees} for name in models}
+    lines = ["| model | tree | transforms total [s] (median) | export_to_gm [s] | largest other steps [s] |",
+             "|---|---|---|---|---|"]
     for name in models:
         for tree_name in trees:
-            rs = runs[name][tree_name]
-            total = statistics.median(x["total_s"] for x in rs)
-            steps = {k: statistics.median(x["steps"].get(k, 0.0) for x in rs) for k in rs[0]["steps"]}
+            total, steps = medians[name][tree_name]
+            steps = dict(steps)
             export = steps.pop("export_to_gm", 0.0)
             top = ", ".join(f"{k} {v:.2f}" for k, v in sorted(steps.items(), key=lambda kv: -kv[1])[:3])
-            print(f"| {name} | {tree_name} | {total:.2f} | {export:.2f} | {top} |")
-    print(f"\nraw: {os.path.relpath(path, ROOT)}")
+            lines.append(f"| {name} | {tree_name} | {total:.2f} | {export:.2f} | {top} |")
+    table = "\n".join(lines) + "\n"
+    stem = path[: -len(".json")]
+    with open(stem + ".md", "w") as f:
+        f.write(table)
+    png = plot(medians, os.path.join(ROOT, "benchmarks", "build-time.png"))
+    print("\n" + table)
+    print(f"raw: {os.path.relpath(path, ROOT)}, table {os.path.relpath(stem + '.md', ROOT)}"
+          + (f", chart {os.path.relpath(png, ROOT)}" if png else ""))
+
+
+def _medians(rs: List[Dict]) -> Tuple[float, Dict[str, float]]:
+    """(median total, median time of each transform) over the rounds of one model and tree."""
+    total = statistics.median(x["total_s"] for x in rs)
+    return total, {k: statistics.median(x["steps"].get(k, 0.0) for x in rs) for k in rs[0]["steps"]}
+
+
+def plot(medians: Dict[str, Dict[str, Tuple[float, Dict[str, float]]]], path: str) -> Optional[str]:
+    """Stacked bars per model and tree: torch.export, then every other transform."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    from autodeploy.bench.runner import cpu_name
+
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * sum(len(t) for t in medians.values()), 4.2))
+    labels, exports, others = [], [], []
+    for name, trees in medians.items():
+        for tree_name, (total, steps) in trees.items():
+            labels.append(f"{name}\n{tree_name}")
+            exports.append(steps.get("export_to_gm", 0.0))
+            others.append(total - exports[-1])
+    xs = range(len(labels))
+    ax.bar(xs, exports, label="export_to_gm (torch.export)")
+    ax.bar(xs, others, bottom=exports, label="the other transforms")
+    for x, e, o in zip(xs, exports, others):
+        ax.annotate(f"{e + o:.1f}", (x, e + o), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("build time [s] (transforms, median)")
+    ax.set_title(f"autodeploy export, warm pattern cache\n{cpu_name()}", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":
