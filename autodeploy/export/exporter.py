@@ -164,6 +164,7 @@ def export_causal_lm(
     checkpoint_keys: Optional[Collection[str]] = None,
     static_seq_len: Optional[int] = None,
     stack_experts: bool = False,
+    world_size: int = 1,
 ) -> fx.GraphModule:
     """Export ``model`` (any device, usually meta) with dynamic batch and sequence dims.
 
@@ -173,7 +174,8 @@ def export_causal_lm(
     usually 2), else with the fixed length ``static_seq_len``
     (``meta['autodeploy_export']['static_seq_len']``). Either graph only runs in recompute
     mode; shorter histories are right-padded.
-    ``experts_implementation`` and ``checkpoint_keys`` steer HF MoE experts (``hf_moe``)."""
+    ``experts_implementation``, ``checkpoint_keys``, ``stack_experts`` and ``world_size`` steer HF
+    MoE experts (``hf_moe``)."""
     device = next(iter(model.parameters())).device
     batch = min(example_batch, max(max_batch_size, 2))
     b = Dim("batch", min=1, max=max(max_batch_size, 2))
@@ -201,7 +203,9 @@ def export_causal_lm(
         try:
             with apply_export_patches(model, dict(patches or {})), hf_attention_route(
                 model, attn_implementation
-            ), hf_experts_route(model, experts_implementation, checkpoint_keys, stack_experts), _logits_only_forward(
+            ), hf_experts_route(
+                model, experts_implementation, checkpoint_keys, stack_experts, world_size
+            ), _logits_only_forward(
                 model
             ), _module_tracker(model, stack):
                 ep = torch.export.export(

@@ -19,9 +19,11 @@ Two things happen per experts module:
   checkpoint's tensors into them by replaying those converters (``conversion_hooks``): three
   parameters per MoE layer instead of 3 x E, which matters because torch.export's time, and
   every later walk over the graph's weights, grows with the number of parameters (a 16-layer,
-  128-expert model: 19 s -> 4 s of export). Sharded builds and checkpoints whose experts are
-  quantized (any tensor beside an expert's ``weight``: scales, packed weights) need the experts
-  one by one, so there the stacked parameters are replaced by per-expert ones named exactly as
+  128-expert model: 19 s -> 4 s of export); expert parallelism gives each rank its rows of the
+  stacks. Checkpoints whose experts are quantized (any tensor beside an expert's ``weight``:
+  scales, packed weights), and sharded builds whose world size does not divide the experts
+  (split inside each expert), need the experts one by one, so there the stacked parameters are
+  replaced by per-expert ones named exactly as
   the checkpoint names them (derived from transformers' own conversion mapping, renamings
   included, e.g. Mixtral's ``block_sparse_moe``; the other renamed tensors, such as Mixtral's
   router, are renamed after export by ``hf_names``), and ``fuse_moe`` stacks them once after
@@ -253,6 +255,7 @@ def _plain_per_expert_weights(names: Dict[str, List[str]], extra: Dict[str, Set[
 def _plan_module(
     model: nn.Module, path: str, module: nn.Module, mode: str, checkpoint_keys: Optional[Collection[str]],
     undo: Undo, removed: List[Tuple[nn.Module, str, nn.Parameter]], stack: Optional[Dict[str, Set[str]]] = None,
+    world_size: int = 1,
 ) -> ExpertsPlan:
     act, alpha, limit = identify_activation(module)
     num_experts = int(module.gate_up_proj.shape[0])
@@ -269,7 +272,7 @@ def _plan_module(
             in_checkpoint(n, checkpoint_keys) for n in stacked_names
         ):
             names = None  # the checkpoint was saved stacked (transformers' new format)
-        elif stack is not None and _plain_per_expert_weights(names, stack):
+        elif stack is not None and num_experts % world_size == 0 and _plain_per_expert_weights(names, stack):
             names = None  # stacked by the loader from the per-expert tensors (transformers' converters)
     if names is None:
         return plan
@@ -292,14 +295,16 @@ def _plan_module(
 @contextmanager
 def hf_experts_route(
     model: nn.Module, experts_implementation: str = AD_EXPERTS_IMPL, checkpoint_keys: Optional[Collection[str]] = None,
-    stack_experts: bool = False,
+    stack_experts: bool = False, world_size: int = 1,
 ) -> Iterator[List[ExpertsPlan]]:
     """Export ``model``'s HF experts modules through ``experts_implementation`` (see module doc).
 
     ``checkpoint_keys`` (the checkpoint's tensor names, when known) decides between per-expert
     and stacked parameters; without it, transformers' conversion mapping decides. With
     ``stack_experts`` a checkpoint of plain per-expert weights is exported stacked too (the
-    loader stacks them); without it, or when the experts' tensors are quantized, per expert.
+    loader stacks them; expert parallelism splits the stacks by rows); without it, when the
+    experts' tensors are quantized, or when ``world_size`` does not divide the experts (they are
+    then split inside each expert, which needs them one by one), per expert.
     """
     if experts_implementation not in SUPPORTED_EXPERTS_IMPLS:
         raise ValueError(
@@ -321,7 +326,8 @@ def hf_experts_route(
     stack = _extra_leaves(checkpoint_keys) if stack_experts and checkpoint_keys is not None else None
     try:
         for name, module in experts:
-            plan = _plan_module(model, name, module, experts_implementation, checkpoint_keys, undo, removed, stack)
+            plan = _plan_module(model, name, module, experts_implementation, checkpoint_keys, undo, removed, stack,
+                                world_size)
             _PLANS[id(module)] = plan
             plans.append(plan)
         ExpertsInterface.register(AD_EXPERTS_IMPL, autodeploy_experts_forward)

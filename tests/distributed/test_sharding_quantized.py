@@ -32,7 +32,8 @@ from autodeploy.transform.library.detect_sharding import detect
 from helpers import build, count_op, graph_logits, hf_greedy_tokens, moe_family_checkpoint, rel_rmse
 from test_collectives import _run_ranks
 
-# a sharded build exports experts per expert; these plan a world-size-1 build for other world sizes
+# these plan the per-expert torch_moe (a build's layout for quantized experts, or experts the world size
+# does not divide) of a world-size-1 build for other world sizes
 PER_EXPERT = {"export_to_gm": {"experts_layout": "per_expert"}}
 
 ad = torch.ops.autodeploy

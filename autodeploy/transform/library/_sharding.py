@@ -13,8 +13,9 @@ A plan is a list of decisions over graph nodes, each a plain dataclass:
 * ``SwigluShard``: ``torch_swiglu_mlp`` with gate and up split by rows and down by columns: one
   all-reduce after the op.
 * ``ExpertShard``: expert parallelism; each rank holds ``num_experts / world_size`` whole experts
-  of a ``torch_moe``, computes the (token, expert) pairs routed to them, and one all-reduce sums
-  the ranks' partial outputs.
+  of a ``torch_moe`` (its per-expert tensors) or a ``torch_moe_fused`` (its rows of the stacked
+  tensors), computes the (token, expert) pairs routed to them, and one all-reduce sums the
+  ranks' partial outputs.
 * ``EmbeddingShard``: the embedding table split by vocabulary rows, one all-reduce after the lookup.
 * ``ExpertTensorShard``: tensor parallelism inside the experts, for a ``torch_moe`` whose experts
   the world size does not divide (fewer experts than ranks): every rank holds every expert's
@@ -150,14 +151,17 @@ class SwigluShard:
 
 @dataclass(frozen=True)
 class ExpertShard:
-    """Expert parallelism for one ``torch_moe``: this rank keeps experts ``[start, end)`` (their
-    weights only are loaded), the routing sends every other (token, expert) pair nowhere on this
-    rank (index -1, weight 0), and an all-reduce sums the ranks' partial outputs."""
+    """Expert parallelism for one ``torch_moe`` or ``torch_moe_fused``: this rank keeps experts
+    ``[start, end)`` (their weights only are loaded), the routing sends every other (token,
+    expert) pair nowhere on this rank (index -1, weight 0), and an all-reduce sums the ranks'
+    partial outputs. Per-expert tensors of the other ranks are dropped; stacked ones keep rows
+    ``[start, end)``."""
 
-    node: str  # the torch_moe node
+    node: str  # the MoE node
     start: int
     end: int
     dropped: Tuple[str, ...]  # get_attr targets of the other ranks' experts
+    stacked: Tuple[str, ...] = ()  # get_attr targets of stacked [E, ...] tensors, split along dim 0
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ holding the one head its query heads read), gated MLPs by their hidden features
 (``torch_swiglu_mlp``, and any ``down(f(gate(x), up(x)))`` with an element-wise ``f``: GeGLU,
 relu², quantized gate/up/down), one all-reduce after each block, mixture-of-experts layers split
 by whole experts (expert parallelism: each rank routes only the pairs of its experts, an
-all-reduce sums the ranks' outputs; quantized experts too, with their scales) or, when the world
+all-reduce sums the ranks' outputs; quantized experts too, with their scales; stacked experts by
+rows of their ``[E, ...]`` tensors) or, when the world
 size does not divide the float experts (fewer experts than ranks), inside every expert by its
 hidden features, the embedding table split by vocabulary rows with an all-reduce of the looked-up
 rows (``shard_embedding``), and the LM head split by vocabulary with an all-gather of the logits
@@ -216,6 +217,28 @@ def plan_moe(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> bool:
     return True
 
 
+def plan_stacked_moe(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> bool:
+    """Expert parallelism for one ``torch_moe_fused`` over stored stacked tensors (``[E, ...]``
+    weights and biases): each rank keeps a contiguous block of experts, its rows of each tensor.
+    Stacked weights written as ops on parameters (GPT-OSS's transposed, interleaved layout) or
+    experts the world size does not divide stay whole on every rank (logged): correct, only
+    memory."""
+    slots = [a for a in node.args[3:7] if a is not None]
+    targets = [_stored(gm, a) for a in slots]
+    if any(t is None for t in targets):
+        logger.info("MoE %s kept whole on every rank: its stacked weights are computed in the graph", node.name)
+        return False
+    experts = int(get_attr_value(gm, slots[0]).shape[0])
+    if experts % plan.world_size:
+        logger.info("MoE %s kept whole on every rank: %d experts, world_size %d (world sizes that split them: %s)",
+                    node.name, experts, plan.world_size, sizes_that_divide([experts]))
+        return False
+    per_rank = experts // plan.world_size
+    start, end = plan.rank * per_rank, (plan.rank + 1) * per_rank
+    plan.decisions.append(ExpertShard(node.name, start, end, (), tuple(targets)))  # type: ignore[arg-type]
+    return True
+
+
 def _stored(gm: fx.GraphModule, node: object) -> Optional[str]:
     """The get_attr target of a stored tensor argument (any shape: a quantized expert's scalar
     input scale too), or None (a computed value)."""
@@ -364,6 +387,8 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
             plan_swiglu(gm, node, plan)
         elif node.target == ad.torch_moe.default or node.target in QUANT_MOE_OPS:
             plan_moe(gm, node, plan)
+        elif node.target == ad.torch_moe_fused.default:
+            plan_stacked_moe(gm, node, plan)
         elif node.target == ad.torch_mla.default:
             plan_mla(gm, node, plan)
         elif node.target == aten.embedding.default and embedding:

@@ -43,9 +43,10 @@ class ExportToGMConfig(TransformConfig):
         default="auto",
         description="Parameters of HF MoE experts whose checkpoint stores each expert separately: 'auto' keeps "
         "the module's stacked [E, ...] parameters, which the loader fills from the per-expert tensors (three "
-        "parameters per MoE layer instead of 3 x E: export time does not grow with the expert count), unless the "
-        "model is sharded (world_size > 1) or the experts' checkpoint tensors are quantized; 'per_expert' always "
-        "exports one parameter per expert tensor, named as the checkpoint names it.",
+        "parameters per MoE layer instead of 3 x E: export time does not grow with the expert count; expert "
+        "parallelism splits the stacks by rows), unless the experts' checkpoint tensors are quantized or "
+        "world_size does not divide the experts; 'per_expert' always exports one parameter per expert tensor, "
+        "named as the checkpoint names it.",
     )
     static_seq_fallback: bool = Field(
         default=True,
@@ -86,8 +87,8 @@ class ExportToGM(BaseTransform):
             experts_implementation=cfg.experts_implementation,
             checkpoint_keys=_checkpoint_keys(ctx),
             static_seq_len=_static_length(ctx, cfg),
-            # sharding and the quantized-expert transforms work on per-expert parameters
-            stack_experts=cfg.experts_layout == "auto" and ctx.world_size == 1,
+            stack_experts=cfg.experts_layout == "auto",
+            world_size=ctx.world_size,
         )
         static = (gm.meta.get("autodeploy_export") or {}).get("static_seq_len")
         if static is not None and static < ctx.max_seq_len:

@@ -20,6 +20,8 @@ scales stay whole. Expert parallelism (``ExpertShard``) keeps this rank's block 
     m = autodeploy.torch_dist_all_reduce(autodeploy.torch_moe(x, where(mine, sel - e0, -1),
                                                                where(mine, w, 0), gates[e0:e1], ...))
 
+(``torch_moe_fused`` the same, its stacked ``[E, ...]`` tensors holding rows ``e0:e1``.)
+
 The embedding table (``EmbeddingShard``) keeps this rank's rows; ids outside them are zeroed and an
 all-reduce joins the ranks' rows::
 
@@ -96,10 +98,12 @@ def _all_reduce_after(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     return reduced
 
 
-def _keep_local_experts(gm: fx.GraphModule, node: fx.Node, shard: ExpertShard) -> None:
-    """``torch_moe`` (or a per-expert quantized MoE op) over this rank's experts only: local expert
-    ids, the other ranks' pairs sent nowhere (id -1, weight 0: the MoE ops skip them), the other
-    experts' tensors dropped from the module and the checkpoint list, an all-reduce after."""
+def _keep_local_experts(gm: fx.GraphModule, node: fx.Node, shard: ExpertShard, plan: ShardingPlan,
+                        shards: Dict[str, WeightShard]) -> None:
+    """``torch_moe`` (or a per-expert quantized MoE op, or ``torch_moe_fused``) over this rank's
+    experts only: local expert ids, the other ranks' pairs sent nowhere (id -1, weight 0: the MoE
+    ops skip them), the other experts' tensors dropped from the module and the checkpoint list
+    (stacked tensors: this rank's rows loaded), an all-reduce after."""
     graph = gm.graph
     sel, weights = node.args[1], node.args[2]
     with graph.inserting_before(node):
@@ -111,6 +115,8 @@ def _keep_local_experts(gm: fx.GraphModule, node: fx.Node, shard: ExpertShard) -
     # every per-expert list (weights, biases, a quantized format's scales) keeps this rank's block
     node.args = (node.args[0], local, kept, *[list(a)[shard.start:shard.end] if isinstance(a, (list, tuple)) else a
                                               for a in node.args[3:]])
+    for target in shard.stacked:  # experts [start, end) are this rank's part of dim 0
+        _shard_param(gm, target, 0, plan, shards)
     _all_reduce_after(gm, node)
     _drop(gm, shard.dropped)
 
@@ -197,7 +203,7 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
             _shard_param(gm, decision.down, 1, plan, shards)
             _all_reduce_after(gm, node)
         elif isinstance(decision, ExpertShard):
-            _keep_local_experts(gm, node, decision)
+            _keep_local_experts(gm, node, decision, plan, shards)
         elif isinstance(decision, ExpertTensorShard):
             _split_inside_experts(gm, node, decision, plan, shards)
         elif isinstance(decision, HeadWeightShard):  # torch_mla's kv_b_proj: this rank's heads' rows
