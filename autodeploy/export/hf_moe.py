@@ -254,7 +254,8 @@ def _plain_per_expert_weights(names: Dict[str, List[str]], extra: Dict[str, Set[
 
 def _plan_module(
     model: nn.Module, path: str, module: nn.Module, mode: str, checkpoint_keys: Optional[Collection[str]],
-    undo: Undo, removed: List[Tuple[nn.Module, str, nn.Parameter]], stack: Optional[Dict[str, Set[str]]] = None,
+    undo: Undo, removed: List[Tuple[nn.Module, str, nn.Parameter]],
+    extra_leaves: Optional[Dict[str, Set[str]]] = None,
     world_size: int = 1,
 ) -> ExpertsPlan:
     act, alpha, limit = identify_activation(module)
@@ -272,7 +273,8 @@ def _plan_module(
             in_checkpoint(n, checkpoint_keys) for n in stacked_names
         ):
             names = None  # the checkpoint was saved stacked (transformers' new format)
-        elif stack is not None and num_experts % world_size == 0 and _plain_per_expert_weights(names, stack):
+        elif (extra_leaves is not None and num_experts % world_size == 0
+              and _plain_per_expert_weights(names, extra_leaves)):
             names = None  # stacked by the loader from the per-expert tensors (transformers' converters)
     if names is None:
         return plan
@@ -323,11 +325,12 @@ def hf_experts_route(
     saved_fn = mapping.get(AD_EXPERTS_IMPL)
     configs = {id(m.config): m.config for _, m in experts if getattr(m, "config", None) is not None}
     saved_impls = {k: getattr(c, "_experts_implementation_internal", None) for k, c in configs.items()}
-    stack = _extra_leaves(checkpoint_keys) if stack_experts and checkpoint_keys is not None else None
+    # None: never stacked by the loader; else what the checkpoint stores beside weights (quantized experts)
+    extra_leaves = _extra_leaves(checkpoint_keys) if stack_experts and checkpoint_keys is not None else None
     try:
         for name, module in experts:
-            plan = _plan_module(model, name, module, experts_implementation, checkpoint_keys, undo, removed, stack,
-                                world_size)
+            plan = _plan_module(model, name, module, experts_implementation, checkpoint_keys, undo, removed,
+                                extra_leaves, world_size)
             _PLANS[id(module)] = plan
             plans.append(plan)
         ExpertsInterface.register(AD_EXPERTS_IMPL, autodeploy_experts_forward)
