@@ -9,6 +9,10 @@ sources. Rather than writing a hook per model, each converter of the model becom
 finds the sources for a parameter name and runs the converter's own operation objects on them,
 so the numerics are transformers' and a new model's converters work without a change here.
 
+A rank of an expert-parallel build holds only some rows of a stacked experts parameter: for
+converters that stack per-expert tensors along dim 0 first, ``resolve_rows`` names just the
+experts of those rows, so the rank never reads (or stacks) the others.
+
 Only operations whose result depends on nothing but the tensors and the config are replayed
 (``REPLAYABLE_OPS``); the others (quantisation, ops that look up the live model's parameters)
 are left out, so such a parameter stays missing and the loader says which.
@@ -84,6 +88,34 @@ class ConversionHook:
                 groups = self._source_groups(ckpt[: match.start()], ckpt[match.end():])
                 if groups is not None:
                     return [k for g in groups for k in g], self._combiner([len(g) for g in groups], target_index, name)
+        return None
+
+    def resolve_rows(self, name: str, index: int, parts: int) -> Optional[Tuple[List[str], List[str], Callable[
+            [List[torch.Tensor]], torch.Tensor]]]:
+        """Like :meth:`resolve` for part ``index`` of ``parts`` equal parts of the parameter's dim 0,
+        reading only the sources that part is made of: ``(keys read, keys of the other parts,
+        combine)``. Only for converters that stack per-index tensors along dim 0 first
+        (``MergeModulelist(dim=0)``, then at most a ``Concatenate`` along another dim: a MoE's
+        experts), whose result's rows are the stacked indices; else None (load whole, then slice).
+        Why: a rank of an expert-parallel build would otherwise read and stack every expert of a
+        layer to keep a few."""
+        kinds = [(type(op).__name__, getattr(op, "dim", None)) for op in self.converter.operations]
+        if not kinds or kinds[0] != ("MergeModulelist", 0) or any(
+            kind != "Concatenate" or not dim for kind, dim in kinds[1:]
+        ) or len(kinds) > 2 or not all("*" in source for source in self.sources):
+            return None
+        ckpt = self.to_checkpoint_name(name)
+        for target_index, target in enumerate(self.targets):
+            for match in re.finditer(_pattern(target), ckpt):
+                if match.end() != len(ckpt) and not ckpt[match.end()] == ".":
+                    continue
+                groups = self._source_groups(ckpt[: match.start()], ckpt[match.end():])
+                if groups is None or any(len(g) != len(groups[0]) or len(g) % parts for g in groups):
+                    continue
+                step = len(groups[0]) // parts
+                mine = [g[index * step:(index + 1) * step] for g in groups]
+                others = [k for g in groups for i, k in enumerate(g) if not index * step <= i < (index + 1) * step]
+                return [k for g in mine for k in g], others, self._combiner([step] * len(mine), target_index, name)
         return None
 
     def _source_groups(self, prefix: str, suffix: str) -> Optional[List[List[str]]]:

@@ -73,7 +73,9 @@ def load_into_module(
     """Fill every parameter and buffer of ``module``; floating params are cast to ``dtype``.
     ``accounted``: checkpoint tensors a transform decided not to load (not reported as unused).
     ``shards``: parameter name -> an object whose ``take(tensor)`` returns the slice this rank
-    holds (tensor parallelism); only that slice is copied out of the memory-mapped file."""
+    holds (tensor parallelism); only that slice is copied out of the memory-mapped file, and for
+    a parameter a hook stacks along dim 0 (``resolve_rows``: experts) only that slice's sources
+    are read."""
     shards = shards or {}
     tied = tied or {}
     initial_buffers = initial_buffers or {}
@@ -108,6 +110,21 @@ def load_into_module(
             groups.setdefault(canonical, [canonical]).append(alias)
         group_of = {n: members for members in groups.values() for n in members}
 
+        def find_rows(name: str) -> Optional[torch.Tensor]:
+            """This rank's rows of a parameter a hook stacks along dim 0 (expert parallelism over
+            stacked experts), read from only the checkpoint tensors those rows are made of."""
+            shard = shards.get(name)
+            if shard is None or getattr(shard, "dim", None) != 0:
+                return None
+            for hook in hooks:
+                rows = getattr(hook, "resolve_rows", None)
+                resolved = rows(name, shard.index, shard.parts) if rows is not None else None
+                if resolved is not None and all(k in reader for k in resolved[0] + resolved[1]):
+                    report.from_hooks += 1
+                    used.update(resolved[1])  # the other ranks' part: accounted for, not unused
+                    return resolved[2]([fetch(k, name) for k in resolved[0]])
+            return None
+
         def find(name: str, target: str) -> Optional[torch.Tensor]:
             if name in reader:
                 return fetch(name, target)
@@ -127,11 +144,13 @@ def load_into_module(
                 _set_tensor(module, name, partner, is_param)
                 report.tied += 1
                 continue
-            source = None
-            for candidate in [name] + [m for m in group_of.get(name, []) if m != name]:
-                source = find(candidate, name)
-                if source is not None:
-                    break
+            source = find_rows(name) if name not in reader else None
+            sharded = source is not None  # already this rank's rows
+            if source is None:
+                for candidate in [name] + [m for m in group_of.get(name, []) if m != name]:
+                    source = find(candidate, name)
+                    if source is not None:
+                        break
             if source is None and not is_param and name in initial_buffers:
                 report.from_initial += 1
                 tensor = initial_buffers[name].to(device=device)  # buffers keep their dtype (fp32 RoPE tables)
@@ -139,7 +158,7 @@ def load_into_module(
                 missing.append(name)
                 continue
             else:
-                if name in shards:
+                if name in shards and not sharded:
                     try:
                         source = shards[name].take(source)
                     except ValueError as err:

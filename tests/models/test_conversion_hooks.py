@@ -41,6 +41,56 @@ def test_experts_are_stacked_and_gate_up_concatenated_in_expert_order():
     assert _load(hooks, tensors, "model.layers.1.mlp.experts.gate_up_proj") is None  # no sources: left missing
 
 
+def test_a_rank_reads_only_the_experts_of_its_rows():
+    """Expert parallelism over stacked experts: part 1 of 2 of the stacked gate_up is made of
+    experts 2 and 10 (numeric order) only; the other part's keys are named, not read. A converter
+    that does not stack along dim 0 first has no row-wise form."""
+    tensors = {f"model.layers.0.mlp.experts.{e}.{w}.weight": torch.full((2, 3), 10.0 * e + i)
+               for e in (0, 1, 10, 2) for i, w in enumerate(("gate_proj", "up_proj"))}
+    conv = WeightConverter([r"\.experts.*.gate_proj.weight", r"\.experts.*.up_proj.weight"],
+                           [".experts.gate_up_proj"], [MergeModulelist(0), Concatenate(1)])
+    (hook,) = _hooks(conv, tensors)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    keys, others, combine = hook.resolve_rows(name, 1, 2)
+    assert {k.split(".experts.")[1].split(".")[0] for k in keys} == {"2", "10"}
+    assert {k.split(".experts.")[1].split(".")[0] for k in others} == {"0", "1"}
+    assert set(keys) | set(others) == set(tensors)
+    torch.testing.assert_close(combine([tensors[k] for k in keys]), _load([hook], tensors, name)[2:])
+    assert hook.resolve_rows(name, 0, 3) is None  # 4 experts in 3 parts: no equal rows
+    transposed = WeightConverter([r"\.experts.*.gate_proj.weight"], [".experts.gate_proj"],
+                                 [MergeModulelist(0), Transpose(0, 1)])
+    (hook,) = _hooks(transposed, tensors)
+    assert hook.resolve_rows("model.layers.0.mlp.experts.gate_proj", 0, 2) is None
+
+
+def test_the_loader_reads_a_rank_s_stacked_rows_without_the_other_experts(tmp_path):
+    """load_weights for a rank holding rows [2, 4) of a stacked [4, 4, 3] parameter: the other
+    experts' tensors are stored as int32 here, so reading any of them would fail the dtype check;
+    they are accounted for (not reported unused), and the rows equal the whole stack's."""
+    from safetensors.torch import save_file
+
+    from autodeploy.models.checkpoint import find_checkpoint
+    from autodeploy.models.weight_loader import load_into_module
+    from autodeploy.transform.library._sharding import WeightShard
+
+    tensors = {f"experts.{e}.{w}.weight": torch.full((2, 3), 10.0 * e + i)
+               for e in range(4) for i, w in enumerate(("gate_proj", "up_proj"))}
+    whole = torch.cat([torch.stack([tensors[f"experts.{e}.{w}.weight"] for e in range(4)]) for w in
+                       ("gate_proj", "up_proj")], dim=1)
+    stored = {k: (v.to(torch.int32) if k.split(".")[1] in ("0", "1") else v) for k, v in tensors.items()}
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    conv = WeightConverter([r"experts.*.gate_proj.weight", r"experts.*.up_proj.weight"], ["experts.gate_up_proj"],
+                           [MergeModulelist(0), Concatenate(1)])
+    module = torch.nn.Module()
+    module.experts = torch.nn.Module()
+    module.experts.gate_up_proj = torch.nn.Parameter(torch.empty(2, 4, 3), requires_grad=False)
+    report = load_into_module(module, find_checkpoint(str(tmp_path)), device=torch.device("cpu"),
+                              dtype=torch.float32, hooks=_hooks(conv, stored), base_prefixes=(),
+                              shards={"experts.gate_up_proj": WeightShard(dim=0, index=1, parts=2)})
+    torch.testing.assert_close(module.experts.gate_up_proj, whole[2:])
+    assert report.unused == [] and report.from_hooks == 1
+
+
 def test_concatenated_convolutions_and_chunked_projections():
     tensors = {f"m.l.0.attn.{x}_conv1d.weight": torch.full((2, 1, 4), float(i)) for i, x in enumerate("qkv")}
     conv = WeightConverter(["attn.q_conv1d.weight", "attn.k_conv1d.weight", "attn.v_conv1d.weight"],
