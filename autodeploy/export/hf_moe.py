@@ -23,13 +23,12 @@ Two things happen per experts module:
   stacks. Checkpoints whose experts are quantized (any tensor beside an expert's ``weight``:
   scales, packed weights), and sharded builds whose world size does not divide the experts
   (split inside each expert), need the experts one by one, so there the stacked parameters are
-  replaced by per-expert ones named exactly as
-  the checkpoint names them (derived from transformers' own conversion mapping, renamings
-  included, e.g. Mixtral's ``block_sparse_moe``; the other renamed tensors, such as Mixtral's
-  router, are renamed after export by ``hf_names``), and ``fuse_moe`` stacks them once after
-  loading. Modules with no such conversion (GPT-OSS stores stacked, transposed, interleaved
-  weights with biases), or whose checkpoint (when known) holds the stacked names, keep their
-  parameters.
+  replaced by per-expert ones named exactly as the checkpoint names them (derived from
+  transformers' own conversion mapping, renamings included, e.g. Mixtral's
+  ``block_sparse_moe``; the other renamed tensors, such as Mixtral's router, are renamed after
+  export by ``hf_names``), and ``fuse_moe`` stacks them once after loading. Modules with no
+  such conversion (GPT-OSS stores stacked, transposed, interleaved weights with biases), or
+  whose checkpoint (when known) holds the stacked names, keep their parameters.
 * The computation becomes canonical (``experts_implementation="autodeploy"``): ``torch_moe``
   over the per-expert parameters, or ``torch_moe_fused`` over the stacked ones, with any layout
   difference (transposed, interleaved gate/up) written as view/cat ops on the parameters, which

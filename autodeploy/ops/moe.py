@@ -7,12 +7,13 @@ One computation, three ops::
 
 * ``torch_moe``: per-expert weight lists (``gate_weights[e]`` ``[I, H]``, ``up_weights[e]``
   ``[I, H]``, ``down_weights[e]`` ``[H, I]``). The IR where experts must be seen one by one:
-  sharded builds and quantized experts of checkpoints that store each expert separately
-  (Mixtral, Qwen-MoE, OLMoE, DeepSeek), whose graph parameters are the checkpoint's tensors.
+  quantized experts of checkpoints that store each expert separately (Mixtral, Qwen-MoE,
+  OLMoE, DeepSeek), and sharded builds whose world size does not divide the experts; the
+  graph's parameters are then the checkpoint's tensors.
 * ``torch_moe_fused``: the same with stacked weights, ``gate_up_weight`` ``[E, 2I, H]`` (gate
-  rows first, then up rows) and ``down_weight`` ``[E, H, I]``. The IR of an unsharded build of
-  plain weights (the loader stacks per-expert checkpoint tensors) and of checkpoints that store
-  experts stacked, and what ``fuse_moe`` produces from ``torch_moe`` at load time.
+  rows first, then up rows) and ``down_weight`` ``[E, H, I]``. The IR of plain (unquantized)
+  experts, whether the checkpoint stores them stacked or per expert (the loader stacks them),
+  and what ``fuse_moe`` produces from ``torch_moe`` at load time.
 * ``grouped_moe_fused``: ``torch_moe_fused``'s signature and numerics, the fast implementation
   ``fuse_moe`` chooses (see its docstring for the two strategies and the measurements).
 
