@@ -204,12 +204,29 @@ def _write_artifacts(out: str, gm: Any, summary: str, config: Any) -> List[str]:
 
 
 def cmd_export(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    """Build and show the graph. With ``--world-size N`` (or under torchrun) every rank builds its
+    shard; rank 0 shows (and writes) its own, once all ranks have built theirs."""
+    import torch.distributed as dist
+
     from .pipeline import build_graph
 
     config = config_from_args(args, overrides)
     if args.out:
         writable_dir(args.out, "--out")
-    result = build_graph(config, log_summary=False)
+    with launch(config, args) as group:
+        if not group.is_driver:
+            quiet_follower_logging(args)
+        result = build_graph(config, log_summary=False)
+        if config.world_size > 1:
+            dist.barrier()  # rank 0 leaves (and waits for the ranks it started) only after every build
+        if not group.is_driver:
+            return 0
+        _show_export(args, config, result)
+    return 0
+
+
+def _show_export(args: argparse.Namespace, config: Any, result: Any) -> None:
+    """The transform table, the op histogram, optionally the code and the artifacts in --out."""
     gm = result.graph_module
     print_summary(result.summary)
     print("\nops in the transformed graph:")
@@ -219,7 +236,6 @@ def cmd_export(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         print("\n" + gm.code)
     if args.out:
         print(f"\nwrote {', '.join(_write_artifacts(args.out, gm, result.summary, config))}")
-    return 0
 
 
 # ---- run ---------------------------------------------------------------------------------------
@@ -327,6 +343,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--print-graph", action="store_true", help="print the transformed graph's code")
     p.add_argument("--out", metavar="DIR", help="write graph (DOT/SVG, text, code), summary and config here")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help=WORLD_SIZE_HELP + "; rank 0's shard is shown and written")
     p.set_defaults(func=cmd_export, accepts_overrides=True)
 
     p = sub.add_parser("run", parents=[common], help="build the model and generate for some prompts",

@@ -233,6 +233,23 @@ def test_a_follower_killed_mid_stream_ends_the_stream_with_an_error_and_the_serv
         p.close()
 
 
+def test_export_world_size_two_builds_every_shard_and_shows_rank_zero_s(tmp_path):
+    """`autodeploy export --world-size 2` (before: an error that pointed at run/serve) starts rank
+    1, both build their shard, rank 0 prints and writes its graph (all-reduces in it), and
+    both leave."""
+    p = Proc([os.path.join(BIN, "autodeploy"), "export", "--world-size", "2", *MODEL_ARGS, "--out", str(tmp_path)])
+    try:
+        follower = p.follower_pid()
+        assert p.finish() == 0, p.text()
+        histogram = p.text("out").split("ops in the transformed graph:")[1]
+        assert re.search(r"\d+\s+autodeploy\.torch_dist_all_reduce", histogram), histogram
+        assert p.text("out").count("ops in the transformed graph:") == 1  # rank 1 prints nothing
+        assert os.listdir(tmp_path)
+        assert not _alive(follower)
+    finally:
+        p.close()
+
+
 def test_bench_world_size_two_measures_the_sharded_engine(tmp_path):
     p = Proc([os.path.join(BIN, "autodeploy"), "bench", "--model", "tiny-llama", "--world-size", "2", "--engines",
               "autodeploy", "--batch-sizes", "2", "--new-tokens", "3", "--prefill-lens", "8", "--rounds", "1",
