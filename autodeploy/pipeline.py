@@ -77,7 +77,7 @@ def _check_world_size(config: DeployConfig) -> int:
 
     More than one rank needs a torch.distributed group of that size around the build (each rank
     builds its own shard: ``autodeploy.distributed.initialize``, or the process was started by
-    torchrun or by the CLI's launcher, ``autodeploy run|serve --world-size N``).
+    torchrun or by the CLI's launcher, ``autodeploy run|serve|export --world-size N``).
     """
     from .distributed import process_group
 
@@ -86,7 +86,7 @@ def _check_world_size(config: DeployConfig) -> int:
     if not process_group.is_initialized():
         raise ConfigError(
             f"world_size {config.world_size} needs a torch.distributed group of {config.world_size} processes "
-            "around the build: let the CLI start them ('autodeploy run|serve --world-size "
+            "around the build: let the CLI start them ('autodeploy run|serve|export --world-size "
             f"{config.world_size}'), start them with torchrun, or call "
             "autodeploy.distributed.initialize(rank, world_size) in each process before building")
     if process_group.world_size() != config.world_size:

@@ -44,8 +44,8 @@ class DeployConfig(BaseModel):
     )
     world_size: int = Field(default=1, ge=1, description="Number of ranks (tensor parallelism). Above 1 every "
                             "rank builds its own shard inside a torch.distributed group of that size and rank 0 "
-                            "drives the others: 'autodeploy run|serve --world-size N' starts the ranks on this "
-                            "machine, torchrun starts them on one machine or several, and in Python each process "
+                            "drives the others: 'autodeploy run|serve|export|bench --world-size N' starts the "
+                            "ranks on this machine, torchrun starts them on one machine or several, and in Python each process "
                             "calls autodeploy.distributed.initialize first (then LLM.follow on ranks above 0).")
     max_batch_size: Optional[int] = Field(
         default=None, ge=1,
@@ -151,7 +151,7 @@ def load_deploy_config(
     """default.yaml, then the model-registry entry ``registry`` (its fragments in order, its
     model and world size), then each YAML file, then ``settings`` (API keywords), then
     ``overrides`` (a nested mapping or dotted CLI tokens); validates settings and the whole
-    pipeline. ``launching``: the caller starts the ranks itself (the CLI's ``run``/``serve``), so
+    pipeline. ``launching``: the caller starts the ranks itself (the CLI's ``run``/``serve``/``export``/``bench``), so
     a registry entry of several ranks needs no process group yet."""
     base = load_yaml_file(DEFAULT_YAML)
     entry = None

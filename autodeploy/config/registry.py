@@ -27,7 +27,7 @@ REGISTRY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 REGISTRY_YAML = os.path.join(REGISTRY_DIR, "models.yaml")
 CONFIGS_DIR = os.path.join(REGISTRY_DIR, "configs")
 # The most ranks one process runs on its own. An entry that needs more is deployed by the CLI,
-# which starts its ranks (``autodeploy run|serve --world-size``, ``autodeploy.distributed.launcher``),
+# which starts its ranks (``autodeploy run|serve|export --world-size``, ``autodeploy.distributed.launcher``),
 # or inside a torch.distributed group of that size (torchrun, then LLM(registry=...) in each rank).
 SUPPORTED_WORLD_SIZE = 1
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

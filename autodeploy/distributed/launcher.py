@@ -1,7 +1,7 @@
 """Starting the ranks of a tensor-parallel deployment from the CLI, and watching them.
 
-``autodeploy run|serve --world-size N`` is rank 0 itself and starts ranks 1..N-1 as child
-processes of the same command line (``python -m autodeploy.cli ...``) with ``RANK``,
+``autodeploy run|serve|export|bench --world-size N`` is rank 0 itself and starts ranks 1..N-1 as
+child processes of the same command line (``python -m autodeploy.cli ...``) with ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` (127.0.0.1) and ``MASTER_PORT`` (a free port) set:
 the environment ``torchrun`` gives its workers. A process that finds that environment already
 set (a child, or any rank under ``torchrun``, on one machine or several) starts nothing and joins
