@@ -20,7 +20,7 @@ are left out, so such a parameter stays missing and the loader says which.
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -80,14 +80,8 @@ class ConversionHook:
 
     def resolve(self, name: str) -> Optional[Tuple[List[str], Callable[[List[torch.Tensor]], torch.Tensor]]]:
         """The checkpoint keys that make parameter ``name`` and how to combine them, or None."""
-        ckpt = self.to_checkpoint_name(name)
-        for target_index, target in enumerate(self.targets):
-            for match in re.finditer(_pattern(target), ckpt):
-                if match.end() != len(ckpt) and not ckpt[match.end()] == ".":
-                    continue
-                groups = self._source_groups(ckpt[: match.start()], ckpt[match.end():])
-                if groups is not None:
-                    return [k for g in groups for k in g], self._combiner([len(g) for g in groups], target_index, name)
+        for target_index, groups in self._matches(name):
+            return [k for g in groups for k in g], self._combiner([len(g) for g in groups], target_index, name)
         return None
 
     def resolve_rows(self, name: str, index: int, parts: int) -> Optional[Tuple[List[str], List[str], Callable[
@@ -104,19 +98,26 @@ class ConversionHook:
             kind != "Concatenate" or not dim for kind, dim in kinds[1:]
         ) or len(kinds) > 2 or not all("*" in source for source in self.sources):
             return None
+        for target_index, groups in self._matches(name):
+            if any(len(g) != len(groups[0]) or len(g) % parts for g in groups):
+                continue
+            step = len(groups[0]) // parts
+            mine = [g[index * step:(index + 1) * step] for g in groups]
+            others = [k for g in groups for i, k in enumerate(g) if not index * step <= i < (index + 1) * step]
+            return [k for g in mine for k in g], others, self._combiner([step] * len(mine), target_index, name)
+        return None
+
+    def _matches(self, name: str) -> Iterator[Tuple[int, List[List[str]]]]:
+        """(target index, the checkpoint keys of each source pattern) for every place a target
+        pattern names parameter ``name`` and the checkpoint holds all the sources."""
         ckpt = self.to_checkpoint_name(name)
         for target_index, target in enumerate(self.targets):
             for match in re.finditer(_pattern(target), ckpt):
                 if match.end() != len(ckpt) and not ckpt[match.end()] == ".":
                     continue
                 groups = self._source_groups(ckpt[: match.start()], ckpt[match.end():])
-                if groups is None or any(len(g) != len(groups[0]) or len(g) % parts for g in groups):
-                    continue
-                step = len(groups[0]) // parts
-                mine = [g[index * step:(index + 1) * step] for g in groups]
-                others = [k for g in groups for i, k in enumerate(g) if not index * step <= i < (index + 1) * step]
-                return [k for g in mine for k in g], others, self._combiner([step] * len(mine), target_index, name)
-        return None
+                if groups is not None:
+                    yield target_index, groups
 
     def _source_groups(self, prefix: str, suffix: str) -> Optional[List[List[str]]]:
         groups = []
