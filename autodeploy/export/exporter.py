@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from ..utils.errors import ExportError
 from ..utils.logging import get_logger
 from .hf_attention import AD_ATTN_IMPL, RouteUnsupportedError, hf_attention_route
-from .hf_moe import hf_experts_route
+from .hf_moe import STACKED_EXPERT_SOURCES, hf_experts_route
 from .hf_names import conversions, rename_to_checkpoint
 from .patch_registry import apply_export_patches
 from .patches import real_value_of_meta_constant
@@ -205,7 +205,7 @@ def export_causal_lm(
                 model, attn_implementation
             ), hf_experts_route(
                 model, experts_implementation, checkpoint_keys, stack_experts, world_size
-            ), _logits_only_forward(
+            ) as expert_plans, _logits_only_forward(
                 model
             ), _module_tracker(model, stack):
                 ep = torch.export.export(
@@ -213,6 +213,7 @@ def export_causal_lm(
                     dynamic_shapes={"input_ids": dims, "position_ids": dims}, strict=False,
                 )
                 ep.graph_module.meta[CONSTANT_VALUES] = _meta_constant_values(ep)
+                ep.graph_module.meta[STACKED_EXPERT_SOURCES] = {p.path: p.sources for p in expert_plans if p.sources}
                 return ep
         except Exception as exc:  # noqa: BLE001 - every export failure becomes one actionable message
             raise ExportError(_describe_failure(exc, stack)) from exc
@@ -247,7 +248,10 @@ def export_causal_lm(
             except ExportError as static_err:
                 raise ExportError(f"{err} (and with a static length of {static_seq_len}: {static_err})") from static_err
     constant_values = ep.graph_module.meta.get(CONSTANT_VALUES, {})
+    expert_sources = ep.graph_module.meta.get(STACKED_EXPERT_SOURCES, {})
     gm = _plain_graph_module(ep)
+    if expert_sources:
+        gm.meta[STACKED_EXPERT_SOURCES] = expert_sources
     if constant_values:
         gm.meta[CONSTANT_VALUES] = dict(constant_values)  # ep.module() keeps the constants' names as paths
     if static is not None:

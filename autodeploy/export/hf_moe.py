@@ -20,10 +20,14 @@ Two things happen per experts module:
   parameters per MoE layer instead of 3 x E, which matters because torch.export's time, and
   every later walk over the graph's weights, grows with the number of parameters (a 16-layer,
   128-expert model: 19 s -> 4 s of export); expert parallelism gives each rank its rows of the
-  stacks. Checkpoints whose experts are quantized (any tensor beside an expert's ``weight``:
-  scales, packed weights), and sharded builds whose world size does not divide the experts
-  (split inside each expert), need the experts one by one, so there the stacked parameters are
-  replaced by per-expert ones named exactly as the checkpoint names them (derived from
+  stacks. Quantized experts (the same scale tensors beside every expert's ``weight``) are
+  exported stacked too: the float stacks are placeholders that ``quantize_*_moe_from_config``
+  replaces by one ``[E, ...]`` buffer per tensor kind and projection, filled at load from the
+  per-expert tensors whose names the plan records (``ExpertsPlan.sources``, in
+  ``gm.meta[STACKED_EXPERT_SOURCES]``). Experts that differ in what the checkpoint stores,
+  packed formats without a ``weight``, and sharded builds whose world size does not divide the
+  experts (split inside each expert) need the experts one by one, so there the stacked
+  parameters are replaced by per-expert ones named exactly as the checkpoint names them (derived from
   transformers' own conversion mapping, renamings included, e.g. Mixtral's
   ``block_sparse_moe``; the other renamed tensors, such as Mixtral's router, are renamed after
   export by ``hf_names``), and ``fuse_moe`` stacks them once after loading. Modules with no
@@ -47,6 +51,7 @@ from typing import Collection, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from ..models.quantization import is_quantization_companion
 from ..ops.moe import expert_activation
 from ..utils.logging import get_logger
 from .hf_names import checkpoint_name, conversions, in_checkpoint, reverted_renamings
@@ -54,6 +59,9 @@ from .hf_names import checkpoint_name, conversions, in_checkpoint, reverted_rena
 logger = get_logger(__name__)
 
 AD_EXPERTS_IMPL = "autodeploy"
+# gm.meta key: experts module path -> ExpertsPlan.sources of every stacked experts module with a
+# per-expert checkpoint
+STACKED_EXPERT_SOURCES = "autodeploy_stacked_expert_sources"
 SUPPORTED_EXPERTS_IMPLS = (AD_EXPERTS_IMPL, "batched_mm")
 
 
@@ -72,6 +80,10 @@ class ExpertsPlan:
     gate: List[Tuple[nn.Module, str]] = field(default_factory=list)
     up: List[Tuple[nn.Module, str]] = field(default_factory=list)
     down: List[Tuple[nn.Module, str]] = field(default_factory=list)
+
+    # stacked parameters the loader fills from per-expert checkpoint tensors: the checkpoint names of
+    # each expert's gate, up and down weight (quantize_*_moe_from_config reads them: gm.meta)
+    sources: Optional[Dict[str, List[str]]] = None
 
     @property
     def per_expert(self) -> bool:
@@ -245,10 +257,19 @@ def _extra_leaves(checkpoint_keys: Collection[str]) -> Dict[str, Set[str]]:
     return extra
 
 
-def _plain_per_expert_weights(names: Dict[str, List[str]], extra: Dict[str, Set[str]]) -> bool:
-    """Each expert's gate/up/down is one plain ``weight`` tensor in the checkpoint (no quantization
-    tensors beside it): then the loader can stack them into the module's own parameters."""
-    return not any(name.rpartition(".")[0] in extra for ns in names.values() for name in ns)
+def _stackable(names: Dict[str, List[str]], extra: Dict[str, Set[str]], checkpoint_keys: Collection[str]) -> bool:
+    """Whether a layer's per-expert checkpoint tensors can fill stacked tensors: every expert's
+    gate/up/down is a plain ``weight`` (the loader stacks them into the module's parameters), or
+    every one is a ``weight`` with the same quantization tensors beside it (a format's scales:
+    ``quantize_*_moe_from_config`` stacks each kind into an ``[E, ...]`` buffer). A layer whose
+    experts differ (some quantized, some not) stays per expert, where the quantizers say what is
+    wrong."""
+    leaves = {frozenset(extra.get(name.rpartition(".")[0], ())) for ns in names.values() for name in ns}
+    if leaves == {frozenset()}:
+        return True
+    (beside,) = leaves if len(leaves) == 1 else (None,)
+    return (beside is not None and all(is_quantization_companion(leaf) for leaf in beside)
+            and all(in_checkpoint(n, checkpoint_keys) for ns in names.values() for n in ns))
 
 
 def _plan_module(
@@ -273,8 +294,9 @@ def _plan_module(
         ):
             names = None  # the checkpoint was saved stacked (transformers' new format)
         elif (extra_leaves is not None and num_experts % world_size == 0
-              and _plain_per_expert_weights(names, extra_leaves)):
-            names = None  # stacked by the loader from the per-expert tensors (transformers' converters)
+              and _stackable(names, extra_leaves, checkpoint_keys)):
+            plan.sources = names  # stacked from the per-expert tensors at load
+            names = None
     if names is None:
         return plan
     inter = _intermediate(module)
@@ -358,5 +380,5 @@ def hf_experts_route(
             _PLANS.pop(id(module), None)
 
 
-__all__ = ["AD_EXPERTS_IMPL", "SUPPORTED_EXPERTS_IMPLS", "ExpertsPlan", "hf_experts_route", "is_hf_experts_module",
+__all__ = ["AD_EXPERTS_IMPL", "STACKED_EXPERT_SOURCES", "SUPPORTED_EXPERTS_IMPLS", "ExpertsPlan", "hf_experts_route", "is_hf_experts_module",
            "identify_activation", "per_expert_checkpoint_names", "autodeploy_experts_forward"]

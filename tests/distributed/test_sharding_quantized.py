@@ -6,22 +6,26 @@ by input features, each with the scales of its format that split with the weight
 int4's group scales), the per-tensor scales whole; a fine-grained FP8 model whose 128-blocks a
 split would cut stays whole (near miss); an MLP whose gate has another reader stays whole (near
 miss); a MoE with fewer experts than ranks is split inside its experts; quantized experts split
-whole, with their scales.
+whole, with their scales (per expert: the other experts' tensors dropped; stacked: rows of each
+[E, ...] tensor).
 
 Two real gloo ranks: the FP8 Llama's logits equal the float reference (decoded weights, FP8
 activation rounding) at two shapes with each rank holding its checkpoint slice of every quantized
 weight, bit for bit. ``-m slow``: a 3-expert Qwen3-MoE (experts not divisible by 2) equals HF with
 each rank holding half of every expert; greedy tokens through ``LLM`` at 2 ranks equal 1 rank for
-FP8, NVFP4 and GPTQ Llamas; a Qwen3-MoE with ModelOpt FP8 experts, four whole experts a rank, matches
-the float reference and 1 rank; a 2-expert model at 4 ranks equals HF.
+FP8, NVFP4 and GPTQ Llamas; a Qwen3-MoE with ModelOpt FP8 experts, four whole experts a rank
+(stacked: the rows hold exactly those experts' checkpoint tensors; and per expert), matches the
+float reference, and 1 rank's tokens; a 2-expert model at 4 ranks equals HF.
 """
 
+import os
 from functools import partial
 from typing import Any, Dict, List
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 import quant_checkpoints as qc
 import quant_expert_checkpoints as qe
@@ -32,8 +36,8 @@ from autodeploy.transform.library.detect_sharding import detect
 from helpers import build, count_op, graph_logits, hf_greedy_tokens, moe_family_checkpoint, rel_rmse
 from test_collectives import _run_ranks
 
-# these plan the per-expert torch_moe (a build's layout for quantized experts, or experts the world size
-# does not divide) of a world-size-1 build for other world sizes
+# these plan the per-expert torch_moe (the layout of experts the world size does not divide, or of
+# experts whose checkpoint tensors differ) of a world-size-1 build for other world sizes
 PER_EXPERT = {"export_to_gm": {"experts_layout": "per_expert"}}
 
 ad = torch.ops.autodeploy
@@ -111,13 +115,28 @@ def test_fewer_experts_than_ranks_split_inside_the_experts():
 def test_quantized_experts_are_split_whole_with_their_scales(fmt, per_expert):
     """Expert parallelism for the per-expert quantized MoE ops: this rank's block of experts, the
     other experts' weights and every scale of theirs (input, weight, global) dropped."""
-    gm = build(qe.quantized_checkpoint("qwen3_moe", fmt), up_to=Stage.PATTERN_MATCHER).graph_module
+    gm = build(qe.quantized_checkpoint("qwen3_moe", fmt), up_to=Stage.PATTERN_MATCHER, overrides=PER_EXPERT).graph_module
+    assert count_op(gm, ad.torch_quant_nvfp4_moe) == qe.MOE_LAYERS["qwen3_moe"]
     shards = [d for d in detect(gm, world_size=2, rank=1).decisions if isinstance(d, ExpertShard)]
     assert [(d.start, d.end) for d in shards] == [(4, 8)] * qe.MOE_LAYERS["qwen3_moe"]
     # 4 other experts x gate/up/down x (weight + the format's scales)
-    assert all(len(d.dropped) == 4 * 3 * per_expert for d in shards)
+    assert all(len(d.dropped) == 4 * 3 * per_expert and not d.stacked for d in shards)
     assert all(".experts.0." in t or ".experts.3." in t or ".experts.1." in t or ".experts.2." in t
                for d in shards for t in d.dropped)
+
+
+def test_stacked_quantized_experts_are_split_by_rows_with_their_scales():
+    """The stacked form (the default export): this rank's rows [4, 8) of every [E, ...] tensor,
+    weights and each of the format's scales (input, block, global), nothing dropped."""
+    gm = build(qe.quantized_checkpoint("qwen3_moe", "nvfp4"), up_to=Stage.PATTERN_MATCHER).graph_module
+    assert count_op(gm, ad.torch_quant_nvfp4_moe_stacked) == qe.MOE_LAYERS["qwen3_moe"]
+    shards = [d for d in detect(gm, world_size=2, rank=1).decisions if isinstance(d, ExpertShard)]
+    assert [(d.start, d.end) for d in shards] == [(4, 8)] * qe.MOE_LAYERS["qwen3_moe"]
+    kinds = ("weight", "input_scale", "weight_scale", "weight_scale_2")
+    assert [sorted(d.stacked) for d in shards] == [
+        sorted(f"model.layers.{i}.mlp.experts.{p}_{k}" for p in ("gate", "up", "down") for k in kinds)
+        for i in qe.MOE_LAYER_IDS["qwen3_moe"]]
+    assert all(not d.dropped for d in shards)
 
 
 # ---- two ranks ------------------------------------------------------------------------------------
@@ -211,9 +230,10 @@ def test_greedy_tokens_of_a_quantized_model_at_two_ranks_equal_one_rank(fmt):
     assert _tokens(checkpoint, 2) == _tokens(checkpoint, 1)
 
 
-def _quantized_moe_job(rank: int) -> Dict[str, Any]:
+def _quantized_moe_job(rank: int, layout: str) -> Dict[str, Any]:
     checkpoint = qe.quantized_checkpoint("qwen3_moe", "fp8")
-    gm = build(checkpoint, up_to=Stage.WEIGHT_LOAD, world_size=2).graph_module
+    gm = build(checkpoint, up_to=Stage.WEIGHT_LOAD, world_size=2,
+               overrides={"export_to_gm": {"experts_layout": layout}}).graph_module
     ref = qe.reference_model("qwen3_moe", "fp8")
     torch.manual_seed(0)
     errors = []
@@ -221,20 +241,29 @@ def _quantized_moe_job(rank: int) -> Dict[str, Any]:
         ids = torch.randint(0, qe.VOCAB, (b, s))
         with torch.no_grad():
             errors.append(rel_rmse(graph_logits(gm, ids), ref(ids).logits))
-    experts = sorted({int(n.split(".experts.")[1].split(".")[0]) for n, _ in gm.named_buffers() if ".experts." in n})
+    buffers = dict(gm.named_buffers())
+    if layout == "per_expert":
+        experts = sorted({int(n.split(".experts.")[1].split(".")[0]) for n in buffers if ".experts." in n})
+    else:  # which experts' rows the stacked buffers hold: compare with the checkpoint's tensors
+        sd = load_file(os.path.join(checkpoint, "model.safetensors"))
+        rows = buffers["model.layers.1.mlp.experts.down_weight"].view(torch.uint8)
+        experts = [e for e in range(qe.NUM_EXPERTS["qwen3_moe"]) for r in range(len(rows))
+                   if torch.equal(rows[r], sd[f"model.layers.1.mlp.experts.{e}.down_proj.weight"].view(torch.uint8))]
     return {"errors": errors, "experts": experts}
 
 
 @pytest.mark.slow  # ~30 s on 2 cores, then two more builds for the tokens
 @pytest.mark.distributed
-def test_two_ranks_of_fp8_experts_hold_half_and_match_the_reference_and_one_rank():
+@pytest.mark.parametrize("layout", ["auto", "per_expert"])
+def test_two_ranks_of_fp8_experts_hold_half_and_match_the_reference_and_one_rank(layout):
     checkpoint = qe.quantized_checkpoint("qwen3_moe", "fp8")
-    results = _run_ranks(_quantized_moe_job, world=2, timeout=300)
+    results = _run_ranks(partial(_quantized_moe_job, layout=layout), world=2, timeout=300)
     for rank, r in enumerate(results):
         assert "error" not in r, r.get("error")
         assert max(r["errors"]) < 2e-3, r["errors"]  # FP8 activation rounding of all-reduced sums, as above
         assert r["experts"] == list(range(4 * rank, 4 * rank + 4))
-    assert _tokens(checkpoint, 2) == _tokens(checkpoint, 1)
+    if layout == "auto":
+        assert _tokens(checkpoint, 2) == _tokens(checkpoint, 1)
 
 
 @pytest.mark.slow  # ~60 s on 2 cores: four ranks build the model

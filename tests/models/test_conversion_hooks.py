@@ -153,3 +153,35 @@ def test_inkling2_checkpoint_loads_and_matches_hf():
     load = next(r for r in result.context.history if r.key == "load_weights")
     assert load.num_matches > 0
     assert_matches_hf(result.graph, path, shapes=((1, 6), (2, 5)))
+
+
+def test_stacked_quantized_experts_read_only_a_rank_s_experts(tmp_path):
+    """``StackExperts`` (a stacked quantized experts buffer, one checkpoint tensor per expert):
+    whole, the experts' tensors stacked in order and cast to the buffer's dtype (bf16 scales ->
+    float32); for rows [2, 4) only experts 2 and 3 are read (the others are int32 here, so reading
+    one fails the dtype check) and the others are accounted for."""
+    from safetensors.torch import save_file
+
+    from autodeploy.models.checkpoint import find_checkpoint
+    from autodeploy.models.load_hooks import StackExperts
+    from autodeploy.models.weight_loader import load_into_module
+    from autodeploy.transform.library._sharding import WeightShard
+
+    scales = {f"experts.{e}.down_proj.weight_scale": torch.full((2,), 0.5 * e, dtype=torch.bfloat16) for e in range(4)}
+    keys = tuple(scales)
+    hook = StackExperts("experts.down_weight_scale", keys, torch.float32)
+    assert hook.resolve("experts.down_weight_scale")[0] == list(keys) and hook.resolve("experts.other") is None
+    assert hook.resolve_rows("experts.down_weight_scale", 1, 2)[:2] == (list(keys[2:]), list(keys[:2]))
+    assert hook.resolve_rows("experts.down_weight_scale", 0, 3) is None  # 4 experts do not split in 3
+    whole = torch.stack(list(scales.values())).float()
+    stored = {k: (v.to(torch.int32) if k.split(".")[1] in ("0", "1") else v) for k, v in scales.items()}
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    module = torch.nn.Module()
+    module.experts = torch.nn.Module()
+    module.experts.register_buffer("down_weight_scale", torch.empty(2, 2))
+    report = load_into_module(module, find_checkpoint(str(tmp_path)), device=torch.device("cpu"),
+                              dtype=torch.float32, hooks=[hook], base_prefixes=(),
+                              shards={"experts.down_weight_scale": WeightShard(dim=0, index=1, parts=2)})
+    assert module.experts.down_weight_scale.dtype == torch.float32
+    torch.testing.assert_close(module.experts.down_weight_scale, whole[2:])
+    assert report.unused == [] and report.from_hooks == 1

@@ -12,6 +12,7 @@ missing from a layer are each one error naming the tensor, before anything loads
 """
 
 import os
+import re
 import shutil
 
 import pytest
@@ -37,6 +38,9 @@ KEPT = {"fp8": "fp8", "fp8_block": "fp8", "nvfp4": "nvfp4"}
 ACT_QUANT = {"fp8": "fp8", "fp8_block": "fp8_group", "nvfp4": "nvfp4"}  # each fusion's name for "keep the format"
 PER_EXPERT_OP = {"fp8": ad.torch_quant_fp8_moe, "fp8_block": ad.torch_quant_finegrained_fp8_moe,
                  "nvfp4": ad.torch_quant_nvfp4_moe}
+STACKED_OP = {"fp8": ad.torch_quant_fp8_moe_stacked, "fp8_block": ad.torch_quant_finegrained_fp8_moe_stacked,
+              "nvfp4": ad.torch_quant_nvfp4_moe_stacked}
+WEIGHT_DTYPE = {"fp8": torch.float8_e4m3fn, "fp8_block": torch.float8_e4m3fn, "nvfp4": torch.uint8}
 # Both backends compute the reference's numerics; what is left is float32 summation order (measured
 # 1.3e-7 to 2.5e-7 here). Another CPU's GEMM kernels sum in another order, which can move an
 # activation across an FP8/FP4 rounding boundary (one code step, 1/8 of that value): the bound
@@ -46,11 +50,11 @@ TOL = 1e-3
 _BUILDS = {}
 
 
-def _built(checkpoint, fmt, backend):
-    key = (checkpoint, fmt, backend)
+def _built(checkpoint, fmt, backend, layout="auto"):
+    key = (checkpoint, fmt, backend, layout)
     if key not in _BUILDS:
-        _BUILDS[key] = build(checkpoint, up_to=Stage.POST_LOAD_FUSION, overrides={FUSE[fmt]: {"backend": backend}},
-                             **LIMITS)
+        _BUILDS[key] = build(checkpoint, up_to=Stage.POST_LOAD_FUSION, overrides={
+            FUSE[fmt]: {"backend": backend}, "export_to_gm": {"experts_layout": layout}}, **LIMITS)
     return _BUILDS[key]
 
 
@@ -68,33 +72,49 @@ def _assert_logits_match(gm, ref, tol=TOL):
         assert err < tol, (b, s, err)
 
 
-# every case decoded; the kept ops are one per format, so Qwen3-MoE's three cover them. Suite time: the
+# every case decoded (experts exported stacked, the default); the kept ops are one per format and
+# layout, so Qwen3-MoE's three per layout cover them; one decoded case per expert. Suite time: the
 # decoded runs of a format that another model's decoded run already covers go to -m slow.
 _SLOW_DECODED = {("qwen3_moe", "fp8_block"), ("qwen3_moe", "nvfp4"), ("deepseek_v3", "nvfp4")}
-BACKEND_CASES = [pytest.param(m, f, "decoded", marks=pytest.mark.slow if (m, f) in _SLOW_DECODED else ())
-                 for m, f in CASES] + [("qwen3_moe", f, "kept") for f in ("fp8", "fp8_block", "nvfp4")]
+BACKEND_CASES = ([pytest.param(m, f, "decoded", "auto", marks=pytest.mark.slow if (m, f) in _SLOW_DECODED else ())
+                  for m, f in CASES] + [("deepseek_v3", "fp8_block", "decoded", "per_expert")]
+                 + [("qwen3_moe", f, "kept", layout) for f in ("fp8", "fp8_block", "nvfp4")
+                    for layout in ("auto", "per_expert")])
 
 
-@pytest.mark.parametrize("model,fmt,backend", BACKEND_CASES)
-def test_logits_equal_the_dequantized_reference(model, fmt, backend):
-    result = _built(qe.quantized_checkpoint(model, fmt), fmt, "decoded" if backend == "decoded" else KEPT[fmt])
+@pytest.mark.parametrize("model,fmt,backend,layout", BACKEND_CASES)
+def test_logits_equal_the_dequantized_reference(model, fmt, backend, layout):
+    """``layout`` auto: the experts are exported stacked and become the format's ``_stacked`` op
+    (one [E, ...] buffer per tensor kind and projection, filled from the per-expert tensors);
+    per_expert: one buffer per checkpoint tensor and the per-expert op."""
+    result = _built(qe.quantized_checkpoint(model, fmt), fmt, "decoded" if backend == "decoded" else KEPT[fmt],
+                    layout)
     gm = result.graph
     layers = qe.MOE_LAYERS[model]
+    experts = qe.NUM_EXPERTS[model]
     assert _history(result, QUANTIZE[fmt]).num_matches == layers
-    assert count_op(gm, ad.torch_moe) == count_op(gm, ad.grouped_moe_fused) == 0  # no float MoE left
+    assert count_op(gm, ad.torch_moe) == count_op(gm, ad.grouped_moe_fused) == count_op(gm, ad.torch_moe_fused) == 0
+    buffers = dict(gm.named_buffers())
     if backend == "kept":
+        op, other = (STACKED_OP, PER_EXPERT_OP) if layout == "auto" else (PER_EXPERT_OP, STACKED_OP)
         assert _history(result, FUSE[fmt]).num_matches == 0
-        assert count_op(gm, PER_EXPERT_OP[fmt]) == layers
-        weight = dict(gm.named_buffers())["model.layers.1.mlp.experts.0.gate_proj.weight"]
-        assert weight.dtype == (torch.uint8 if fmt == "nvfp4" else torch.float8_e4m3fn)
+        assert count_op(gm, op[fmt]) == layers and count_op(gm, other[fmt]) == 0
+        if layout == "auto":
+            weight = buffers["model.layers.1.mlp.experts.up_weight"]
+            assert weight.shape[0] == experts
+            assert not any(".experts.0." in n for n in buffers)
+        else:
+            weight = buffers["model.layers.1.mlp.experts.0.gate_proj.weight"]
+        assert weight.dtype == WEIGHT_DTYPE[fmt]
     else:
         assert _history(result, FUSE[fmt]).num_matches == layers
-        assert count_op(gm, PER_EXPERT_OP[fmt]) == 0
+        assert count_op(gm, PER_EXPERT_OP[fmt]) == count_op(gm, STACKED_OP[fmt]) == 0
         assert count_op(gm, ad.grouped_quant_moe_fused) == 0  # made, then packed for oneDNN (select_moe_backend)
         assert count_op(gm, ad.onednn_grouped_moe_fused) == layers
         assert all(n.args[10] == ACT_QUANT[fmt] for n in gm.graph.find_nodes(
             op="call_function", target=ad.onednn_grouped_moe_fused.default))
-        assert not any(".experts.0." in n for n, _ in gm.named_buffers())  # the quantized tensors are freed
+        # the quantized tensors (per expert, or stacked per kind and projection) are freed
+        assert not any(re.search(r"\.experts\.(\d+\.|(gate|up|down)_)", n) for n in buffers)
     _assert_logits_match(gm, qe.reference_model(model, fmt))
 
 

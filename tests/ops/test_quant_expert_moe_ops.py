@@ -1,6 +1,6 @@
 """The per-expert quantized MoE ops (``torch_quant_fp8_moe``, ``torch_quant_finegrained_fp8_moe``,
 ``torch_quant_nvfp4_moe``) are ``torch_moe`` whose projections are the format's quantized linears
-(checked against the linear ops, expert by expert), and ``grouped_quant_moe_fused`` over the same
+(checked against the linear ops, expert by expert), their ``_stacked`` forms equal them, and ``grouped_quant_moe_fused`` over the same
 experts decoded once equals them (both strategies, two token counts, experts with distinct input
 scales and experts no token chose)."""
 
@@ -116,6 +116,26 @@ def test_grouped_op_on_decoded_experts_equals_the_per_expert_op(fmt, bmm_max_pai
             other = ad.grouped_quant_moe_fused(x, sel, w, gate_up, down, *shared, None, None, "silu", 1.0, 0.0,
                                                act_quant, 128, bmm_max_pairs)
             assert _rel(other, want) > 1e-2
+
+
+STACKED_OPS = {"fp8": ad.torch_quant_fp8_moe_stacked, "fp8_block": ad.torch_quant_finegrained_fp8_moe_stacked,
+               "nvfp4": ad.torch_quant_nvfp4_moe_stacked}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_block", "nvfp4"])
+def test_stacked_op_equals_the_per_expert_op(fmt):
+    """The ``_stacked`` form over each list stacked along a leading expert dim computes the same
+    numbers exactly (it reads expert e's tensors at index e), at two token counts; a stack of
+    another expert count than the others is refused."""
+    experts = _experts(fmt)
+    args = _op_args(fmt, experts)
+    stacked = [torch.stack(a) if isinstance(a, list) else a for a in args]
+    for tokens in (1, 9):
+        x, sel, w = _routing(tokens, 300 + tokens)
+        torch.testing.assert_close(STACKED_OPS[fmt](x, sel, w, *stacked), OPS[fmt](x, sel, w, *args), rtol=0, atol=0)
+    stacked[1] = stacked[1][:-1]
+    with pytest.raises(ValueError, match="one tensor per expert"):
+        STACKED_OPS[fmt](x, sel, w, *stacked)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -23,6 +23,12 @@ kind and projection, in the order of that linear's arguments::
     torch_quant_nvfp4_moe(x, sel, w, gate_w[], up_w[], down_w[], gate_input_scale[], ..., gate_weight_scale[],
                           ..., gate_weight_scale_2[], ...)
 
+Each has a ``_stacked`` form (``torch_quant_fp8_moe_stacked``, ...) with the same arguments where
+every list is one tensor stacked along a leading expert dim (``[E, I, H]`` gate weights, ``[E]``
+input scales, ``[E, I/128, H/128]`` tile scales, ...): the same numerics, and what the export
+emits by default (three tensors per kind and layer instead of 3 x E, see ``export.hf_moe``).
+Gate and up stay apart (not one ``[E, 2I, H]``) so a tile of block scales never straddles them.
+
 They are the references: each expert that received tokens runs its three quantized linears
 (weights decoded, its input rows quantized as the format does: with *that expert's* calibrated
 ``input_scale`` for the static formats, per token and 128 channels for fine-grained FP8) and
@@ -96,8 +102,14 @@ PROJECTIONS = ("gate", "up", "down")
 ExpertLinear = Callable[[Tensor, int, int], Tensor]
 
 
-def _check_lists(op: str, lists: Sequence[Sequence[Tensor]]) -> int:
-    """Every per-expert list has one entry per expert; returns the expert count."""
+# One tensor kind of one projection over the experts: a per-expert list, or one tensor stacked
+# along a leading expert dim (the ``_stacked`` ops); ``t[e]`` is expert e's in both.
+Experts = Union[Sequence[Tensor], Tensor]
+
+
+def _check_lists(op: str, lists: Sequence[Experts]) -> int:
+    """Every per-expert list (or stacked tensor's dim 0) has one entry per expert; returns the
+    expert count."""
     num_experts = len(lists[0])
     if num_experts == 0 or any(len(lst) != num_experts for lst in lists):
         raise ValueError(f"{op}: every per-expert list needs one tensor per expert; got lengths "
@@ -121,6 +133,17 @@ def _gemm(rows: Tensor, seen: Tensor, weight: Tensor) -> Tensor:
     return F.linear(seen.float(), weight).to(rows.dtype)
 
 
+def _fp8_experts(op: str, x: Tensor, selected_experts: Tensor, routing_weights: Tensor, weights: Sequence[Experts],
+                 inputs: Sequence[Experts], scales: Sequence[Experts], act: str, alpha: float, limit: float) -> Tensor:
+    n = _check_lists(op, [*weights, *inputs, *scales])
+
+    def linear(rows: Tensor, p: int, e: int) -> Tensor:
+        seen = formats.fake_quant_fp8_static(rows, inputs[p][e].float())
+        return _gemm(rows, seen, formats.dequantize_fp8(weights[p][e], scales[p][e]))
+
+    return _quantized_experts(x, selected_experts, routing_weights, n, linear, act, alpha, limit)
+
+
 @torch.library.custom_op("autodeploy::torch_quant_fp8_moe", mutates_args=())
 def torch_quant_fp8_moe(
     x: Tensor, selected_experts: Tensor, routing_weights: Tensor,
@@ -131,21 +154,35 @@ def torch_quant_fp8_moe(
 ) -> Tensor:
     """ModelOpt FP8 experts: each projection ``torch_quant_fp8_linear`` (e4m3 weight, per-tensor
     weight scale, the expert's own static input scale)."""
-    weights = (gate_weights, up_weights, down_weights)
-    inputs = (gate_input_scales, up_input_scales, down_input_scales)
-    scales = (gate_weight_scales, up_weight_scales, down_weight_scales)
-    n = _check_lists("torch_quant_fp8_moe", [*weights, *inputs, *scales])
+    return _fp8_experts("torch_quant_fp8_moe", x, selected_experts, routing_weights,
+                        (gate_weights, up_weights, down_weights), (gate_input_scales, up_input_scales, down_input_scales),
+                        (gate_weight_scales, up_weight_scales, down_weight_scales), act, alpha, limit)
+
+
+@torch.library.custom_op("autodeploy::torch_quant_fp8_moe_stacked", mutates_args=())
+def torch_quant_fp8_moe_stacked(
+    x: Tensor, selected_experts: Tensor, routing_weights: Tensor,
+    gate_weights: Tensor, up_weights: Tensor, down_weights: Tensor,
+    gate_input_scales: Tensor, up_input_scales: Tensor, down_input_scales: Tensor,
+    gate_weight_scales: Tensor, up_weight_scales: Tensor, down_weight_scales: Tensor,
+    act: str = "silu", alpha: float = 1.0, limit: float = 0.0,
+) -> Tensor:
+    """``torch_quant_fp8_moe`` with each list stacked along a leading expert dim."""
+    return _fp8_experts("torch_quant_fp8_moe_stacked", x, selected_experts, routing_weights,
+                        (gate_weights, up_weights, down_weights), (gate_input_scales, up_input_scales, down_input_scales),
+                        (gate_weight_scales, up_weight_scales, down_weight_scales), act, alpha, limit)
+
+
+def _finegrained_fp8_experts(op: str, x: Tensor, selected_experts: Tensor, routing_weights: Tensor,
+                             weights: Sequence[Experts], scales: Sequence[Experts], block_n: int, block_k: int,
+                             act: str, alpha: float, limit: float) -> Tensor:
+    n = _check_lists(op, [*weights, *scales])
 
     def linear(rows: Tensor, p: int, e: int) -> Tensor:
-        seen = formats.fake_quant_fp8_static(rows, inputs[p][e].float())
-        return _gemm(rows, seen, formats.dequantize_fp8(weights[p][e], scales[p][e]))
+        w = formats.dequantize_fp8_blocks(weights[p][e], scales[p][e], (block_n, block_k))
+        return _gemm(rows, formats.fake_quant_fp8_groups(rows, block_k), w)
 
     return _quantized_experts(x, selected_experts, routing_weights, n, linear, act, alpha, limit)
-
-
-@torch_quant_fp8_moe.register_fake
-def _torch_quant_fp8_moe_fake(x, *args, **kwargs):
-    return torch.empty_like(x)
 
 
 @torch.library.custom_op("autodeploy::torch_quant_finegrained_fp8_moe", mutates_args=())
@@ -158,20 +195,35 @@ def torch_quant_finegrained_fp8_moe(
     """Fine-grained FP8 experts (DeepSeek-V3, Qwen3-MoE-FP8): each projection
     ``torch_quant_finegrained_fp8_linear`` (a scale per ``block_n x block_k`` tile, activations
     quantized per token per ``block_k`` channels at run time)."""
-    weights = (gate_weights, up_weights, down_weights)
-    scales = (gate_weight_scale_invs, up_weight_scale_invs, down_weight_scale_invs)
-    n = _check_lists("torch_quant_finegrained_fp8_moe", [*weights, *scales])
+    return _finegrained_fp8_experts(
+        "torch_quant_finegrained_fp8_moe", x, selected_experts, routing_weights, (gate_weights, up_weights, down_weights),
+        (gate_weight_scale_invs, up_weight_scale_invs, down_weight_scale_invs), block_n, block_k, act, alpha, limit)
+
+
+@torch.library.custom_op("autodeploy::torch_quant_finegrained_fp8_moe_stacked", mutates_args=())
+def torch_quant_finegrained_fp8_moe_stacked(
+    x: Tensor, selected_experts: Tensor, routing_weights: Tensor,
+    gate_weights: Tensor, up_weights: Tensor, down_weights: Tensor,
+    gate_weight_scale_invs: Tensor, up_weight_scale_invs: Tensor, down_weight_scale_invs: Tensor,
+    block_n: int = 128, block_k: int = 128, act: str = "silu", alpha: float = 1.0, limit: float = 0.0,
+) -> Tensor:
+    """``torch_quant_finegrained_fp8_moe`` with each list stacked along a leading expert dim."""
+    return _finegrained_fp8_experts(
+        "torch_quant_finegrained_fp8_moe_stacked", x, selected_experts, routing_weights,
+        (gate_weights, up_weights, down_weights), (gate_weight_scale_invs, up_weight_scale_invs, down_weight_scale_invs),
+        block_n, block_k, act, alpha, limit)
+
+
+def _nvfp4_experts(op: str, x: Tensor, selected_experts: Tensor, routing_weights: Tensor, weights: Sequence[Experts],
+                   inputs: Sequence[Experts], scales: Sequence[Experts], scales_2: Sequence[Experts], act: str,
+                   alpha: float, limit: float) -> Tensor:
+    n = _check_lists(op, [*weights, *inputs, *scales, *scales_2])
 
     def linear(rows: Tensor, p: int, e: int) -> Tensor:
-        w = formats.dequantize_fp8_blocks(weights[p][e], scales[p][e], (block_n, block_k))
-        return _gemm(rows, formats.fake_quant_fp8_groups(rows, block_k), w)
+        seen = formats.fake_quant_nvfp4(rows, inputs[p][e].float())
+        return _gemm(rows, seen, formats.dequantize_nvfp4(weights[p][e], scales[p][e], scales_2[p][e]))
 
     return _quantized_experts(x, selected_experts, routing_weights, n, linear, act, alpha, limit)
-
-
-@torch_quant_finegrained_fp8_moe.register_fake
-def _torch_quant_finegrained_fp8_moe_fake(x, *args, **kwargs):
-    return torch.empty_like(x)
 
 
 @torch.library.custom_op("autodeploy::torch_quant_nvfp4_moe", mutates_args=())
@@ -185,22 +237,31 @@ def torch_quant_nvfp4_moe(
 ) -> Tensor:
     """ModelOpt NVFP4 experts: each projection ``torch_quant_nvfp4_linear`` (e2m1 weights, e4m3
     scale per 16, per-tensor scale; W4A4 against the expert's own ``input_scale``)."""
-    weights = (gate_weights, up_weights, down_weights)
-    inputs = (gate_input_scales, up_input_scales, down_input_scales)
-    scales = (gate_weight_scales, up_weight_scales, down_weight_scales)
-    scales_2 = (gate_weight_scale_2s, up_weight_scale_2s, down_weight_scale_2s)
-    n = _check_lists("torch_quant_nvfp4_moe", [*weights, *inputs, *scales, *scales_2])
-
-    def linear(rows: Tensor, p: int, e: int) -> Tensor:
-        seen = formats.fake_quant_nvfp4(rows, inputs[p][e].float())
-        return _gemm(rows, seen, formats.dequantize_nvfp4(weights[p][e], scales[p][e], scales_2[p][e]))
-
-    return _quantized_experts(x, selected_experts, routing_weights, n, linear, act, alpha, limit)
+    return _nvfp4_experts(
+        "torch_quant_nvfp4_moe", x, selected_experts, routing_weights, (gate_weights, up_weights, down_weights),
+        (gate_input_scales, up_input_scales, down_input_scales), (gate_weight_scales, up_weight_scales, down_weight_scales),
+        (gate_weight_scale_2s, up_weight_scale_2s, down_weight_scale_2s), act, alpha, limit)
 
 
-@torch_quant_nvfp4_moe.register_fake
-def _torch_quant_nvfp4_moe_fake(x, *args, **kwargs):
-    return torch.empty_like(x)
+@torch.library.custom_op("autodeploy::torch_quant_nvfp4_moe_stacked", mutates_args=())
+def torch_quant_nvfp4_moe_stacked(
+    x: Tensor, selected_experts: Tensor, routing_weights: Tensor,
+    gate_weights: Tensor, up_weights: Tensor, down_weights: Tensor,
+    gate_input_scales: Tensor, up_input_scales: Tensor, down_input_scales: Tensor,
+    gate_weight_scales: Tensor, up_weight_scales: Tensor, down_weight_scales: Tensor,
+    gate_weight_scale_2s: Tensor, up_weight_scale_2s: Tensor, down_weight_scale_2s: Tensor,
+    act: str = "silu", alpha: float = 1.0, limit: float = 0.0,
+) -> Tensor:
+    """``torch_quant_nvfp4_moe`` with each list stacked along a leading expert dim."""
+    return _nvfp4_experts(
+        "torch_quant_nvfp4_moe_stacked", x, selected_experts, routing_weights, (gate_weights, up_weights, down_weights),
+        (gate_input_scales, up_input_scales, down_input_scales), (gate_weight_scales, up_weight_scales, down_weight_scales),
+        (gate_weight_scale_2s, up_weight_scale_2s, down_weight_scale_2s), act, alpha, limit)
+
+
+for _op in (torch_quant_fp8_moe, torch_quant_fp8_moe_stacked, torch_quant_finegrained_fp8_moe,
+            torch_quant_finegrained_fp8_moe_stacked, torch_quant_nvfp4_moe, torch_quant_nvfp4_moe_stacked):
+    _op.register_fake(lambda x, *args, **kwargs: torch.empty_like(x))
 
 
 # ---- decoded experts with the format's activation quantization ------------------------------
@@ -260,7 +321,14 @@ def _grouped_quant_moe_fused_fake(x, *args, **kwargs):
 
 
 def quant_moe_ops() -> Tuple:
-    """The per-expert quantized MoE ops (``.default`` overloads)."""
+    """The per-expert quantized MoE ops (``.default`` overloads), their lists one tensor per expert."""
     ad = torch.ops.autodeploy
     return (ad.torch_quant_fp8_moe.default, ad.torch_quant_finegrained_fp8_moe.default,
             ad.torch_quant_nvfp4_moe.default)
+
+
+def stacked_quant_moe_ops() -> Tuple:
+    """Their ``_stacked`` forms (``.default``): each list one ``[E, ...]`` tensor."""
+    ad = torch.ops.autodeploy
+    return (ad.torch_quant_fp8_moe_stacked.default, ad.torch_quant_finegrained_fp8_moe_stacked.default,
+            ad.torch_quant_nvfp4_moe_stacked.default)

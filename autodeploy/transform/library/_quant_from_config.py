@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Un
 import torch
 from torch import fx
 
-from ...models.load_hooks import LoadHook
+from ...export.hf_moe import STACKED_EXPERT_SOURCES
+from ...models.load_hooks import LoadHook, StackExperts
 from ...models.quantization import SAFETENSORS_DTYPE_NAMES
 from ...utils.errors import ModelSourceError
 from ...utils.logging import get_logger
@@ -210,10 +211,13 @@ def _register_load_hooks(fmt: LinearFormat, hooks: List[LoadHook]) -> None:
             hooks.append(_load_hook(fmt, buf))
 
 
-def quantize_moe_experts(gm: fx.GraphModule, ctx: PipelineContext, fmt: LinearFormat, op: Any) -> int:
+def quantize_moe_experts(gm: fx.GraphModule, ctx: PipelineContext, fmt: LinearFormat, op: Any,
+                         stacked_op: Any) -> int:
     """Rewrite every ``torch_moe`` whose experts the checkpoint stores in ``fmt`` into ``op``, the
     per-expert quantized MoE op (``autodeploy.ops.quant.moe``): each expert projection is ``fmt``'s
-    quantized linear, with the same per-linear checkpoint tensors and checks.
+    quantized linear, with the same per-linear checkpoint tensors and checks. Every
+    ``torch_moe_fused`` exported stacked over such experts becomes ``stacked_op`` (see
+    :func:`_quantize_stacked_layer`).
 
     Before::
 
@@ -234,12 +238,16 @@ def quantize_moe_experts(gm: fx.GraphModule, ctx: PipelineContext, fmt: LinearFo
     dtypes = {name: dtype for name, (dtype, _) in headers.items()}
     shapes = {name: shape for name, (_, shape) in headers.items()}
     count = 0
+    sources = gm.meta.get(STACKED_EXPERT_SOURCES, {})
     for node in list(gm.graph.nodes):
+        if is_op(node, torch.ops.autodeploy.torch_moe_fused):
+            count += _quantize_stacked_layer(gm, node, fmt, stacked_op, sources, names, dtypes, shapes)
+            continue
         if not is_op(node, torch.ops.autodeploy.torch_moe):
             continue
         weights = [list(node.args[i]) for i in (3, 4, 5)]
         prefixes = [[_expert_prefix(w) for w in projection] for projection in weights]
-        if not _quantized_layer(fmt, node, prefixes, names):
+        if not _quantized_layer(fmt, prefixes, names, any(node.args[i] for i in (6, 7, 8))):
             continue  # a float MoE layer
         lists: List[List[List[fx.Node]]] = [[[] for _ in fmt.buffers] for _ in weights]
         constants: Tuple[Any, ...] = ()
@@ -269,7 +277,67 @@ def quantize_moe_experts(gm: fx.GraphModule, ctx: PipelineContext, fmt: LinearFo
     return count
 
 
-def _quantized_layer(fmt: LinearFormat, node: fx.Node, prefixes: List[List[Optional[str]]], names: Set[str]) -> bool:
+def _quantize_stacked_layer(gm: fx.GraphModule, node: fx.Node, fmt: LinearFormat, op: Any,
+                            sources: Dict[str, Dict[str, List[str]]], names: Set[str], dtypes: Dict[str, str],
+                            shapes: Dict[str, Shape]) -> int:
+    """One ``torch_moe_fused`` over stacked placeholders of per-expert ``fmt`` experts -> ``op``
+    (1), or left alone (0: float experts, or stacks not read straight from the module).
+
+    Before (``P`` the experts module, its stacked float parameters on meta)::
+
+        y = autodeploy.torch_moe_fused(x, sel, w, P.gate_up_proj, P.down_proj, None, None, act, alpha, limit)
+
+    After (one ``[E, ...]`` buffer per tensor kind and projection, each loaded by a ``StackExperts``
+    hook from ``<expert e's checkpoint prefix>.<kind>``, e.g. ``...experts.3.up_proj.weight_scale_inv``)::
+
+        y = op(x, sel, w, P.gate_weight, P.up_weight, P.down_weight, P.gate_<buffer 1>, ..., *constants,
+               act, alpha, limit)
+    """
+    gate_up, down = node.args[3], node.args[4]
+    if not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in (gate_up, down)):
+        return 0
+    owner_path = str(gate_up.target).rpartition(".")[0]
+    names_of = sources.get(owner_path)
+    if names_of is None or str(down.target).rpartition(".")[0] != owner_path:
+        return 0
+    prefixes = [[n[: -len(".weight")] for n in names_of[part]] for part in ("gate", "up", "down")]
+    if not _quantized_layer(fmt, prefixes, names, any(node.args[i] is not None for i in (5, 6) if i < len(node.args))):
+        return 0
+    owner = gm.get_submodule(owner_path)
+    experts, two_inter, hidden = owner.gate_up_proj.shape
+    dims = [(two_inter // 2, hidden), (two_inter // 2, hidden), (hidden, two_inter // 2)]  # (N, K) per projection
+    for j, projection in enumerate(prefixes):
+        for prefix in projection:
+            validate_linear(fmt, prefix, *dims[j], names, dtypes, shapes)
+    hooks: List[Any] = gm.meta.setdefault(GRAPH_LOAD_HOOKS, [])
+    args: List[List[fx.Node]] = [[] for _ in fmt.buffers]
+    with gm.graph.inserting_before(node):
+        for b, buf in enumerate(fmt.buffers):
+            if buf.sources:
+                raise NotImplementedError(f"{fmt.name}: stacked experts of a buffer made by a load hook ({buf.name})")
+            for j, part in enumerate(("gate", "up", "down")):
+                keys = tuple(f"{p}.{buf.name}" for p in prefixes[j])
+                shape = buf.shape(*dims[j]) if buf.shape is not None else shapes.get(keys[0], ())
+                leaf = f"{part}_{buf.name}"
+                owner.register_buffer(leaf, torch.empty((experts, *shape), dtype=buf.dtype, device="meta"))
+                hooks.append(StackExperts(f"{owner_path}.{leaf}", keys, buf.dtype,
+                                          f"{fmt.name}: {experts} experts' {part} {buf.name} stacked"))
+                args[b].append(gm.graph.get_attr(f"{owner_path}.{leaf}"))
+        constants = fmt.constants(*dims[0]) if callable(fmt.constants) else fmt.constants
+        tail = [arg(node, 7, "act", "silu"), arg(node, 8, "alpha", 1.0), arg(node, 9, "limit", 0.0)]
+        new = gm.graph.call_function(op, (*node.args[:3], *[a for per_kind in args for a in per_kind], *constants, *tail))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    for placeholder in (gate_up, down):
+        if not placeholder.users:
+            gm.graph.erase_node(placeholder)
+    del owner._parameters["gate_up_proj"], owner._parameters["down_proj"]
+    return 1
+
+
+
+def _quantized_layer(fmt: LinearFormat, prefixes: List[List[Optional[str]]], names: Set[str], has_bias: bool) -> bool:
     """Whether the checkpoint stores this MoE layer's experts in ``fmt`` (every one of them, or none)."""
     marked = [(p, p is not None and f"{p}.{fmt.marker}" in names) for projection in prefixes for p in projection]
     if not any(m for _, m in marked):
@@ -282,7 +350,7 @@ def _quantized_layer(fmt: LinearFormat, node: fx.Node, prefixes: List[List[Optio
         raise ModelSourceError(f"checkpoint tensor '{unmarked}.weight' is missing (nor has it {fmt.name} scales), "
                                f"while other experts of its layer are {fmt.name}: the model's config declares more "
                                f"experts than the checkpoint stores. Does the checkpoint match its config.json?")
-    if unmarked is not None or any(node.args[i] for i in (6, 7, 8)):
+    if unmarked is not None or has_bias:
         what = (f"'{unmarked}' has no '{fmt.marker}' while other experts of its layer are {fmt.name}"
                 if unmarked is not None else "its experts have biases")
         raise ModelSourceError(f"autodeploy cannot load this {fmt.name} MoE layer: {what}")

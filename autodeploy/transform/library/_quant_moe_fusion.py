@@ -2,7 +2,8 @@
 how per-expert quantized experts run.
 
 ``quantize_*_moe_from_config`` leaves each quantized MoE layer as its format's per-expert op
-(``torch_quant_<format>_moe``) on the checkpoint's tensors. With ``backend: decoded`` the layer's
+(``torch_quant_<format>_moe``, or its ``_stacked`` form over ``[E, ...]`` tensors: each list
+below one tensor) on the checkpoint's tensors. With ``backend: decoded`` the layer's
 experts are decoded once, after loading, and stacked::
 
     y = autodeploy.torch_quant_<format>_moe(x, sel, w, [gate weights], [up ..], [down ..], <scales>, act, ..)
@@ -18,19 +19,20 @@ format does (the per-expert op's numerics: static formats use each expert's own 
 decoded weights cost the model dtype's size per weight (4 bytes in fp32: 4x FP8, 7x NVFP4);
 layers are decoded one at a time, so the peak is the model plus one layer's decoded experts.
 
-With the format's own backend name (``fp8``, ``nvfp4``) the per-expert op stays: memory stays at
+With the format's own backend name (``fp8``, ``nvfp4``) the per-expert (or stacked) op stays: memory stays at
 the format's size and each step decodes the experts that received tokens. ``auto`` decodes when
 all decoded experts fit in half of the device's free memory, else keeps the format, and logs the
 sizes it compared.
 """
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 import torch
 from pydantic import Field
 from torch import fx, nn
 
+from ...ops.quant.moe import Experts
 from ...utils.logging import get_logger
 from ...utils.memory import free_memory_bytes
 from ..graph_utils import get_attr_value, is_op
@@ -50,6 +52,7 @@ class QuantMoEKind:
 
     name: str  # "ModelOpt FP8", for logs
     op: Any  # the per-expert op (``.default``)
+    stacked_op: Any  # its ``_stacked`` form: the same arguments, each list one [E, ...] tensor
     buffers: Tuple[str, ...]  # per-projection tensor kinds, in the op's argument order
     act_quant: str  # grouped_quant_moe_fused's activation quantization
     # one projection's tensors (by kind) and the op's constants -> its float32 weight
@@ -67,15 +70,41 @@ class QuantMoEFusionConfig(TransformConfig):
 @dataclass
 class _Layer:
     node: fx.Node
-    lists: Dict[Tuple[str, int], List[fx.Node]]  # (tensor kind, projection) -> per-expert get_attr nodes
+    # (tensor kind, projection) -> per-expert get_attr nodes, or one get_attr of the [E, ...] stack
+    lists: Dict[Tuple[str, int], Union[List[fx.Node], fx.Node]]
     constants: Sequence[Any]
     tail: Sequence[Any]
+
+    def values(self, gm: fx.GraphModule, name: str, j: int) -> Experts:
+        """The experts' ``name`` tensors of projection ``j``: expert e's is ``values(...)[e]``."""
+        nodes = self.lists[(name, j)]
+        return get_attr_value(gm, nodes) if isinstance(nodes, fx.Node) else [get_attr_value(gm, n) for n in nodes]
+
+    @property
+    def nodes(self) -> List[fx.Node]:
+        return [n for v in self.lists.values() for n in ([v] if isinstance(v, fx.Node) else v)]
+
+    @property
+    def owner(self) -> str:
+        """The experts module: ``<...>.experts`` of ``<...>.experts.gate_weight`` (stacked) or of
+        ``<...>.experts.0.gate_proj.weight``."""
+        first = self.lists[("weight", GATE)]
+        if isinstance(first, fx.Node):
+            return str(first.target).rpartition(".")[0]
+        return str(first[0].target).rsplit(".", 3)[0]
 
 
 def _layer(node: fx.Node, kind: QuantMoEKind) -> _Layer:
     b = len(kind.buffers)
-    lists = {(name, j): list(node.args[3 + 3 * i + j]) for i, name in enumerate(kind.buffers) for j in range(3)}
+    stacked = is_op(node, kind.stacked_op)
+    lists = {(name, j): node.args[3 + 3 * i + j] if stacked else list(node.args[3 + 3 * i + j])
+             for i, name in enumerate(kind.buffers) for j in range(3)}
     return _Layer(node, lists, node.args[3 + 3 * b: len(node.args) - TAIL], node.args[len(node.args) - TAIL:])
+
+
+def quant_moe_layers(gm: fx.GraphModule, kind: QuantMoEKind) -> List[_Layer]:
+    """Every MoE layer of ``kind``'s op, per-expert or stacked."""
+    return [_layer(n, kind) for n in gm.graph.nodes if is_op(n, (kind.op, kind.stacked_op))]
 
 
 def decoded_bytes(gm: fx.GraphModule, layers: List[_Layer], dtype: torch.dtype) -> int:
@@ -84,29 +113,26 @@ def decoded_bytes(gm: fx.GraphModule, layers: List[_Layer], dtype: torch.dtype) 
     total = 0
     for layer in layers:
         for j in range(3):
-            for w in layer.lists[("weight", j)]:
-                out_rows = get_attr_value(gm, w).shape[0]
-                in_cols = _in_features(gm, layer, j)
-                total += out_rows * in_cols * size
+            weights = layer.values(gm, "weight", j)
+            total += len(weights) * weights[0].shape[0] * _in_features(gm, layer, j) * size
     return total
 
 
 def _in_features(gm: fx.GraphModule, layer: _Layer, j: int) -> int:
     """A projection's input size, read from the layer's other weights (packed formats halve K)."""
-    gate = get_attr_value(gm, layer.lists[("weight", GATE)][0])
-    down = get_attr_value(gm, layer.lists[("weight", DOWN)][0])
+    gate = layer.values(gm, "weight", GATE)[0]
+    down = layer.values(gm, "weight", DOWN)[0]
     return down.shape[0] if j != DOWN else gate.shape[0]  # gate/up read H (= down's rows); down reads I
 
 
 def _decode_layer(gm: fx.GraphModule, layer: _Layer, kind: QuantMoEKind, dtype: torch.dtype,
                   bmm_max_pairs: int) -> None:
     node = layer.node
-    weights = [layer.lists[("weight", j)] for j in range(3)]
-    experts = len(weights[GATE])
+    values = {key: layer.values(gm, *key) for key in layer.lists}
+    experts = len(values[("weight", GATE)])
 
     def projection(j: int, e: int) -> torch.Tensor:
-        tensors = {name: get_attr_value(gm, layer.lists[(name, j)][e]) for name in kind.buffers}
-        return kind.decode(tensors, layer.constants)
+        return kind.decode({name: values[(name, j)][e] for name in kind.buffers}, layer.constants)
 
     with torch.no_grad():
         first_gate, first_down = projection(GATE, 0), projection(DOWN, 0)
@@ -118,13 +144,13 @@ def _decode_layer(gm: fx.GraphModule, layer: _Layer, kind: QuantMoEKind, dtype: 
             gate_up[e, :inter] = first_gate if e == 0 else projection(GATE, e)
             gate_up[e, inter:] = projection(UP, e)
             down[e] = first_down if e == 0 else projection(DOWN, e)
-    owner = str(weights[GATE][0].target).rsplit(".", 3)[0]  # "<...>.experts" of "<...>.experts.0.gate_proj.weight"
+    owner = layer.owner
     module = gm.get_submodule(owner)
     module.register_parameter("moe_gate_up_weight", nn.Parameter(gate_up, requires_grad=False))
     module.register_parameter("moe_down_weight", nn.Parameter(down, requires_grad=False))
     names = [f"{owner}.moe_gate_up_weight", f"{owner}.moe_down_weight"]
     if "input_scale" in kind.buffers:
-        scales = [[get_attr_value(gm, n).float().reshape(()) for n in layer.lists[("input_scale", j)]] for j in range(3)]
+        scales = [[t.float().reshape(()) for t in values[("input_scale", j)]] for j in range(3)]
         gate_up_scale = torch.stack([torch.maximum(g, u) for g, u in zip(scales[GATE], scales[UP])])
         differ = sum(int(not torch.equal(g, u)) for g, u in zip(scales[GATE], scales[UP]))
         if differ:
@@ -145,7 +171,7 @@ def _decode_layer(gm: fx.GraphModule, layer: _Layer, kind: QuantMoEKind, dtype: 
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
-    release_unused(gm, [n for nodes in layer.lists.values() for n in nodes])
+    release_unused(gm, layer.nodes)
 
 
 class QuantMoEFusion(BaseTransform):
@@ -155,7 +181,7 @@ class QuantMoEFusion(BaseTransform):
     requires = ("load_weights",)
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
-        layers = [_layer(n, self.kind) for n in gm.graph.nodes if is_op(n, self.kind.op)]
+        layers = quant_moe_layers(gm, self.kind)
         if not layers:
             return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
         x_val = layers[0].node.args[0].meta.get("val")

@@ -41,7 +41,7 @@ import torch
 from pydantic import Field
 from torch import fx
 
-from ...ops.quant.moe import quant_moe_ops
+from ...ops.quant.moe import quant_moe_ops, stacked_quant_moe_ops
 from ...utils.errors import ConfigError
 from ...utils.logging import get_logger
 from ..graph_utils import arg, get_attr_value
@@ -55,6 +55,7 @@ ad = torch.ops.autodeploy
 aten = torch.ops.aten
 logger = get_logger(__name__)
 QUANT_MOE_OPS = frozenset(quant_moe_ops())
+STACKED_QUANT_MOE_OPS = frozenset(stacked_quant_moe_ops())
 
 # per-feature ops an MLP's activation is made of: a column split of their inputs is a column split
 # of their output (``plan_mlp``)
@@ -218,12 +219,13 @@ def plan_moe(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> bool:
 
 
 def plan_stacked_moe(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> bool:
-    """Expert parallelism for one ``torch_moe_fused`` over stored stacked tensors (``[E, ...]``
-    weights and biases): each rank keeps a contiguous block of experts, its rows of each tensor.
+    """Expert parallelism for one ``torch_moe_fused`` or stacked quantized MoE op over stored
+    stacked tensors (``[E, ...]`` weights, biases, scales): each rank keeps a contiguous block of
+    experts, its rows of each tensor.
     Stacked weights written as ops on parameters (GPT-OSS's transposed, interleaved layout) or
     experts the world size does not divide stay whole on every rank (logged): correct, only
     memory."""
-    slots = [a for a in node.args[3:7] if a is not None]
+    slots = [a for a in node.args[3:] if isinstance(a, fx.Node)]  # weights, biases, a quantized format's scales
     targets = [_stored(gm, a) for a in slots]
     if any(t is None for t in targets):
         logger.info("MoE %s kept whole on every rank: its stacked weights are computed in the graph", node.name)
@@ -387,7 +389,7 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
             plan_swiglu(gm, node, plan)
         elif node.target == ad.torch_moe.default or node.target in QUANT_MOE_OPS:
             plan_moe(gm, node, plan)
-        elif node.target == ad.torch_moe_fused.default:
+        elif node.target == ad.torch_moe_fused.default or node.target in STACKED_QUANT_MOE_OPS:
             plan_stacked_moe(gm, node, plan)
         elif node.target == ad.torch_mla.default:
             plan_mla(gm, node, plan)

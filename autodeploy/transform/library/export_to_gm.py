@@ -44,9 +44,10 @@ class ExportToGMConfig(TransformConfig):
         description="Parameters of HF MoE experts whose checkpoint stores each expert separately: 'auto' keeps "
         "the module's stacked [E, ...] parameters, which the loader fills from the per-expert tensors (three "
         "parameters per MoE layer instead of 3 x E: export time does not grow with the expert count; expert "
-        "parallelism splits the stacks by rows), unless the experts' checkpoint tensors are quantized or "
-        "world_size does not divide the experts; 'per_expert' always exports one parameter per expert tensor, "
-        "named as the checkpoint names it.",
+        "parallelism splits the stacks by rows); quantized experts too (the quantize_*_moe_from_config "
+        "transforms make one [E, ...] buffer per scale kind), unless the experts' checkpoint tensors differ "
+        "from expert to expert or world_size does not divide the experts; 'per_expert' always exports one "
+        "parameter per expert tensor, named as the checkpoint names it.",
     )
     static_seq_fallback: bool = Field(
         default=True,

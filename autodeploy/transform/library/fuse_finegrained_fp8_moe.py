@@ -42,6 +42,7 @@ class FuseFinegrainedFP8MoE(QuantMoEFusion):
     config_class = FuseFinegrainedFP8MoEConfig
     kind = QuantMoEKind(
         name="fine-grained FP8", op=torch.ops.autodeploy.torch_quant_finegrained_fp8_moe.default,
+        stacked_op=torch.ops.autodeploy.torch_quant_finegrained_fp8_moe_stacked.default,
         buffers=("weight", "weight_scale_inv"), act_quant="fp8_group",
         decode=lambda t, constants: formats.dequantize_fp8_blocks(
             t["weight"], t["weight_scale_inv"], (int(constants[0]), int(constants[1]))),

@@ -11,7 +11,7 @@ static input scale (``act_quant: fp8``)::
                                            P.moe_gate_up_input_scale, P.moe_down_input_scale, None, None,
                                            act, alpha, limit, "fp8", 128, bmm_max_pairs)
 
-``backend: fp8`` keeps the per-expert op (1 byte per weight; active experts decoded each step);
+``backend: fp8`` keeps the per-expert (or stacked) op (1 byte per weight; active experts decoded each step);
 ``auto`` decodes when the decoded experts fit in half the free memory. See ``_quant_moe_fusion``.
 
 ``backend: scaled_mm`` (``auto`` for a bfloat16/float16 model on a CUDA GPU whose grouped FP8 GEMM
@@ -32,10 +32,10 @@ from torch import fx, nn
 from ...ops.quant import formats
 from ...ops.quant.fp8_grouped_gemm import grouped_scaled_mm_supported
 from ...utils.logging import get_logger
-from ..graph_utils import get_attr_value, is_op
 from ..interface import PipelineContext, TransformInfo, TransformRegistry
 from ._gemm_fusion import release_unused
-from ._quant_moe_fusion import DOWN, GATE, UP, QuantMoEFusion, QuantMoEFusionConfig, QuantMoEKind, _Layer, _layer
+from ._quant_moe_fusion import (DOWN, GATE, UP, QuantMoEFusion, QuantMoEFusionConfig, QuantMoEKind, _Layer,
+                                quant_moe_layers)
 
 logger = get_logger(__name__)
 ad = torch.ops.autodeploy
@@ -58,12 +58,13 @@ class FuseFP8MoE(QuantMoEFusion):
     config_class = FuseFP8MoEConfig
     kind = QuantMoEKind(
         name="ModelOpt FP8", op=torch.ops.autodeploy.torch_quant_fp8_moe.default,
+        stacked_op=torch.ops.autodeploy.torch_quant_fp8_moe_stacked.default,
         buffers=("weight", "input_scale", "weight_scale"), act_quant="fp8",
         decode=lambda t, constants: formats.dequantize_fp8(t["weight"], t["weight_scale"]),
     )
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
-        layers = [_layer(n, self.kind) for n in gm.graph.nodes if is_op(n, self.kind.op)]
+        layers = quant_moe_layers(gm, self.kind)
         if not layers or not self._use_scaled_mm(gm, ctx, layers[0]):
             return super()._apply(gm, ctx)
         for layer in layers:
@@ -80,7 +81,7 @@ class FuseFP8MoE(QuantMoEFusion):
             return True  # asked for on CPU: the op's expert-by-expert path (memory over speed)
         if backend not in ("auto", "scaled_mm") or (backend == "auto" and ctx.dtype == torch.float32):
             return False
-        inter, hidden = get_attr_value(gm, layer.lists[("weight", GATE)][0]).shape
+        inter, hidden = layer.values(gm, "weight", GATE)[0].shape
         problem = grouped_scaled_mm_supported(device, hidden, inter)
         if problem is not None and (backend == "scaled_mm" or device.type == "cuda"):
             (logger.warning if backend == "scaled_mm" else logger.info)("ModelOpt FP8 experts: %s", problem)
@@ -91,21 +92,18 @@ def _stack_fp8_layer(gm: fx.GraphModule, layer: _Layer) -> None:
     """One layer's experts stacked in e4m3 with per-row weight scales; the per-expert op replaced."""
     node = layer.node
 
-    def tensors(kind: str, j: int):
-        return [get_attr_value(gm, n) for n in layer.lists[(kind, j)]]
-
-    w = [tensors("weight", j) for j in range(3)]
-    ws = [[t.float().reshape(()) for t in tensors("weight_scale", j)] for j in range(3)]
-    ins = [[t.float().reshape(()) for t in tensors("input_scale", j)] for j in range(3)]
+    w = [layer.values(gm, "weight", j) for j in range(3)]
+    ws = [[t.float().reshape(()) for t in layer.values(gm, "weight_scale", j)] for j in range(3)]
+    ins = [[t.float().reshape(()) for t in layer.values(gm, "input_scale", j)] for j in range(3)]
     inter, hidden = w[GATE][0].shape
     with torch.no_grad():
         gate_up = torch.stack([torch.cat([g, u]) for g, u in zip(w[GATE], w[UP])])
-        down = torch.stack(w[DOWN])
+        down = torch.stack(list(w[DOWN]))
         gate_up_scale = torch.stack([torch.cat([g.expand(inter), u.expand(inter)]) for g, u in zip(ws[GATE], ws[UP])])
         down_scale = torch.stack([d.expand(hidden) for d in ws[DOWN]])
         gate_up_in = torch.stack([torch.maximum(g, u) for g, u in zip(ins[GATE], ins[UP])])
         down_in = torch.stack(ins[DOWN])
-    owner = str(layer.lists[("weight", GATE)][0].target).rsplit(".", 3)[0]
+    owner = layer.owner
     module = gm.get_submodule(owner)
     tensors_by_name = {"moe_gate_up_weight_fp8": gate_up, "moe_down_weight_fp8": down,
                        "moe_gate_up_input_scale": gate_up_in, "moe_down_input_scale": down_in,
@@ -122,4 +120,4 @@ def _stack_fp8_layer(gm: fx.GraphModule, layer: _Layer) -> None:
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
-    release_unused(gm, [n for nodes in layer.lists.values() for n in nodes])
+    release_unused(gm, layer.nodes)

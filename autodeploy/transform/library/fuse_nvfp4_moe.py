@@ -39,6 +39,7 @@ class FuseNVFP4MoE(QuantMoEFusion):
     config_class = FuseNVFP4MoEConfig
     kind = QuantMoEKind(
         name="ModelOpt NVFP4", op=torch.ops.autodeploy.torch_quant_nvfp4_moe.default,
+        stacked_op=torch.ops.autodeploy.torch_quant_nvfp4_moe_stacked.default,
         buffers=("weight", "input_scale", "weight_scale", "weight_scale_2"), act_quant="nvfp4",
         decode=lambda t, constants: formats.dequantize_nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"]),
     )

@@ -49,7 +49,8 @@ def moe_ops() -> Tuple[object, ...]:
     ad = torch.ops.autodeploy
     names = ("torch_moe", "torch_moe_fused", "grouped_moe_fused", "onednn_grouped_moe_fused",
              "torch_quant_mxfp4_moe_fused", "torch_quant_fp8_moe", "torch_quant_finegrained_fp8_moe",
-             "torch_quant_nvfp4_moe", "grouped_quant_moe_fused", "scaled_grouped_mm_fp8_moe")
+             "torch_quant_nvfp4_moe", "torch_quant_fp8_moe_stacked", "torch_quant_finegrained_fp8_moe_stacked",
+             "torch_quant_nvfp4_moe_stacked", "grouped_quant_moe_fused", "scaled_grouped_mm_fp8_moe")
     return tuple(getattr(ad, n).default for n in names if hasattr(ad, n))
 
 

@@ -1,5 +1,5 @@
 """``quantize_finegrained_fp8_moe_from_config`` (pattern_matcher): fine-grained FP8 experts ->
-``torch_quant_finegrained_fp8_moe``.
+``torch_quant_finegrained_fp8_moe`` (or ``torch_quant_finegrained_fp8_moe_stacked``).
 
 Applies with ``quantize_finegrained_fp8_linear_from_config`` (``quant_method: fp8``, DeepSeek-V3
 and Qwen3-MoE-FP8). Those checkpoints store every routed expert's projections as fine-grained FP8
@@ -22,6 +22,14 @@ After::
 Each expert tensor is checked against the safetensors headers as a linear's would be (present,
 dtype, tile count) before anything loads; a static activation scheme or a malformed block size is
 refused as for the linears. ``fuse_finegrained_fp8_moe`` then chooses how the experts run.
+
+Exported stacked (the default ``experts_layout``; ``E`` the experts module)::
+
+    y = autodeploy.torch_moe_fused(x, sel, w, E.gate_up_proj, E.down_proj, None, None, "silu", 1.0, 0.0)
+  ->
+    y = autodeploy.torch_quant_finegrained_fp8_moe_stacked(x, sel, w, E.gate_weight, E.up_weight, E.down_weight,
+        E.gate_weight_scale_inv, .., 128, 128, "silu", 1.0, 0.0)
+        # one [num_experts, ...] buffer per list above, loaded from the experts' tensors in order
 """
 
 import torch
@@ -45,5 +53,6 @@ class QuantizeFinegrainedFP8MoEFromConfig(BaseTransform):
         if info is None or info.transform != "quantize_finegrained_fp8_linear_from_config":
             return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
         fmt = finegrained_fp8_format(declared_block(info))
-        count = quantize_moe_experts(gm, ctx, fmt, torch.ops.autodeploy.torch_quant_finegrained_fp8_moe.default)
+        count = quantize_moe_experts(gm, ctx, fmt, torch.ops.autodeploy.torch_quant_finegrained_fp8_moe.default,
+                                     torch.ops.autodeploy.torch_quant_finegrained_fp8_moe_stacked.default)
         return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=True)

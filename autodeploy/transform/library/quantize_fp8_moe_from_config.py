@@ -1,4 +1,5 @@
-"""``quantize_fp8_moe_from_config`` (pattern_matcher): ModelOpt FP8 experts -> ``torch_quant_fp8_moe``.
+"""``quantize_fp8_moe_from_config`` (pattern_matcher): ModelOpt FP8 experts -> ``torch_quant_fp8_moe``
+(or ``torch_quant_fp8_moe_stacked``).
 
 Applies with ``quantize_fp8_linear_from_config`` (``quant_method: modelopt``, ``quant_algo:
 FP8``). ModelOpt stores every routed expert's projections as ordinary FP8 linears
@@ -20,6 +21,14 @@ After::
 
 Each expert tensor is checked against the safetensors headers as a linear's would be (present,
 dtype, shape) before anything loads. ``fuse_fp8_moe`` then chooses how the experts run.
+
+Exported stacked (the default ``experts_layout``; ``E`` the experts module)::
+
+    y = autodeploy.torch_moe_fused(x, sel, w, E.gate_up_proj, E.down_proj, None, None, "silu", 1.0, 0.0)
+  ->
+    y = autodeploy.torch_quant_fp8_moe_stacked(x, sel, w, E.gate_weight, E.up_weight, E.down_weight,
+        E.gate_input_scale, .., E.gate_weight_scale, .., "silu", 1.0, 0.0)
+        # one [num_experts, ...] buffer per list above, loaded from the experts' tensors in order
 """
 
 import torch
@@ -42,5 +51,6 @@ class QuantizeFP8MoEFromConfig(BaseTransform):
         info = getattr(ctx.factory, "quantization", None)
         if info is None or info.transform != "quantize_fp8_linear_from_config":
             return TransformInfo(num_matches=0, is_clean=True, has_valid_shapes=True)
-        count = quantize_moe_experts(gm, ctx, FP8_LINEAR, torch.ops.autodeploy.torch_quant_fp8_moe.default)
+        count = quantize_moe_experts(gm, ctx, FP8_LINEAR, torch.ops.autodeploy.torch_quant_fp8_moe.default,
+                                     torch.ops.autodeploy.torch_quant_fp8_moe_stacked.default)
         return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=True)

@@ -1,4 +1,5 @@
-"""``quantize_nvfp4_moe_from_config`` (pattern_matcher): ModelOpt NVFP4 experts -> ``torch_quant_nvfp4_moe``.
+"""``quantize_nvfp4_moe_from_config`` (pattern_matcher): ModelOpt NVFP4 experts -> ``torch_quant_nvfp4_moe``
+(or ``torch_quant_nvfp4_moe_stacked``).
 
 Applies with ``quantize_nvfp4_linear_from_config`` (``quant_method: modelopt``, ``quant_algo:
 NVFP4``). ModelOpt stores every routed expert's projections as NVFP4 linears
@@ -20,6 +21,14 @@ After::
 Each expert tensor is checked against the safetensors headers as a linear's would be (present,
 dtype, shape; inputs a multiple of 16) before anything loads. ``fuse_nvfp4_moe`` then chooses how
 the experts run.
+
+Exported stacked (the default ``experts_layout``; ``E`` the experts module)::
+
+    y = autodeploy.torch_moe_fused(x, sel, w, E.gate_up_proj, E.down_proj, None, None, "silu", 1.0, 0.0)
+  ->
+    y = autodeploy.torch_quant_nvfp4_moe_stacked(x, sel, w, E.gate_weight, E.up_weight, E.down_weight,
+        E.gate_input_scale, .., E.gate_weight_scale, .., E.gate_weight_scale_2, .., "silu", 1.0, 0.0)
+        # one [num_experts, ...] buffer per list above, loaded from the experts' tensors in order
 """
 
 import torch
@@ -47,5 +56,6 @@ class QuantizeNVFP4MoEFromConfig(BaseTransform):
         group = info.config.get("group_size", NVFP4_GROUP)
         if group != NVFP4_GROUP:
             raise ModelSourceError(f"NVFP4 checkpoint declares group_size {group}; NVFP4 groups {NVFP4_GROUP} values")
-        count = quantize_moe_experts(gm, ctx, NVFP4_LINEAR, torch.ops.autodeploy.torch_quant_nvfp4_moe.default)
+        count = quantize_moe_experts(gm, ctx, NVFP4_LINEAR, torch.ops.autodeploy.torch_quant_nvfp4_moe.default,
+                                     torch.ops.autodeploy.torch_quant_nvfp4_moe_stacked.default)
         return TransformInfo(num_matches=count, is_clean=count == 0, has_valid_shapes=True)
