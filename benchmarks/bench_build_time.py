@@ -6,9 +6,12 @@ fresh process, optionally for several source trees interleaved (before/after a c
     python benchmarks/bench_build_time.py --trees before=/tmp/wt after=.    # a worktree of an older commit
 
 Models: the ``small`` preset (12 layers), ``deep48`` (a 48-layer Llama of hidden 256: what grows
-with depth, the weights are small) and ``moe16`` (a 16-layer Qwen3-MoE of 128 experts, 6,293 weight
-tensors: what grows with the expert count). The two test checkpoints are written once with random
-weights under ``$AUTODEPLOY_CACHE/bench-build`` (``autodeploy.models.presets.write_random_checkpoint``).
+with depth, the weights are small), ``moe16`` (a 16-layer Qwen3-MoE of 128 experts, 6,293 weight
+tensors: what grows with the expert count) and ``moe16-fp8`` (the same with its routed experts in
+fine-grained FP8, DeepSeek-V3's format: a ``weight_scale_inv`` beside every expert weight, 12,437
+tensors). The test checkpoints are written once with random weights under
+``$AUTODEPLOY_CACHE/bench-build`` (``autodeploy.models.presets.write_random_checkpoint``; the FP8
+one quantized from ``moe16`` with ``quantize_fp8_blocks``).
 Each build reports the transform summary table; the JSON keeps every transform's time, the table
 (printed, and written beside the JSON as ``.md``) the total and the largest items, the chart
 (``benchmarks/build-time.png``) torch.export's share of each total. The pattern cache should be
@@ -43,16 +46,59 @@ ROW = re.compile(r"^([a-z_0-9]+)\s+[a-z_]+\s+\d*\s+([0-9.]+)\s")
 TOTAL = re.compile(r"^total\s+([0-9.]+)")
 
 
+# test models quantized from another: name -> (the float model, fine-grained FP8 block)
+QUANTIZED_MODELS = {"moe16-fp8": ("moe16", (128, 128))}
+
+
 def model_path(name: str) -> str:
     """A preset's name as it is, a test model's checkpoint directory (written on first use)."""
-    if name not in TEST_MODELS:
+    if name not in TEST_MODELS and name not in QUANTIZED_MODELS:
         return name
     from autodeploy.models.presets import cache_root, write_random_checkpoint
 
     path = os.path.join(cache_root(), "bench-build", name)
-    if not os.path.exists(os.path.join(path, "config.json")):
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if name in QUANTIZED_MODELS:
+        source, block = QUANTIZED_MODELS[name]
+        write_finegrained_fp8_experts(model_path(source), path, block)
+    else:
         write_random_checkpoint(TEST_MODELS[name], path)
     return path
+
+
+def write_finegrained_fp8_experts(source: str, path: str, block: Tuple[int, int]) -> None:
+    """A copy of checkpoint ``source`` whose routed experts are fine-grained FP8 (e4m3 weights, a
+    float32 ``weight_scale_inv`` per ``block`` tile; DeepSeek-V3's format), the rest float."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from autodeploy.ops.quant.formats import quantize_fp8_blocks
+
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = {}
+    for f in sorted(os.listdir(source)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(source, f)))
+    out = {}
+    for key, t in tensors.items():
+        if ".experts." in key and key.endswith(".weight"):
+            out[key], out[key[: -len("weight")] + "weight_scale_inv"] = quantize_fp8_blocks(t.float(), block)
+        else:
+            out[key] = t
+    save_file(out, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block),
+                                  "modules_to_not_convert": ["self_attn", "mlp.gate", "lm_head", "embed_tokens"]}
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    os.rename(tmp, path)
 
 
 def build_once(tree: str, model: str) -> Tuple[float, Dict[str, float]]:
@@ -67,7 +113,7 @@ def build_once(tree: str, model: str) -> Tuple[float, Dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["small", "deep48", "moe16"])
+    parser.add_argument("--models", nargs="+", default=["small", "deep48", "moe16", "moe16-fp8"])
     parser.add_argument("--trees", nargs="+", default=[f"this={ROOT}"], help="name=path of a source tree")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
