@@ -54,7 +54,7 @@ from torch import nn
 from ..models.quantization import is_quantization_companion
 from ..ops.moe import expert_activation
 from ..utils.logging import get_logger
-from .hf_names import checkpoint_name, conversions, in_checkpoint, reverted_renamings
+from .hf_names import checkpoint_key, checkpoint_name, conversions, in_checkpoint, reverted_renamings
 
 logger = get_logger(__name__)
 
@@ -295,7 +295,8 @@ def _plan_module(
             names = None  # the checkpoint was saved stacked (transformers' new format)
         elif (extra_leaves is not None and num_experts % world_size == 0
               and _stackable(names, extra_leaves, checkpoint_keys)):
-            plan.sources = names  # stacked from the per-expert tensors at load
+            # stacked from the per-expert tensors at load: their keys as the checkpoint spells them
+            plan.sources = {part: [checkpoint_key(n, checkpoint_keys) or n for n in ns] for part, ns in names.items()}
             names = None
     if names is None:
         return plan

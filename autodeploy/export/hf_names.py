@@ -53,12 +53,20 @@ def checkpoint_name(name: str, renamings: List[Any]) -> str:
     return apply_renamings(name, renamings) if renamings else name
 
 
+def checkpoint_key(name: str, keys: Collection[str]) -> Optional[str]:
+    """The checkpoint's key for ``name``: itself, or without / with the base-model prefix (as the
+    loader finds it); None when the checkpoint has none."""
+    if name in keys:
+        return name
+    _, _, tail = name.partition(".")
+    if tail and tail in keys:
+        return tail
+    return f"model.{name}" if f"model.{name}" in keys else None
+
+
 def in_checkpoint(name: str, keys: Collection[str]) -> bool:
     """``name`` is in the checkpoint, also without / with the base-model prefix (as the loader finds it)."""
-    if name in keys:
-        return True
-    _, _, tail = name.partition(".")
-    return (bool(tail) and tail in keys) or f"model.{name}" in keys
+    return checkpoint_key(name, keys) is not None
 
 
 def rename_to_checkpoint(gm: fx.GraphModule, model: nn.Module, checkpoint_keys: Optional[Collection[str]]) -> int:

@@ -303,6 +303,10 @@ def _quantize_stacked_layer(gm: fx.GraphModule, node: fx.Node, fmt: LinearFormat
     prefixes = [[n[: -len(".weight")] for n in names_of[part]] for part in ("gate", "up", "down")]
     if not _quantized_layer(fmt, prefixes, names, any(node.args[i] is not None for i in (5, 6) if i < len(node.args))):
         return 0
+    made = [buf.name for buf in fmt.buffers if buf.sources]
+    if made:
+        raise NotImplementedError(f"{fmt.name}: stacked experts whose {made} a load hook makes; export them with "
+                                  "export_to_gm.experts_layout: per_expert")
     owner = gm.get_submodule(owner_path)
     experts, two_inter, hidden = owner.gate_up_proj.shape
     dims = [(two_inter // 2, hidden), (two_inter // 2, hidden), (hidden, two_inter // 2)]  # (N, K) per projection
@@ -313,8 +317,6 @@ def _quantize_stacked_layer(gm: fx.GraphModule, node: fx.Node, fmt: LinearFormat
     args: List[List[fx.Node]] = [[] for _ in fmt.buffers]
     with gm.graph.inserting_before(node):
         for b, buf in enumerate(fmt.buffers):
-            if buf.sources:
-                raise NotImplementedError(f"{fmt.name}: stacked experts of a buffer made by a load hook ({buf.name})")
             for j, part in enumerate(("gate", "up", "down")):
                 keys = tuple(f"{p}.{buf.name}" for p in prefixes[j])
                 shape = buf.shape(*dims[j]) if buf.shape is not None else shapes.get(keys[0], ())
@@ -329,12 +331,11 @@ def _quantize_stacked_layer(gm: fx.GraphModule, node: fx.Node, fmt: LinearFormat
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
-    for placeholder in (gate_up, down):
+    for placeholder in (gate_up, down):  # the float stacks (on meta) go unless something else reads them
         if not placeholder.users:
             gm.graph.erase_node(placeholder)
-    del owner._parameters["gate_up_proj"], owner._parameters["down_proj"]
+            del owner._parameters[str(placeholder.target).rpartition(".")[2]]
     return 1
-
 
 
 def _quantized_layer(fmt: LinearFormat, prefixes: List[List[Optional[str]]], names: Set[str], has_bias: bool) -> bool:
