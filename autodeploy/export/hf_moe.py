@@ -51,7 +51,6 @@ from typing import Collection, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from ..models.quantization import is_quantization_companion
 from ..ops.moe import expert_activation
 from ..utils.logging import get_logger
 from .hf_names import checkpoint_key, checkpoint_name, conversions, in_checkpoint, reverted_renamings
@@ -260,16 +259,15 @@ def _extra_leaves(checkpoint_keys: Collection[str]) -> Dict[str, Set[str]]:
 def _stackable(names: Dict[str, List[str]], extra: Dict[str, Set[str]], checkpoint_keys: Collection[str]) -> bool:
     """Whether a layer's per-expert checkpoint tensors can fill stacked tensors: every expert's
     gate/up/down is a plain ``weight`` (the loader stacks them into the module's parameters), or
-    every one is a ``weight`` with the same quantization tensors beside it (a format's scales:
-    ``quantize_*_moe_from_config`` stacks each kind into an ``[E, ...]`` buffer). A layer whose
-    experts differ (some quantized, some not) stays per expert, where the quantizers say what is
-    wrong."""
+    every one is a ``weight`` with the same tensors beside it (a quantization format's scales:
+    ``quantize_*_moe_from_config`` stacks each kind into an ``[E, ...]`` buffer; tensors no
+    transform claims stay unused, and quantized weights no transform claims are refused by the
+    loader's dtype check, as they were per expert). A layer whose experts differ (some quantized,
+    some not, a scale missing) stays per expert, where the quantizers say what is wrong."""
     leaves = {frozenset(extra.get(name.rpartition(".")[0], ())) for ns in names.values() for name in ns}
     if leaves == {frozenset()}:
         return True
-    (beside,) = leaves if len(leaves) == 1 else (None,)
-    return (beside is not None and all(is_quantization_companion(leaf) for leaf in beside)
-            and all(in_checkpoint(n, checkpoint_keys) for ns in names.values() for n in ns))
+    return len(leaves) == 1 and all(in_checkpoint(n, checkpoint_keys) for ns in names.values() for n in ns)
 
 
 def _plan_module(
