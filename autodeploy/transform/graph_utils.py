@@ -10,6 +10,9 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..utils.fx import get_attr_value  # noqa: F401  (transforms import it from here)
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 OpLike = Union[OpOverload, OpOverloadPacket, Callable]
 
@@ -335,18 +338,30 @@ def _move_values(gm: fx.GraphModule, fake_mode: Any, device: torch.device) -> No
             moved[id(v)] = (v, new)
         return moved[id(v)][1]
 
-    with fake_mode:
-        for n in gm.graph.nodes:
-            if "val" in n.meta:
-                n.meta["val"] = move(n.meta["val"])
-            memo = n.meta.get(_PROP_MEMO)
-            if memo is None:
-                continue
-            if n.op == "get_attr":
-                n.meta[_PROP_MEMO] = (memo[0], move(memo[1]))
-            else:
-                (target, inputs), result = memo
-                n.meta[_PROP_MEMO] = ((target, move(inputs)), move(result))
+    updates: List[Tuple[fx.Node, Dict[str, Any]]] = []
+    try:  # every new value first: a graph either moves whole or not at all
+        with fake_mode:
+            for n in gm.graph.nodes:
+                new: Dict[str, Any] = {}
+                if "val" in n.meta:
+                    new["val"] = move(n.meta["val"])
+                memo = n.meta.get(_PROP_MEMO)
+                if memo is not None and n.op == "get_attr":
+                    new[_PROP_MEMO] = (memo[0], move(memo[1]))
+                elif memo is not None:
+                    (target, inputs), result = memo
+                    new[_PROP_MEMO] = ((target, move(inputs)), move(result))
+                updates.append((n, new))
+    except Exception as exc:  # noqa: BLE001 - e.g. data-dependent sizes (JetMoE): propagate again instead
+        logger.debug("values not moved to %s (%s); the next propagation recomputes them", device, exc)
+        with fake_mode:
+            for n in gm.graph.nodes:
+                v = n.meta.get("val")
+                if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.device != device:
+                    n.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
+        return
+    for n, new in updates:
+        n.meta.update(new)
 
 
 def owner_of(gm: torch.nn.Module, target: str) -> Tuple[torch.nn.Module, str]:
