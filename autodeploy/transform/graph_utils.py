@@ -7,6 +7,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch._ops import OpOverload, OpOverloadPacket
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..utils.fx import get_attr_value  # noqa: F401  (transforms import it from here)
@@ -332,36 +333,44 @@ def _move_values(gm: fx.GraphModule, fake_mode: Any, device: torch.device) -> No
         if not (isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is fake_mode and v.device != device):
             return v
         if id(v) not in moved:
-            new = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
-            if v.storage_offset() != 0:
-                new = new.as_strided(v.shape, v.stride(), v.storage_offset())
-            moved[id(v)] = (v, new)
+            moved[id(v)] = (v, _fake_on(v, device))
         return moved[id(v)][1]
 
-    updates: List[Tuple[fx.Node, Dict[str, Any]]] = []
     try:  # every new value first: a graph either moves whole or not at all
         with fake_mode:
-            for n in gm.graph.nodes:
-                new: Dict[str, Any] = {}
-                if "val" in n.meta:
-                    new["val"] = move(n.meta["val"])
-                memo = n.meta.get(_PROP_MEMO)
-                if memo is not None and n.op == "get_attr":
-                    new[_PROP_MEMO] = (memo[0], move(memo[1]))
-                elif memo is not None:
-                    (target, inputs), result = memo
-                    new[_PROP_MEMO] = ((target, move(inputs)), move(result))
-                updates.append((n, new))
-    except Exception as exc:  # noqa: BLE001 - e.g. data-dependent sizes (JetMoE): propagate again instead
+            updates = [(n, _moved_meta(n, move)) for n in gm.graph.nodes]
+    except GuardOnDataDependentSymNode as exc:  # a size no rule decides: propagate again instead
         logger.debug("values not moved to %s (%s); the next propagation recomputes them", device, exc)
         with fake_mode:
             for n in gm.graph.nodes:
                 v = n.meta.get("val")
                 if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.device != device:
-                    n.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
+                    n.meta["val"] = _fake_on(v, device)
         return
     for n, new in updates:
         n.meta.update(new)
+
+
+def _fake_on(v: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor like ``v`` (symbolic shape, strides, offset, dtype) on ``device``."""
+    new = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
+    if not statically_known_true(v.storage_offset() == 0):  # no guard on an unbacked offset (JetMoE)
+        new = new.as_strided(v.shape, v.stride(), v.storage_offset())
+    return new
+
+
+def _moved_meta(n: fx.Node, move: Callable[[Any], Any]) -> Dict[str, Any]:
+    """The node's value and propagation memo with ``move`` applied to every tensor in them."""
+    new: Dict[str, Any] = {}
+    if "val" in n.meta:
+        new["val"] = move(n.meta["val"])
+    memo = n.meta.get(_PROP_MEMO)
+    if memo is not None and n.op == "get_attr":
+        new[_PROP_MEMO] = (memo[0], move(memo[1]))
+    elif memo is not None:
+        (target, inputs), result = memo
+        new[_PROP_MEMO] = ((target, move(inputs)), move(result))
+    return new
 
 
 def owner_of(gm: torch.nn.Module, target: str) -> Tuple[torch.nn.Module, str]:

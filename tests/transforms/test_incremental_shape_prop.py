@@ -247,3 +247,63 @@ def test_loading_moves_the_values_so_the_next_propagation_recomputes_nothing(mon
     devices = _devices(gm)
     _assert_equals_a_full_propagation(gm, hinted_strides=True)  # the export's stride expressions are kept
     assert _devices(gm) == devices
+
+
+class DataDependent(nn.Module):
+    """The rows of ``x`` chosen by its data (an unbacked size ``u0``), then a view whose storage
+    offset is an expression of ``u0`` (``Min(1, 4*u0)``, as in JetMoE's routed tokens)."""
+
+    def forward(self, x):
+        rows = x[torch.nonzero(x[:, 0] > 0)[:, 0]]
+        y = rows.reshape(-1, 4, 4).transpose(0, 1).reshape(4, -1)[:, 1:]
+        return y.sum(-1) + x.sum()
+
+
+def _data_dependent_graph():
+    gm = export_gm(DataDependent(), torch.randn(6, 16))
+    run_shape_prop(gm)
+    offsets = [n.meta["val"].storage_offset() for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert any(isinstance(o, torch.SymInt) and "u0" in str(o) for o in offsets)  # the case under test is there
+    return gm
+
+
+def test_values_with_data_dependent_offsets_move_too(monkeypatch):
+    """An offset that depends on data is not guarded on (``Min(1, 4*u0) != 0`` cannot be decided):
+    the values move whole, and the next propagation recomputes nothing."""
+    gm = _data_dependent_graph()
+    graph_utils.move_graph_to_device(gm, torch.device("meta"))
+    assert {d for d in _devices(gm).values() if d is not None} == {"meta"}
+    calls = _count_computed(monkeypatch)
+    run_shape_prop(gm)
+    assert [n.name for n in gm.graph.nodes if n.name in set(calls) and n.op == "call_function"] == []
+    _assert_equals_a_full_propagation(gm)
+
+
+def test_a_value_that_cannot_be_moved_leaves_them_all_for_the_next_propagation(monkeypatch):
+    """When one value's move has to decide a data-dependent size, no value is moved (a graph of
+    values on two devices would be wrong); the inputs are, and the next propagation recomputes
+    the rest on the new device. The failure is injected into the last value's move, so the
+    values before it were already computed when it happens."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    gm = _data_dependent_graph()
+    before = _devices(gm)
+    last = [n for n in gm.graph.nodes if n.op == "call_function"][-1].meta["val"]
+    fake_on = graph_utils._fake_on
+
+    def failing(v, device):
+        if v is last:
+            raise GuardOnDataDependentSymNode("injected: Could not guard on data-dependent expression")
+        return fake_on(v, device)
+
+    monkeypatch.setattr(graph_utils, "_fake_on", failing)
+    graph_utils.move_graph_to_device(gm, torch.device("meta"))
+    monkeypatch.setattr(graph_utils, "_fake_on", fake_on)
+    after = _devices(gm)
+    assert {n: d for n, d in after.items() if d == "meta"} == {"x": "meta"}
+    assert {n: d for n, d in after.items() if n != "x"} == {n: d for n, d in before.items() if n != "x"}
+    calls = _count_computed(monkeypatch)
+    run_shape_prop(gm)
+    assert "add" in calls  # recomputed, now on the inputs' device
+    assert {d for d in _devices(gm).values() if d is not None} == {"meta"}
+    _assert_equals_a_full_propagation(gm)
