@@ -242,39 +242,43 @@ def quantize_moe_experts(gm: fx.GraphModule, ctx: PipelineContext, fmt: LinearFo
     for node in list(gm.graph.nodes):
         if is_op(node, torch.ops.autodeploy.torch_moe_fused):
             count += _quantize_stacked_layer(gm, node, fmt, stacked_op, sources, names, dtypes, shapes)
-            continue
-        if not is_op(node, torch.ops.autodeploy.torch_moe):
-            continue
-        weights = [list(node.args[i]) for i in (3, 4, 5)]
-        prefixes = [[_expert_prefix(w) for w in projection] for projection in weights]
-        if not _quantized_layer(fmt, prefixes, names, any(node.args[i] for i in (6, 7, 8))):
-            continue  # a float MoE layer
-        lists: List[List[List[fx.Node]]] = [[[] for _ in fmt.buffers] for _ in weights]
-        constants: Tuple[Any, ...] = ()
-        for j, projection in enumerate(weights):
-            for w, prefix in zip(projection, prefixes[j]):
-                if len(w.users) > 1:
-                    raise ModelSourceError(f"'{prefix}.weight' is quantized ({fmt.name}) but the graph also uses it "
-                                           "outside its MoE layer; autodeploy cannot share a quantized weight")
-                args, constants = _quantized_weight(gm, fmt, prefix, node, names, dtypes, shapes)
-                for b, a in enumerate(args):
-                    lists[j][b].append(a)
-        tail = [arg(node, 9, "act", "silu"), arg(node, 10, "alpha", 1.0), arg(node, 11, "limit", 0.0)]
-        per_buffer = [lists[j][b] for b in range(len(fmt.buffers)) for j in range(len(weights))]
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(op, (*node.args[:3], *per_buffer, *constants, *tail))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-        for w in (w for projection in weights for w in projection):
-            gm.graph.erase_node(w)
-        count += 1
+        elif is_op(node, torch.ops.autodeploy.torch_moe):
+            count += _quantize_expert_layer(gm, node, fmt, op, names, dtypes, shapes)
     if count:
         _register_load_hooks(fmt, gm.meta.setdefault(GRAPH_LOAD_HOOKS, []))
         logger.info("%s: %d MoE layers run on %s experts", fmt.name, count, fmt.name)
     gm.graph.lint()
     gm.recompile()
     return count
+
+
+def _quantize_expert_layer(gm: fx.GraphModule, node: fx.Node, fmt: LinearFormat, op: Any, names: Set[str],
+                           dtypes: Dict[str, str], shapes: Dict[str, Shape]) -> int:
+    """One per-expert ``torch_moe`` over ``fmt`` experts -> ``op`` (1), or left alone (0: float)."""
+    weights = [list(node.args[i]) for i in (3, 4, 5)]
+    prefixes = [[_expert_prefix(w) for w in projection] for projection in weights]
+    if not _quantized_layer(fmt, prefixes, names, any(node.args[i] for i in (6, 7, 8))):
+        return 0
+    lists: List[List[List[fx.Node]]] = [[[] for _ in fmt.buffers] for _ in weights]
+    constants: Tuple[Any, ...] = ()
+    for j, projection in enumerate(weights):
+        for w, prefix in zip(projection, prefixes[j]):
+            if len(w.users) > 1:
+                raise ModelSourceError(f"'{prefix}.weight' is quantized ({fmt.name}) but the graph also uses it "
+                                       "outside its MoE layer; autodeploy cannot share a quantized weight")
+            args, constants = _quantized_weight(gm, fmt, prefix, node, names, dtypes, shapes)
+            for b, a in enumerate(args):
+                lists[j][b].append(a)
+    tail = [arg(node, 9, "act", "silu"), arg(node, 10, "alpha", 1.0), arg(node, 11, "limit", 0.0)]
+    per_buffer = [lists[j][b] for b in range(len(fmt.buffers)) for j in range(len(weights))]
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(op, (*node.args[:3], *per_buffer, *constants, *tail))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    for w in (w for projection in weights for w in projection):
+        gm.graph.erase_node(w)
+    return 1
 
 
 def _quantize_stacked_layer(gm: fx.GraphModule, node: fx.Node, fmt: LinearFormat, op: Any,
@@ -294,40 +298,26 @@ def _quantize_stacked_layer(gm: fx.GraphModule, node: fx.Node, fmt: LinearFormat
                act, alpha, limit)
     """
     gate_up, down = node.args[3], node.args[4]
-    if not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in (gate_up, down)):
-        return 0
-    owner_path = str(gate_up.target).rpartition(".")[0]
-    names_of = sources.get(owner_path)
-    if names_of is None or str(down.target).rpartition(".")[0] != owner_path:
-        return 0
-    prefixes = [[n[: -len(".weight")] for n in names_of[part]] for part in ("gate", "up", "down")]
-    if not _quantized_layer(fmt, prefixes, names, any(node.args[i] is not None for i in (5, 6) if i < len(node.args))):
+    prefixes = _stacked_prefixes(gate_up, down, sources)
+    if prefixes is None or not _quantized_layer(fmt, prefixes, names,
+                                                any(node.args[i] is not None for i in (5, 6) if i < len(node.args))):
         return 0
     made = [buf.name for buf in fmt.buffers if buf.sources]
     if made:
         raise NotImplementedError(f"{fmt.name}: stacked experts whose {made} a load hook makes; export them with "
                                   "export_to_gm.experts_layout: per_expert")
+    owner_path = str(gate_up.target).rpartition(".")[0]
     owner = gm.get_submodule(owner_path)
     experts, two_inter, hidden = owner.gate_up_proj.shape
     dims = [(two_inter // 2, hidden), (two_inter // 2, hidden), (hidden, two_inter // 2)]  # (N, K) per projection
     for j, projection in enumerate(prefixes):
         for prefix in projection:
             validate_linear(fmt, prefix, *dims[j], names, dtypes, shapes)
-    hooks: List[Any] = gm.meta.setdefault(GRAPH_LOAD_HOOKS, [])
-    args: List[List[fx.Node]] = [[] for _ in fmt.buffers]
     with gm.graph.inserting_before(node):
-        for b, buf in enumerate(fmt.buffers):
-            for j, part in enumerate(("gate", "up", "down")):
-                keys = tuple(f"{p}.{buf.name}" for p in prefixes[j])
-                shape = buf.shape(*dims[j]) if buf.shape is not None else shapes.get(keys[0], ())
-                leaf = f"{part}_{buf.name}"
-                owner.register_buffer(leaf, torch.empty((experts, *shape), dtype=buf.dtype, device="meta"))
-                hooks.append(StackExperts(f"{owner_path}.{leaf}", keys, buf.dtype,
-                                          f"{fmt.name}: {experts} experts' {part} {buf.name} stacked"))
-                args[b].append(gm.graph.get_attr(f"{owner_path}.{leaf}"))
+        buffers = _stacked_buffers(gm, owner_path, fmt, prefixes, dims, shapes)
         constants = fmt.constants(*dims[0]) if callable(fmt.constants) else fmt.constants
         tail = [arg(node, 7, "act", "silu"), arg(node, 8, "alpha", 1.0), arg(node, 9, "limit", 0.0)]
-        new = gm.graph.call_function(op, (*node.args[:3], *[a for per_kind in args for a in per_kind], *constants, *tail))
+        new = gm.graph.call_function(op, (*node.args[:3], *buffers, *constants, *tail))
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
@@ -336,6 +326,41 @@ def _quantize_stacked_layer(gm: fx.GraphModule, node: fx.Node, fmt: LinearFormat
             gm.graph.erase_node(placeholder)
             del owner._parameters[str(placeholder.target).rpartition(".")[2]]
     return 1
+
+
+def _stacked_prefixes(gate_up: Any, down: Any, sources: Dict[str, Dict[str, List[str]]]
+                      ) -> Optional[List[List[str]]]:
+    """Each expert's checkpoint prefix per projection (gate, up, down) of the experts module whose
+    stacks ``gate_up`` and ``down`` read, as the export recorded them; None when they are not
+    read straight from one exported-stacked module."""
+    if not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in (gate_up, down)):
+        return None
+    owner_path = str(gate_up.target).rpartition(".")[0]
+    names_of = sources.get(owner_path)
+    if names_of is None or str(down.target).rpartition(".")[0] != owner_path:
+        return None
+    return [[n[: -len(".weight")] for n in names_of[part]] for part in ("gate", "up", "down")]
+
+
+def _stacked_buffers(gm: fx.GraphModule, owner_path: str, fmt: LinearFormat, prefixes: List[List[str]],
+                     dims: List[Tuple[int, int]], shapes: Dict[str, Shape]) -> List[fx.Node]:
+    """Register one ``[E, ...]`` meta buffer per tensor kind of ``fmt`` and projection on the
+    experts module, each with a ``StackExperts`` load hook, and return their ``get_attr`` nodes
+    in the op's order (kind-major: gate, up, down of the first kind, then the next kind)."""
+    owner = gm.get_submodule(owner_path)
+    experts = len(prefixes[0])
+    hooks: List[Any] = gm.meta.setdefault(GRAPH_LOAD_HOOKS, [])
+    nodes: List[fx.Node] = []
+    for buf in fmt.buffers:
+        for j, part in enumerate(("gate", "up", "down")):
+            keys = tuple(f"{p}.{buf.name}" for p in prefixes[j])
+            shape = buf.shape(*dims[j]) if buf.shape is not None else shapes.get(keys[0], ())
+            leaf = f"{part}_{buf.name}"
+            owner.register_buffer(leaf, torch.empty((experts, *shape), dtype=buf.dtype, device="meta"))
+            hooks.append(StackExperts(f"{owner_path}.{leaf}", keys, buf.dtype,
+                                      f"{fmt.name}: {experts} experts' {part} {buf.name} stacked"))
+            nodes.append(gm.graph.get_attr(f"{owner_path}.{leaf}"))
+    return nodes
 
 
 def _quantized_layer(fmt: LinearFormat, prefixes: List[List[Optional[str]]], names: Set[str], has_bias: bool) -> bool:
