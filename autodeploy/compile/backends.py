@@ -9,6 +9,7 @@ from torch import fx, nn
 
 from ..cache.interface import CachedSequenceInterface
 from ..utils.errors import ConfigError
+from ..utils.fx import recompile_now
 from ..utils.logging import get_logger
 from ..utils.paths import cache_root
 from .cuda_graph import DecodeGraphs, cuda_graph_capture
@@ -75,6 +76,7 @@ def compile_graph(
     """Wrap ``gm`` for the runtime according to ``backend`` (see the package docstring)."""
     if backend not in BACKENDS:
         raise ConfigError(f"unknown compile backend '{backend}'; available: {', '.join(BACKENDS)}")
+    gm = recompile_now(gm)  # its code made now: dynamo cannot trace into a module whose code is deferred
     if backend == "torch-simple":
         device_type = cache.device.type if cache is not None else "cpu"
         runner = _eager_runner(gm, device_type, direct_kernels)

@@ -17,6 +17,7 @@ from torch.export import Dim
 from torch.overrides import TorchFunctionMode
 
 from ..utils.errors import ExportError
+from ..utils.fx import lazy_graph_modules
 from ..utils.logging import get_logger
 from .hf_attention import AD_ATTN_IMPL, RouteUnsupportedError, hf_attention_route
 from .hf_moe import STACKED_EXPERT_SOURCES, hf_experts_route
@@ -207,7 +208,7 @@ def export_causal_lm(
                 model, experts_implementation, checkpoint_keys, stack_experts, world_size
             ) as expert_plans, _logits_only_forward(
                 model
-            ), _module_tracker(model, stack):
+            ), _module_tracker(model, stack), lazy_graph_modules():
                 ep = torch.export.export(
                     model, args=(), kwargs={"input_ids": input_ids, "position_ids": position_ids},
                     dynamic_shapes={"input_ids": dims, "position_ids": dims}, strict=False,

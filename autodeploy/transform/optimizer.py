@@ -7,6 +7,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from ..utils.errors import ConfigError
+from ..utils.fx import recompile_now
 from ..utils.logging import get_logger
 from .interface import BaseTransform, PipelineContext, TransformConfig, TransformRecord, TransformRegistry
 
@@ -94,7 +95,7 @@ class InferenceOptimizer:
         if log_summary:
             logger.info("transform pipeline summary\n%s", format_summary(ctx.history))
         assert mod is not None, "the pipeline produced no model: is 'build_model' enabled?"
-        return mod
+        return recompile_now(mod)  # a plain GraphModule again (export_to_gm deferred its code generation)
 
 
 def format_summary(history: List[TransformRecord]) -> str:

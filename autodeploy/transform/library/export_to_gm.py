@@ -18,6 +18,7 @@ from torch import nn
 
 from ...export.exporter import export_causal_lm
 from ...export.patch_registry import export_patches
+from ...utils.fx import defer_recompile
 from ...utils.logging import get_logger
 from ..graph_utils import adopt_traced_values
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
@@ -78,7 +79,7 @@ class ExportToGM(BaseTransform):
         if mod is None:
             raise RuntimeError("export_to_gm needs a model; enable build_model")
         cfg: ExportToGMConfig = self.config  # type: ignore[assignment]
-        gm = export_causal_lm(
+        gm = export_causal_lm(  # deferred: every transform recompiles, the code is made when the graph runs
             mod,
             max_batch_size=ctx.max_batch_size,
             # the cached graph runs all tokens of a step in one row: up to max_num_tokens long
@@ -91,6 +92,7 @@ class ExportToGM(BaseTransform):
             stack_experts=cfg.experts_layout == "auto",
             world_size=ctx.world_size,
         )
+        defer_recompile(gm)
         static = (gm.meta.get("autodeploy_export") or {}).get("static_seq_len")
         if static is not None and static < ctx.max_seq_len:
             logger.warning(
