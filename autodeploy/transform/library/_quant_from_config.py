@@ -308,7 +308,7 @@ def _quantize_stacked_layer(gm: fx.GraphModule, node: fx.Node, fmt: LinearFormat
                                   "export_to_gm.experts_layout: per_expert")
     owner_path = str(gate_up.target).rpartition(".")[0]
     owner = gm.get_submodule(owner_path)
-    experts, two_inter, hidden = owner.gate_up_proj.shape
+    _, two_inter, hidden = owner.gate_up_proj.shape  # (the expert count: the recorded prefixes)
     dims = [(two_inter // 2, hidden), (two_inter // 2, hidden), (hidden, two_inter // 2)]  # (N, K) per projection
     for j, projection in enumerate(prefixes):
         for prefix in projection:
