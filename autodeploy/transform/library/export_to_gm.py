@@ -79,7 +79,7 @@ class ExportToGM(BaseTransform):
         if mod is None:
             raise RuntimeError("export_to_gm needs a model; enable build_model")
         cfg: ExportToGMConfig = self.config  # type: ignore[assignment]
-        gm = export_causal_lm(  # deferred: every transform recompiles, the code is made when the graph runs
+        gm = export_causal_lm(
             mod,
             max_batch_size=ctx.max_batch_size,
             # the cached graph runs all tokens of a step in one row: up to max_num_tokens long
@@ -92,7 +92,7 @@ class ExportToGM(BaseTransform):
             stack_experts=cfg.experts_layout == "auto",
             world_size=ctx.world_size,
         )
-        defer_recompile(gm)
+        defer_recompile(gm)  # every transform recompiles; the code is made when the graph runs
         static = (gm.meta.get("autodeploy_export") or {}).get("static_seq_len")
         if static is not None and static < ctx.max_seq_len:
             logger.warning(
