@@ -20,6 +20,8 @@ the torch version, the source of every module under ``autodeploy/transform`` and
 ``AUTODEPLOY_PATTERN_CACHE=0`` turns the cache off.
 """
 
+from __future__ import annotations
+
 import functools
 import hashlib
 import inspect
@@ -30,11 +32,10 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch import fx
-from torch._inductor import pattern_matcher as ipm
 from torch.export import Dim
 
 from ..utils.logging import get_logger
@@ -42,7 +43,29 @@ from ..utils.paths import cache_root
 from .cleanups import cleanup_for_matching
 from .graph_utils import eliminate_dead_code
 
-Match = ipm.Match
+if TYPE_CHECKING:
+    from torch._inductor import pattern_matcher as ipm
+else:
+    class _ImportedOnFirstUse:
+        """``torch._inductor.pattern_matcher``, imported when first used: the import brings
+        torch._dynamo and inductor with it (2.1 s of the 4.5-5.1 s an ``import autodeploy.llm`` took here), which
+        what matches no pattern never needs (a build from the build cache, the CLI's help, the
+        server's clients). Attributes are read from and written to the module itself
+        (``_match_any_device`` replaces one of its functions)."""
+
+        @staticmethod
+        def _module() -> Any:
+            from torch._inductor import pattern_matcher
+
+            return pattern_matcher
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._module(), name)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            setattr(self._module(), name, value)
+
+    ipm = _ImportedOnFirstUse()
 logger = get_logger(__name__)
 
 
@@ -162,10 +185,8 @@ def _pattern_key(set_name: str, search_fn: Callable, example_inputs: Sequence[An
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:32]
 
 
-_PATTERN_NAMESPACE = {name: getattr(ipm, name) for name in (
-    "Arg", "CallFunction", "CallMethod", "ExclusiveKeywordArg", "Ignored", "KeywordArg", "ListOf",
-    "MultiOutputPattern", "MULTIPLE",
-)}
+_PATTERN_NAMES = ("Arg", "CallFunction", "CallMethod", "ExclusiveKeywordArg", "Ignored", "KeywordArg", "ListOf",
+                  "MultiOutputPattern", "MULTIPLE")
 
 
 class _Unserializable(Exception):
@@ -236,7 +257,7 @@ def _load_pattern(path: str) -> Optional[ipm.PatternExpr]:
     try:
         with open(path) as f:
             source = f.read()
-        namespace: Dict[str, Any] = {**_PATTERN_NAMESPACE, "torch": torch, "operator": operator,
+        namespace: Dict[str, Any] = {**{n: getattr(ipm, n) for n in _PATTERN_NAMES}, "torch": torch, "operator": operator,
                                      "aten": torch.ops.aten, "prims": torch.ops.prims,
                                      "autodeploy": torch.ops.autodeploy}
         exec(compile(source, path, "exec"), namespace)  # our own cache: inductor's pattern syntax only

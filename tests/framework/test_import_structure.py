@@ -213,3 +213,19 @@ def test_compile_and_cache_never_import_the_transforms():
            for module, edges in sorted(GRAPH.items()) if _within(module, ("autodeploy.compile", "autodeploy.cache"))
            for target, line in sorted(edges.items()) if _within(target, ("autodeploy.transform",))]
     assert not bad, "\n".join(bad)
+
+
+def test_importing_the_package_leaves_dynamo_and_inductor_unimported():
+    """``import autodeploy`` and its entry points (``LLM``, the pipeline, the CLI, the server) do not
+    import ``torch._inductor`` / ``torch._dynamo`` (2.3 s together here): the pattern matcher
+    imports inductor's on first use, so a build from the build cache, ``--help`` and listing
+    commands never pay for it. A real interpreter: this process has imported them long ago."""
+    import subprocess
+    import sys
+
+    code = ("import sys, autodeploy, autodeploy.llm, autodeploy.pipeline, autodeploy.cli, autodeploy.serve, "
+            "autodeploy.transform.library; "
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._inductor', 'torch._dynamo'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT.parent, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[:500]

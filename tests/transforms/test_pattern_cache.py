@@ -61,7 +61,9 @@ def test_warm_cache_gives_what_tracing_gives_without_tracing(cache_dir, monkeypa
     def no_tracing(*args, **kwargs):
         raise AssertionError("a cached pattern was traced again")
 
-    monkeypatch.setattr(pattern_matcher.ipm, "gen_pattern", no_tracing)
+    from torch._inductor import pattern_matcher as inductor_pattern_matcher
+
+    monkeypatch.setattr(inductor_pattern_matcher, "gen_pattern", no_tracing)
     warm = _apply_both()
     assert warm == cold
     assert _entries(cache_dir) == files

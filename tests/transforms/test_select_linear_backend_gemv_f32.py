@@ -151,3 +151,37 @@ def test_copies_sit_in_one_huge_page_mapping_and_tied_weights_are_not_copied():
     with torch.no_grad():
         for x in (torch.randn(1, 32), torch.randn(3, 4, 32)):
             torch.testing.assert_close(gm(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def _file_mappings(directory: str):
+    """The address ranges this process maps from files under ``directory`` (Linux)."""
+    import os
+
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and os.path.realpath(fields[5]).startswith(os.path.realpath(directory)):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
+@pytest.mark.parametrize("gemv_dtype", ["float32", None])
+def test_no_weight_is_left_in_the_checkpoints_mapping(gemv_dtype):
+    """Loaded weights are views of the memory-mapped safetensors files; after packing, every
+    tensor the graph keeps has its own memory (a view would keep the whole mapping resident),
+    the GEMV copies included, which go straight to the huge-page arena."""
+    from autodeploy.transform.interface import Stage
+    from helpers import build, family_checkpoint
+
+    checkpoint = family_checkpoint("llama")
+    overrides = {"select_linear_backend": {"backend": "onednn", "gemv_dtype": gemv_dtype}}
+    gm = build(checkpoint, up_to=Stage.POST_LOAD_FUSION, overrides=overrides).graph
+    tensors = [t for t in list(gm.parameters()) + list(gm.buffers()) if not t.is_mkldnn]
+    assert count_op(gm, ad.dual_linear if gemv_dtype else torch.ops.mkldnn._linear_pointwise) > 0
+    assert len(_copies(gm)) == (count_op(gm, ad.dual_linear) if gemv_dtype else 0)
+    ranges = _file_mappings(checkpoint)
+    inside = [t.shape for t in tensors if any(lo <= t.data_ptr() < hi for lo, hi in ranges)]
+    assert inside == []

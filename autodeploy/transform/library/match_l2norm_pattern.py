@@ -34,14 +34,19 @@ replaced during export by the canonical delta-rule ops, which normalise q/k them
 (``use_qk_l2norm``): this matcher is for the same norm written in a model's own code.
 """
 
-from typing import Optional
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import fx
 
 from ..graph_utils import arg, is_op, val
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ..pattern_matcher import Match, PatternSet
+from ..pattern_matcher import PatternSet
+
+if TYPE_CHECKING:
+    from torch._inductor.pattern_matcher import Match
 
 aten = torch.ops.aten
 

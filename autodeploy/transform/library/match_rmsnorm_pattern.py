@@ -17,14 +17,19 @@ Covers QK-norm too (the same norm over the head dim). Near misses (a reduction o
 dim, another exponent, an offset other than 1) are left alone.
 """
 
-from typing import Callable, Optional
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import fx
 
 from ..graph_utils import arg, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ..pattern_matcher import Match, PatternSet
+from ..pattern_matcher import PatternSet
+
+if TYPE_CHECKING:
+    from torch._inductor.pattern_matcher import Match
 
 aten = torch.ops.aten
 

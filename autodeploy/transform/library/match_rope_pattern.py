@@ -17,8 +17,10 @@ the rotary slice. Near misses (a split other than the middle, q and k with diffe
 tables, a different unsqueeze dim than the replacement's) are left alone.
 """
 
+from __future__ import annotations
+
 import operator
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import fx
@@ -26,7 +28,10 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graph_utils import arg, is_op
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ..pattern_matcher import Match, PatternSet
+from ..pattern_matcher import PatternSet
+
+if TYPE_CHECKING:
+    from torch._inductor.pattern_matcher import Match
 
 aten = torch.ops.aten
 INT64_MAX = 2**63 - 1
