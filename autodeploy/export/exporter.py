@@ -9,7 +9,7 @@ under their checkpoint names, and ``meta['val']`` on every node.
 import operator
 import re
 from contextlib import contextmanager
-from typing import Any, Collection, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Collection, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import fx, nn
@@ -24,6 +24,7 @@ from .hf_moe import STACKED_EXPERT_SOURCES, hf_experts_route
 from .hf_names import conversions, rename_to_checkpoint
 from .patch_registry import apply_export_patches
 from .patches import real_value_of_meta_constant
+from .run_time_checks import export_with_run_time_checks
 
 logger = get_logger(__name__)
 
@@ -183,10 +184,10 @@ def export_causal_lm(
     s = Dim("seq", min=1, max=max(max_seq_len, 2))
     seq = min(example_seq, max(max_seq_len, 2))
 
-    def run(seq: int, seq_dim: Any) -> torch.export.ExportedProgram:
+    def run(seq: int, seq_dim: Any, deferred: bool = False) -> torch.export.ExportedProgram:
         nonlocal attn_implementation
         try:
-            return run_route(seq, seq_dim, attn_implementation)
+            return run_route(seq, seq_dim, attn_implementation, deferred)
         except ExportError as err:
             cause = _caused_by(err, RouteUnsupportedError)
             if attn_implementation != AD_ATTN_IMPL or cause is None:
@@ -194,9 +195,10 @@ def export_causal_lm(
             attn_implementation = _fallback_attn_implementation(model)
             logger.warning("%s; exporting with HF's %s attention for the pattern matchers instead", cause,
                            attn_implementation)
-            return run_route(seq, seq_dim, attn_implementation)
+            return run_route(seq, seq_dim, attn_implementation, deferred)
 
-    def run_route(seq: int, seq_dim: Any, attn_implementation: str) -> torch.export.ExportedProgram:
+    def run_route(seq: int, seq_dim: Any, attn_implementation: str,
+                  deferred: bool = False) -> torch.export.ExportedProgram:
         input_ids = torch.zeros((batch, seq), dtype=torch.long, device=device)
         position_ids = torch.arange(seq, device=device).expand(batch, seq).contiguous()
         dims = {0: b, 1: seq_dim} if seq_dim is not None else {0: b}
@@ -212,6 +214,7 @@ def export_causal_lm(
                 ep = torch.export.export(
                     model, args=(), kwargs={"input_ids": input_ids, "position_ids": position_ids},
                     dynamic_shapes={"input_ids": dims, "position_ids": dims}, strict=False,
+                    prefer_deferred_runtime_asserts_over_guards=deferred,
                 )
                 ep.graph_module.meta[CONSTANT_VALUES] = _meta_constant_values(ep)
                 ep.graph_module.meta[STACKED_EXPERT_SOURCES] = {p.path: p.sources for p in expert_plans if p.sources}
@@ -226,28 +229,11 @@ def export_causal_lm(
         if static_seq_len is None or not _seq_constraint_violated(err.__cause__ or err):
             raise
         reason = str(err).split(": ", 1)[-1][:200]
-        # Chunk-size arithmetic often only trips the named-Dim constraint solver: an automatic
-        # dynamic dim accepts it. Usable when seq stayed symbolic (a loop specialises it).
-        try:
-            ep = run(seq, Dim.DYNAMIC)
-            min_seq = _symbolic_seq_min(ep)
-        except ExportError:
-            min_seq = None
-        if min_seq is not None:
-            logger.warning(
-                "the model does not export with a named dynamic sequence dim (%s); exported with an automatic one "
-                "(sequences of at least %d tokens), which runs in recompute mode", reason, min_seq,
-            )
+        checked = export_with_run_time_checks(run, seq, s, max_batch_size, max_seq_len, reason, errors=(ExportError,))
+        if checked is not None:
+            ep = checked
         else:
-            logger.warning(
-                "the model does not export with a dynamic sequence length (%s); exporting it with a static length "
-                "of %d tokens instead, which only runs in recompute mode", reason, static_seq_len,
-            )
-            static = static_seq_len
-            try:
-                ep = run(static_seq_len, None)
-            except ExportError as static_err:
-                raise ExportError(f"{err} (and with a static length of {static_seq_len}: {static_err})") from static_err
+            ep, min_seq, static = _export_for_recompute(run, seq, static_seq_len, reason, err)
     constant_values = ep.graph_module.meta.get(CONSTANT_VALUES, {})
     expert_sources = ep.graph_module.meta.get(STACKED_EXPERT_SOURCES, {})
     gm = _plain_graph_module(ep)
@@ -262,6 +248,33 @@ def export_causal_lm(
     rename_to_checkpoint(gm, model, checkpoint_keys)
     gm.meta[WEIGHT_CONVERSIONS] = conversions(model)  # load_weights replays the converters
     return gm
+
+
+def _export_for_recompute(run: Callable[..., torch.export.ExportedProgram], seq: int, static_seq_len: int,
+                          reason: str, err: ExportError) -> Tuple[torch.export.ExportedProgram, Optional[int], Optional[int]]:
+    """The fallbacks for a model the named seq dim rejects: ``(program, min_seq_len, static_seq_len)``,
+    a graph that only runs in recompute mode."""
+    # Chunk-size arithmetic often only trips the named-Dim constraint solver: an automatic
+    # dynamic dim accepts it. Usable when seq stayed symbolic (a loop specialises it).
+    try:
+        ep = run(seq, Dim.DYNAMIC)
+        min_seq = _symbolic_seq_min(ep)
+    except ExportError:
+        min_seq = None
+    if min_seq is not None:
+        logger.warning(
+            "the model does not export with a named dynamic sequence dim (%s); exported with an automatic one "
+            "(sequences of at least %d tokens), which runs in recompute mode", reason, min_seq,
+        )
+        return ep, min_seq, None
+    logger.warning(
+        "the model does not export with a dynamic sequence length (%s); exporting it with a static length "
+        "of %d tokens instead, which only runs in recompute mode", reason, static_seq_len,
+    )
+    try:
+        return run(static_seq_len, None), None, static_seq_len
+    except ExportError as static_err:
+        raise ExportError(f"{err} (and with a static length of {static_seq_len}: {static_err})") from static_err
 
 
 def export_to_graph_module(
