@@ -228,11 +228,11 @@ def export_causal_lm(
     except ExportError as err:
         if static_seq_len is None or not _seq_constraint_violated(err.__cause__ or err):
             raise
-        reason = str(err).split(": ", 1)[-1][:200]
-        checked = export_with_run_time_checks(run, seq, s, max_batch_size, max_seq_len, reason, errors=(ExportError,))
+        checked = export_with_run_time_checks(run, seq, s, max_batch_size, max_seq_len)
         if checked is not None:
             ep = checked
         else:
+            reason = str(err).split(": ", 1)[-1][:200]
             ep, min_seq, static = _export_for_recompute(run, seq, static_seq_len, reason, err)
     constant_values = ep.graph_module.meta.get(CONSTANT_VALUES, {})
     expert_sources = ep.graph_module.meta.get(STACKED_EXPERT_SOURCES, {})

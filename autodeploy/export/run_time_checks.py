@@ -21,12 +21,13 @@ graph, so a shape the grid missed fails loudly at run time instead of computing 
 A check over other symbols (data-dependent sizes) or false anywhere on the grid rejects the export.
 """
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 import sympy
 import torch
 from torch import fx
 
+from ..utils.errors import ExportError
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -90,23 +91,22 @@ def failing_check(graph: fx.Graph, max_batch: int, max_seq: int) -> Optional[str
 
 
 def export_with_run_time_checks(run: Callable[..., torch.export.ExportedProgram], example_seq: int, seq_dim: object,
-                                max_batch: int, max_seq: int, reason: str,
-                                errors: Sequence[type] = (Exception,)) -> Optional[torch.export.ExportedProgram]:
+                                max_batch: int, max_seq: int) -> Optional[torch.export.ExportedProgram]:
     """``run(example_seq, seq_dim, deferred=True)`` when every check it defers holds on the grid,
     else None (the caller falls back to a graph that only runs in recompute mode)."""
     try:
         ep = run(example_seq, seq_dim, deferred=True)
-    except tuple(errors) as exc:  # noqa: BLE001 - any failure here means: fall back as before
+    except ExportError as exc:
         logger.debug("export with the checks at run time failed too: %s", exc)
         return None
     failing = failing_check(ep.graph, max(max_batch, 2), max(max_seq, 2))
     if failing is not None:
         logger.info("the named sequence dim needs a shape check that does not always hold: %s", failing)
         return None
-    count = len([c for c in run_time_checks(ep.graph) if c is not sympy.true])
+    checks = [str(c) for c in run_time_checks(ep.graph) if c is not sympy.true]
     logger.info(
-        "exported with the named dynamic sequence dim after all: torch could not prove %d shape check(s) (%s), "
+        "exported with the named dynamic sequence dim after all: torch could not prove %d shape check(s) (%s%s); "
         "each holds at every batch and sequence length tried up to %d x %d, and they stay in the graph as run-time "
-        "asserts", count, reason, max_batch, max_seq,
+        "asserts", len(checks), "; ".join(checks[:3]), "; ..." if len(checks) > 3 else "", max_batch, max_seq,
     )
     return ep
