@@ -170,7 +170,10 @@ def export_causal_lm(
 ) -> fx.GraphModule:
     """Export ``model`` (any device, usually meta) with dynamic batch and sequence dims.
 
-    When the named sequence dim is rejected and ``static_seq_len`` is given, the model is
+    When torch's solver rejects the named sequence dim, the model is exported again with the guards
+    it could not prove as run-time checks, taken when each holds on a grid of shapes
+    (``run_time_checks``; the graph then serves one-token steps as usual). Else, when
+    ``static_seq_len`` is given, the model is
     exported again with an automatic dynamic dim (``Dim.DYNAMIC``: chunk-size guards often only
     trip the named-dim solver; ``meta['autodeploy_export']['min_seq_len']`` is its lower bound,
     usually 2), else with the fixed length ``static_seq_len``
@@ -226,11 +229,13 @@ def export_causal_lm(
     try:
         ep = run(seq, s)
     except ExportError as err:
-        if static_seq_len is None or not _seq_constraint_violated(err.__cause__ or err):
+        if not _seq_constraint_violated(err.__cause__ or err):
             raise
         checked = export_with_run_time_checks(run, seq, s, max_batch_size, max_seq_len)
         if checked is not None:
             ep = checked
+        elif static_seq_len is None:
+            raise
         else:
             reason = str(err).split(": ", 1)[-1][:200]
             ep, min_seq, static = _export_for_recompute(run, seq, static_seq_len, reason, err)

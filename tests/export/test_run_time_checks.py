@@ -10,6 +10,7 @@ import pytest
 import sympy
 import torch
 from torch import fx, nn
+from torch.export import Dim
 from transformers import AutoModelForCausalLM
 
 from autodeploy import LLM, SamplingParams
@@ -74,9 +75,14 @@ def _assert_scalars(gm):
 def test_the_named_dim_is_kept_with_the_checks_in_the_graph(module):
     torch.manual_seed(0)
     model = module().eval()
-    with pytest.raises(Exception, match="Constraints violated"):  # what torch says without the fallback
-        export_causal_lm(model, max_batch_size=4, max_seq_len=64)
+    with pytest.raises(Exception, match="Constraints violated"):  # what torch.export says of the named dim
+        ids = torch.zeros(2, 8, dtype=torch.long)
+        dims = {0: Dim("batch", min=1, max=4), 1: Dim("seq", min=1, max=64)}
+        torch.export.export(model, (), {"input_ids": ids, "position_ids": ids}, strict=False,
+                            dynamic_shapes={"input_ids": dims, "position_ids": dims})
+    # with and without the recompute fallbacks (static_seq_len): they are not needed
     gm = export_causal_lm(model, max_batch_size=4, max_seq_len=64, static_seq_len=64)
+    assert _assert_scalars(export_causal_lm(model, max_batch_size=4, max_seq_len=64))
     meta = gm.meta["autodeploy_export"]
     assert "min_seq_len" not in meta and "static_seq_len" not in meta  # the named dim: one-token steps
     assert len(_assert_scalars(gm)) >= 1
