@@ -255,8 +255,9 @@ def export_causal_lm(
     return gm
 
 
-def _export_for_recompute(run: Callable[..., torch.export.ExportedProgram], seq: int, static_seq_len: int,
-                          reason: str, err: ExportError) -> Tuple[torch.export.ExportedProgram, Optional[int], Optional[int]]:
+def _export_for_recompute(
+    run: Callable[..., torch.export.ExportedProgram], seq: int, static_seq_len: int, reason: str, err: ExportError,
+) -> Tuple[torch.export.ExportedProgram, Optional[int], Optional[int]]:
     """The fallbacks for a model the named seq dim rejects: ``(program, min_seq_len, static_seq_len)``,
     a graph that only runs in recompute mode."""
     # Chunk-size arithmetic often only trips the named-Dim constraint solver: an automatic

@@ -58,7 +58,8 @@ def _dim_symbols(graph: fx.Graph) -> Dict[sympy.Symbol, int]:
 
 
 def run_time_checks(graph: fx.Graph) -> List[sympy.Basic]:
-    """The conditions of the graph's ``_assert_scalar`` nodes (constant-true ones left out)."""
+    """The conditions of the graph's ``_assert_scalar`` nodes as sympy expressions (a plain
+    ``True`` left out, any other constant as ``sympy.false``)."""
     conditions = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not torch.ops.aten._assert_scalar.default:

@@ -48,9 +48,9 @@ if TYPE_CHECKING:
 else:
     class _ImportedOnFirstUse:
         """``torch._inductor.pattern_matcher``, imported when first used: the import brings
-        torch._dynamo and inductor with it (2.1 s of the 4.5-5.1 s an ``import autodeploy.llm`` took here), which
-        what matches no pattern never needs (a build from the build cache, the CLI's help, the
-        server's clients). Attributes are read from and written to the module itself
+        torch._dynamo and inductor with it (2.1 s of the 4.5-5.1 s an ``import autodeploy.llm``
+        took here), which what matches no pattern never needs (a build from the build cache, the
+        CLI's help, the server's clients). Attributes are read from and written to the module itself
         (``_match_any_device`` replaces one of its functions)."""
 
         @staticmethod
@@ -257,9 +257,9 @@ def _load_pattern(path: str) -> Optional[ipm.PatternExpr]:
     try:
         with open(path) as f:
             source = f.read()
-        namespace: Dict[str, Any] = {**{n: getattr(ipm, n) for n in _PATTERN_NAMES}, "torch": torch, "operator": operator,
-                                     "aten": torch.ops.aten, "prims": torch.ops.prims,
-                                     "autodeploy": torch.ops.autodeploy}
+        namespace: Dict[str, Any] = {n: getattr(ipm, n) for n in _PATTERN_NAMES}
+        namespace.update(torch=torch, operator=operator, aten=torch.ops.aten, prims=torch.ops.prims,
+                         autodeploy=torch.ops.autodeploy)
         exec(compile(source, path, "exec"), namespace)  # our own cache: inductor's pattern syntax only
         pattern = namespace["output"]
         if _pattern_source(pattern) != source:
