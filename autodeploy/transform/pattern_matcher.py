@@ -49,8 +49,8 @@ else:
     class _ImportedOnFirstUse:
         """``torch._inductor.pattern_matcher``, imported when first used: the import brings
         torch._dynamo and inductor with it (2.1 s of the 4.5-5.1 s an ``import autodeploy.llm``
-        took here), which what matches no pattern never needs (a build from the build cache, the
-        CLI's help, the server's clients). Attributes are read from and written to the module itself
+        took here), which code that matches no pattern never needs (``import autodeploy``, a build
+        from the build cache). Attributes are read from and written to the module itself
         (``_match_any_device`` replaces one of its functions)."""
 
         @staticmethod

@@ -217,9 +217,9 @@ def test_compile_and_cache_never_import_the_transforms():
 
 def test_importing_the_package_leaves_dynamo_and_inductor_unimported():
     """``import autodeploy`` and its entry points (``LLM``, the pipeline, the CLI, the server) do not
-    import ``torch._inductor`` / ``torch._dynamo`` (2.3 s together here): the pattern matcher
-    imports inductor's on first use, so a build from the build cache, ``--help`` and listing
-    commands never pay for it. A real interpreter: this process has imported them long ago."""
+    import ``torch._inductor`` / ``torch._dynamo`` (2.1 s of ``import autodeploy.llm`` here): the
+    pattern matcher imports inductor's on first use. A fresh interpreter: this process imported
+    them long ago."""
     import subprocess
     import sys
 
