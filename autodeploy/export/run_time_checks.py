@@ -32,9 +32,6 @@ from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-INPUTS = ("input_ids", "position_ids")
-
-
 def _grid(maximum: int, dense: int) -> List[int]:
     """Every value up to ``dense``, then each power of two and its neighbours, and ``maximum``."""
     values = set(range(1, min(maximum, dense) + 1)) | {maximum}
@@ -46,10 +43,11 @@ def _grid(maximum: int, dense: int) -> List[int]:
 
 
 def _dim_symbols(graph: fx.Graph) -> Dict[sympy.Symbol, int]:
-    """The symbols of the inputs' batch (0) and sequence (1) dims: symbol -> which dim."""
+    """The symbols of the inputs' batch (0) and sequence (1) dims: symbol -> which dim. Only the
+    token inputs have symbolic sizes (parameters and buffers are static)."""
     symbols: Dict[sympy.Symbol, int] = {}
     for node in graph.nodes:
-        if node.op != "placeholder" or not any(node.name.endswith(name) for name in INPUTS):
+        if node.op != "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
         for dim, size in enumerate(node.meta["val"].shape[:2]):
             if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
