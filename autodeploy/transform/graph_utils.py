@@ -5,6 +5,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 from torch import fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
@@ -138,19 +139,6 @@ def _fake_of(fake: Any, real: torch.Tensor) -> bool:
                                                                              real.storage_offset()))
 
 
-def _linear_meta(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-# aten ops whose C++ implementation reads concrete sizes (``numel()``) of a symbolic-shaped input in
-# some torch versions, with a shape-only Python stand-in used when that happens. Seen on an H100/H200
-# with torch 2.11 (CUDA builds skipped transforms with "Cannot call numel() on tensor with symbolic
-# sizes/strides"); matmul's folded path for N-d @ 2-d (what a rank-3 ``linear`` without bias takes)
-# read ``numel()`` until pytorch/pytorch#183397 (2026-05). Not reproducible with torch 2.13 on CPU:
-# which op it is on the GPU is what scripts/gpu_shape_prop_diag.py prints.
-_SYMBOLIC_SIZE_FALLBACKS: Dict[Any, Callable[..., Any]] = {torch.ops.aten.linear.default: _linear_meta}
-
-
 class _FakePropWithRealAttrs(FakeTensorProp):
     """FakeTensorProp that also accepts loaded (real) parameters and buffers, and is
     incremental: a node whose target and inputs are the objects of its last propagation keeps
@@ -164,15 +152,6 @@ class _FakePropWithRealAttrs(FakeTensorProp):
     def __init__(self, module: fx.GraphModule, mode: Any, incremental: bool = True):
         super().__init__(module, mode=mode)
         self.incremental = incremental
-
-    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        try:
-            return super().call_function(target, args, kwargs)
-        except RuntimeError as exc:
-            fallback = _SYMBOLIC_SIZE_FALLBACKS.get(target)
-            if fallback is None or "symbolic sizes/strides" not in str(exc):
-                raise
-            return fallback(*args, **kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "get_attr":
@@ -268,7 +247,12 @@ def run_shape_prop(gm: fx.GraphModule, incremental: bool = True) -> None:
     fake_mode = detect_fake_mode(inputs)
     if fake_mode is None:
         raise RuntimeError("shape propagation found no fake mode on the graph inputs")
-    with fake_mode:
+    # The Python dispatcher runs composite ops through their Python decompositions, as torch.export
+    # and dynamo do under symbolic shapes. Without it, torch 2.11's C++ ``aten.matmul`` (also behind
+    # ``aten.linear``) of an N-d by a 2-d tensor reads concrete sizes: it raised "Cannot call numel()
+    # on tensor with symbolic sizes/strides" (Falcon: every later transform skipped) or silently
+    # specialised the sequence dim to the export's example length (Llama: a graph for 8 tokens).
+    with fake_mode, enable_python_dispatcher():
         _FakePropWithRealAttrs(gm, fake_mode, incremental).propagate_dont_convert_inputs(*inputs)
 
 
@@ -337,11 +321,11 @@ def _move_values(gm: fx.GraphModule, fake_mode: Any, device: torch.device) -> No
         return moved[id(v)][1]
 
     try:  # every new value first: a graph either moves whole or not at all
-        with fake_mode:
+        with fake_mode, enable_python_dispatcher():
             updates = [(n, _moved_meta(n, move)) for n in gm.graph.nodes]
     except GuardOnDataDependentSymNode as exc:  # a size no rule decides: propagate again instead
         logger.debug("values not moved to %s (%s); the next propagation recomputes them", device, exc)
-        with fake_mode:
+        with fake_mode, enable_python_dispatcher():
             for n in gm.graph.nodes:
                 v = n.meta.get("val")
                 if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.device != device:

@@ -122,35 +122,34 @@ class BiaslessProjection(nn.Module):
         return self.o(torch.relu(self.q(x)))
 
 
-def test_linear_whose_cpp_path_reads_concrete_sizes_falls_back_to_its_shape(monkeypatch):
-    """torch 2.11 on CUDA raised "Cannot call numel() on tensor with symbolic sizes/strides" in the
-    fake propagation of some ops (transforms were skipped); for ``aten.linear`` the propagation
-    falls back to the output's shape. The error is made here by a wrapper, since torch 2.13 on CPU
-    does not raise it; any other error, and the same error from another op, still raise."""
+def test_composite_ops_take_their_python_decompositions_and_the_dims_stay_symbolic(monkeypatch):
+    """The propagation runs under the Python dispatcher, as torch.export does: ``aten.matmul`` (also
+    behind ``aten.linear``) takes its Python decomposition, which keeps symbolic sizes symbolic.
+    torch 2.11's C++ path for an N-d by a 2-d matmul read concrete sizes instead, raising "Cannot
+    call numel() on tensor with symbolic sizes/strides" or specialising the sequence dim to the
+    export's example length; torch 2.13's does not, so the Python kernel is counted here."""
+    from torch._C import DispatchKey
+
     gm = export_gm(BiaslessProjection(), torch.randn(2, 5, 16))
-    run_shape_prop(gm, incremental=False)
-    expected = _metas(gm)
-    for n in gm.graph.nodes:
-        if n.op == "call_function":
-            del n.meta["val"]  # so the values compared below are the fallback's
-    linear = torch.ops.aten.linear.default
-    original = torch.fx.Interpreter.call_function
-    raising = {linear: "Cannot call numel() on tensor with symbolic sizes/strides"}
+    matmul = torch.ops.aten.matmul.default
+    decomposition = matmul.py_kernels[DispatchKey.CompositeImplicitAutograd]
+    calls = []
 
-    def flaky(self, target, args, kwargs):
-        if target in raising:
-            raise RuntimeError(raising[target])
-        return original(self, target, args, kwargs)
+    def counted(*args, **kwargs):
+        calls.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+        return decomposition(*args, **kwargs)
 
-    monkeypatch.setattr(torch.fx.Interpreter, "call_function", flaky)
-    run_shape_prop(gm, incremental=False)
-    assert _metas(gm) == expected
-    assert sum(n.target is linear for n in gm.graph.nodes) == 2
-    for target, message in ((linear, "some other failure"),
-                            (torch.ops.aten.relu.default, "Cannot call numel() on tensor with symbolic sizes/strides")):
-        raising = {target: message}
-        with pytest.raises(RuntimeError, match=re.escape(message)):
-            run_shape_prop(gm, incremental=False)
+    monkeypatch.setitem(matmul.py_kernels, DispatchKey.CompositeImplicitAutograd, counted)
+    matmul._dispatch_cache.clear()
+    try:
+        run_shape_prop(gm, incremental=False)
+    finally:
+        matmul._dispatch_cache.clear()
+    assert [c[1:] for c in calls] == [[(16, 32)]]  # the bias-less projection (the biased one folds into addmm)
+    out = [n for n in gm.graph.nodes if n.op == "call_function"][-1].meta["val"]
+    assert all(isinstance(d, torch.SymInt) for d in out.shape[:2]) and out.shape[2] == 16
+    shape_env = out.shape[0].node.shape_env
+    assert not shape_env.replacements  # no symbol was specialised to its example value
 
 
 def test_traced_values_are_adopted_so_nothing_is_recomputed(monkeypatch):
