@@ -321,11 +321,11 @@ def _move_values(gm: fx.GraphModule, fake_mode: Any, device: torch.device) -> No
         return moved[id(v)][1]
 
     try:  # every new value first: a graph either moves whole or not at all
-        with fake_mode, enable_python_dispatcher():
+        with fake_mode:
             updates = [(n, _moved_meta(n, move)) for n in gm.graph.nodes]
     except GuardOnDataDependentSymNode as exc:  # a size no rule decides: propagate again instead
         logger.debug("values not moved to %s (%s); the next propagation recomputes them", device, exc)
-        with fake_mode, enable_python_dispatcher():
+        with fake_mode:
             for n in gm.graph.nodes:
                 v = n.meta.get("val")
                 if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.device != device:
