@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Decode with a state cache (issue 14): a ~115M-parameter Mamba2 against recompute mode and HF eager.
+"""Decode with a state cache (issue 14): a ~115M-parameter Mamba2 (or a ~95M MiniMax) against recompute
+mode and HF eager.
 
     python benchmarks/bench_state_decode.py                    # full run: ~115M Mamba2, fp32, CPU
+    python benchmarks/bench_state_decode.py --model minimax    # ~95M MiniMax: lightning attention + 1 full layer
     python benchmarks/bench_state_decode.py --rounds 2 --steps 16
     python benchmarks/bench_state_decode.py --smoke            # tiny model, short histories: seconds
 
@@ -28,8 +30,10 @@ Greedy, EOS ignored, the prompt is random token ids (seeded, the same for every 
 
 The model is a random-weight Mamba2 (hidden 768, 24 layers, 24 heads of 64, state 128, one
 group, conv kernel 4, vocab 32000, chunk 128, tied embeddings: the shape of mamba2-130m with a
-smaller vocabulary), written once as a real safetensors checkpoint under ``.cache/bench/``
-and reused by later runs. Output: JSON and markdown in ``benchmarks/results/`` (the table is
+smaller vocabulary), or with ``--model minimax`` a MiniMax-Text-01-shaped hybrid (hidden 512,
+8 layers: 7 lightning-attention layers with a ``[h, d, d]`` state and one full-attention layer
+on the paged KV cache, as MiniMax's 1-in-8; 8 heads of 64, 4 experts top-2, vocab 32000), written
+once as a real safetensors checkpoint under ``.cache/bench/`` and reused by later runs. Output: JSON and markdown in ``benchmarks/results/`` (the table is
 also printed) and a PNG, ``benchmarks/state-decode.png``. ``--smoke`` writes under
 ``.cache/bench/smoke-results/`` instead, so a test run does not touch the committed results.
 """
@@ -61,6 +65,35 @@ FULL_MODEL = dict(model_type="mamba2", hidden_size=768, num_hidden_layers=24, ex
                   tie_word_embeddings=True)
 SMOKE_MODEL = dict(model_type="mamba2", hidden_size=64, num_hidden_layers=2, expand=2, head_dim=16, num_heads=8,
                    state_size=16, n_groups=1, conv_kernel=4, vocab_size=512, chunk_size=16, tie_word_embeddings=True)
+# MiniMax-Text-01's layout (one full-attention layer in eight) at ~95M parameters.
+MINIMAX_MODEL = dict(model_type="minimax", hidden_size=512, num_hidden_layers=8, num_attention_heads=8, head_dim=64,
+                     num_key_value_heads=8, intermediate_size=1024, num_local_experts=4, num_experts_per_tok=2,
+                     vocab_size=32000, block_size=256, layer_types=["linear_attention"] * 7 + ["full_attention"],
+                     max_position_embeddings=8192)
+MINIMAX_SMOKE = dict(model_type="minimax", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+                     num_key_value_heads=2, intermediate_size=64, num_local_experts=2, num_experts_per_tok=1,
+                     vocab_size=512, block_size=16, layer_types=["linear_attention", "full_attention"],
+                     max_position_embeddings=1024)
+# --model: (full config, smoke config, name in titles, what HF eager runs)
+MODELS = {
+    "mamba2": (FULL_MODEL, SMOKE_MODEL, "Mamba2", "transformers' PyTorch reference path for Mamba2 (no mamba_ssm / "
+               "causal_conv1d kernels on CPU)"),
+    "minimax": (MINIMAX_MODEL, MINIMAX_SMOKE, "MiniMax", "transformers' MiniMax (lightning attention: 256-token "
+                "blocks in prefill, a K^T V state in its MiniMaxCache, one token at a time in decode)"),
+}
+
+
+def describe(cfg: Dict[str, Any]) -> str:
+    """The model's shape in one phrase, for the report."""
+    if cfg["model_type"] == "minimax":
+        full = cfg["layer_types"].count("full_attention")
+        return (f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers ({cfg['num_hidden_layers'] - full} "
+                f"lightning attention, {full} full attention), {cfg['num_attention_heads']} heads of "
+                f"{cfg['head_dim']}, {cfg['num_local_experts']} experts top-{cfg['num_experts_per_tok']}, vocab "
+                f"{cfg['vocab_size']}")
+    return (f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_heads']} heads of "
+            f"{cfg['head_dim']}, state {cfg['state_size']}, vocab {cfg['vocab_size']}")
+
 # Settings not given on the command line come from the profile.
 PROFILES = {
     "full": dict(histories=[64, 512, 2048], batch_sizes=[1, 8], batch_history=512, steps=32, rounds=3,
@@ -131,8 +164,10 @@ class AutoDeployDecoder:
         self.build_s = time.perf_counter() - start
         ctx, cache = self.llm.build.context, self.llm.build.cache
         self.cache_mode = ctx.cache_mode
-        expected = "recompute" if recompute else "state"
-        if self.cache_mode != expected:
+        # the state cache, beside a paged KV cache for a hybrid's attention layers
+        ok = self.cache_mode == "recompute" if recompute else "state" in self.cache_mode.split("+")
+        if not ok:
+            expected = "recompute" if recompute else "state (with or without paged_kv)"
             raise SystemExit(f"{name}: the build's cache mode is '{self.cache_mode}', this benchmark needs "
                              f"'{expected}' (recompute reason: {ctx.recompute_reason})")
         self.info = {"cache_mode": self.cache_mode, "build_s": round(self.build_s, 2),
@@ -263,9 +298,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_config = SMOKE_MODEL if args.smoke else FULL_MODEL
+    full, smoke, label, _ = MODELS[args.model]
+    model_config = smoke if args.smoke else full
     params = parameter_count(model_config)
-    print(f"model: Mamba2 {'(smoke) ' if args.smoke else ''}{params:,} parameters ({_params(params)})", flush=True)
+    print(f"model: {label} {'(smoke) ' if args.smoke else ''}{params:,} parameters ({_params(params)})", flush=True)
     path = checkpoint(model_config)
     points = plan(args)
     max_history = max(h for h, _ in points)
@@ -345,7 +381,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             "smoke": args.smoke, "rounds": args.rounds, "steps": args.steps, "histories": args.histories,
             "batch_sizes": args.batch_sizes, "batch_history": args.batch_history, "compile": args.compile,
             "recompute_budget_s": args.recompute_budget}
-    model = {"type": "mamba2", "config": model_config, "parameters": params, "checkpoint": path, "seed": SEED}
+    model = {"type": args.model, "config": model_config, "parameters": params, "checkpoint": path, "seed": SEED}
     return {"meta": meta, "model": model, "results": results, "checks": checks}
 
 
@@ -361,11 +397,11 @@ def _params(n: int) -> str:
 def markdown(data: Dict[str, Any]) -> str:
     meta, model, results, checks = data["meta"], data["model"], data["results"], data["checks"]
     hist, cfg = meta["histories"], model["config"]
+    _, _, label, hf_path = MODELS[model["type"]]
     lines = [
-        f"## State-cache decode: Mamba2 {_params(model['parameters'])} ({meta['dtype']}, {meta['device']}, "
+        f"## State-cache decode: {label} {_params(model['parameters'])} ({meta['dtype']}, {meta['device']}, "
         f"{meta['cpu']}, {meta['threads']} threads)", "",
-        f"Random weights: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_heads']} heads "
-        f"of {cfg['head_dim']}, state {cfg['state_size']}, vocab {cfg['vocab_size']}. torch {meta['torch']}, "
+        f"Random weights: {describe(cfg)}. torch {meta['torch']}, "
         f"transformers {meta['transformers']}, autodeploy {meta['autodeploy_commit']}, {meta['date']}. Median "
         f"(min-max) over {meta['rounds']} interleaved rounds of the mean decode step ({meta['steps']} steps, "
         "fewer for recompute mode where noted); a step is timed alone, after the prefill.", "",
@@ -382,7 +418,7 @@ def markdown(data: Dict[str, Any]) -> str:
             note = f" [{c['steps']} steps]" if c["steps"] != meta["steps"] else ""
             cells.append(_fmt(c["ms_per_step"]) + note)
         ratio = checks[name]["ms_per_step_b1_longest_over_shortest"]
-        mode = row["info"].get("cache_mode", "HF cache")
+        mode = row["info"].get("cache_mode", "HF cache").replace("+", " + ")
         lines.append(f"| {name} | {mode} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
     flat, growth = checks["autodeploy"], checks["autodeploy-recompute"]["ms_per_step_b1_longest_over_shortest"]
     lines += ["", f"State cache flat in the history (slowest / fastest history <= {flat['flat_claim']}x): "
@@ -401,8 +437,8 @@ def markdown(data: Dict[str, Any]) -> str:
             cells += [f"{_fmt(c['tok_s'])} [{c['tok_s_vs_hf_eager']:.2f}x]", _fmt(c["ms_per_step"])]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "In brackets: tokens/s relative to HF eager at the same point (same run). An autodeploy step "
-              "includes its sampling and incremental detokenization; HF eager runs transformers' PyTorch "
-              "reference path for Mamba2 (no mamba_ssm / causal_conv1d kernels on CPU); HF + torch.compile wraps its "
+              f"includes its sampling and incremental detokenization; HF eager runs {hf_path}; "
+              "HF + torch.compile wraps its "
               "forward in torch.compile (default mode, graph breaks allowed), compiled during the warm-up.", "",
               "Builds: " + "; ".join(f"{n} {r['info']['build_s']} s" for n, r in results.items()) + ". "
               f"autodeploy state per sequence: {results['autodeploy']['info']['state_mib_per_sequence']} MiB."]
@@ -458,7 +494,7 @@ def plot(data: Dict[str, Any], path: str) -> Optional[str]:
     right.set_ylabel("tokens / s")
     right.set_title(f"decode after a {bh}-token history (x: vs HF eager)")
     right.legend(loc="upper left")
-    fig.suptitle(f"Mamba2, {_params(data['model']['parameters'])} parameters, random weights, fp32, "
+    fig.suptitle(f"{MODELS[data['model']['type']][2]}, {_params(data['model']['parameters'])} parameters, random weights, fp32, "
                  f"{meta['cpu']}, {meta['threads']} threads", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -468,7 +504,8 @@ def plot(data: Dict[str, Any], path: str) -> Optional[str]:
 
 def write(data: Dict[str, Any], out_dir: str, png: Optional[str]) -> Dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"state-decode{'-smoke' if data['meta']['smoke'] else ''}-"
+    model = "" if data["model"]["type"] == "mamba2" else f"-{data['model']['type']}"
+    stem = os.path.join(out_dir, f"state-decode{model}{'-smoke' if data['meta']['smoke'] else ''}-"
                                  f"{time.strftime('%Y%m%d-%H%M%S')}")
     paths = {"json": stem + ".json", "md": stem + ".md"}
     with open(paths["json"], "w") as f:
@@ -486,8 +523,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                 epilog="Settings left out take the full run's values (in each flag's help) or, with "
                                        "--smoke, the smoke run's: histories 8 40, batch sizes 1 2, batch history 24, "
                                        "4 steps, 2 rounds, recompute budget 5 s.")
+    p.add_argument("--model", choices=sorted(MODELS), default="mamba2",
+                   help="mamba2: ~115M Mamba2 (SSM state caches); minimax: ~95M MiniMax (lightning-attention "
+                        "states and one paged-KV attention layer)")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny Mamba2 (hidden 64, 2 layers) and short histories: checks the script in seconds; "
+                   help="tiny model (hidden 64, 2 layers) and short histories: checks the script in seconds; "
                         "results go to .cache/bench/smoke-results unless --out is given")
     p.add_argument("--histories", type=int, nargs="+", help="history lengths (tokens before the timed decode steps) "
                    "of the batch-1 sweep (full: 64 512 2048)")
@@ -499,7 +539,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="recompute mode: at most about this many seconds of timed steps per point and round "
                         "(at least 2 steps; full: 20)")
     p.add_argument("--out", help="directory of the JSON and markdown results (full: benchmarks/results)")
-    p.add_argument("--png", help="where the plot goes (full: benchmarks/state-decode.png; smoke: beside the JSON)")
+    p.add_argument("--png", help="where the plot goes (full: benchmarks/state-decode.png, with --model minimax "
+                   "benchmarks/state-decode-minimax.png; smoke: beside the JSON)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, recorded)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure HF + torch.compile in the batch comparison (full: on; smoke: off, it "
@@ -508,6 +549,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for name, value in PROFILES["smoke" if args.smoke else "full"].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.model != "mamba2" and not args.smoke and args.png == PROFILES["full"]["png"]:
+        args.png = args.png.replace(".png", f"-{args.model}.png")
     if args.steps < 1 or args.rounds < 1 or min(args.histories + args.batch_sizes + [args.batch_history]) < 1:
         p.error("--steps, --rounds, --histories, --batch-sizes and --batch-history must be positive")
     args.histories = sorted(set(args.histories))

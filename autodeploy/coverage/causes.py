@@ -19,10 +19,6 @@ CAUSES: Dict[str, str] = {
 # What a type that passes in recompute mode needs to be served with caches (issue 14 gave the
 # conv / SSM / delta-rule families state caches; these hold other kinds of state).
 RECOMPUTE_NEEDS: Dict[str, str] = {
-    "minimax": "lightning attention: linear attention with a fixed per-head decay (S = exp(-slope) S + k^T v, "
-               "o = q S), computed in blocks by a Python loop over the sequence. Needs a canonical decayed "
-               "linear-attention op with a [slots, h, dk, dv] state (the delta-rule step driver fits) and an "
-               "export patch for MiniMaxLightningAttention.",
     "qwen4_exp_text": "QSA sparse attention: each indexed-attention layer attends only to the tokens its indexer "
                       "selects (the best indexer_budget // C blocks of C tokens, plus the query's incomplete block), "
                       "exported as torch_qsa_indexer (hf_qsa) and an explicit mask on torch_attention. Needs a cached "

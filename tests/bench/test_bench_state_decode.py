@@ -41,6 +41,11 @@ def test_plan_and_profiles():
     assert smoke.steps == 3 and smoke.histories == [8, 16] and smoke.png is None
     with pytest.raises(SystemExit):
         bench.parse_args(["--steps", "0"])
+    minimax = bench.parse_args(["--model", "minimax"])
+    assert minimax.png.endswith(os.path.join("benchmarks", "state-decode-minimax.png"))
+    full, smoke_cfg, label, _ = bench.MODELS["minimax"]
+    assert full["layer_types"].count("full_attention") == 1 and len(full["layer_types"]) == full["num_hidden_layers"]
+    assert "lightning attention" in bench.describe(full) and label == "MiniMax"
 
 
 @pytest.mark.slow  # 17 s: the benchmark script end to end in a subprocess (benchmarks run on their own)
