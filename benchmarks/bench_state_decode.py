@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Decode with a state cache (issue 14): a ~115M-parameter Mamba2 (or a ~95M MiniMax) against recompute
-mode and HF eager.
+"""Decode with a state cache (issue 14): a ~115M-parameter Mamba2 (or a ~93M MiniMax, or a ~77M
+RecurrentGemma) against recompute mode and HF eager.
 
     python benchmarks/bench_state_decode.py                    # full run: ~115M Mamba2, fp32, CPU
-    python benchmarks/bench_state_decode.py --model minimax    # ~95M MiniMax: lightning attention + 1 full layer
+    python benchmarks/bench_state_decode.py --model minimax    # ~93M MiniMax: lightning attention + 1 full layer
+    python benchmarks/bench_state_decode.py --model recurrent_gemma  # ~77M RecurrentGemma: RG-LRU + local attention
     python benchmarks/bench_state_decode.py --rounds 2 --steps 16
     python benchmarks/bench_state_decode.py --smoke            # tiny model, short histories: seconds
 
@@ -32,8 +33,10 @@ The model is a random-weight Mamba2 (hidden 768, 24 layers, 24 heads of 64, stat
 group, conv kernel 4, vocab 32000, chunk 128, tied embeddings: the shape of mamba2-130m with a
 smaller vocabulary), or with ``--model minimax`` a MiniMax-Text-01-shaped hybrid (hidden 512,
 8 layers: 7 lightning-attention layers with a ``[h, d, d]`` state and one full-attention layer
-on the paged KV cache, as MiniMax's 1-in-8; 8 heads of 64, 4 experts top-2, vocab 32000), written
-once as a real safetensors checkpoint under ``.cache/bench/`` and reused by later runs. Output: JSON and markdown in ``benchmarks/results/`` (the table is
+on the paged KV cache, as MiniMax's 1-in-8; 8 heads of 64, 4 experts top-2, vocab 32000), or with
+``--model recurrent_gemma`` a RecurrentGemma (Griffin: two recurrent blocks -- a short conv and the
+RG-LRU scan, each with a state -- then one 2048-token local-attention layer; hidden 768, 12 layers,
+lru width 768, vocab 32000), written once as a real safetensors checkpoint under ``.cache/bench/`` and reused by later runs. Output: JSON and markdown in ``benchmarks/results/`` (the table is
 also printed) and a PNG, ``benchmarks/state-decode.png``. ``--smoke`` writes under
 ``.cache/bench/smoke-results/`` instead, so a test run does not touch the committed results.
 """
@@ -65,7 +68,7 @@ FULL_MODEL = dict(model_type="mamba2", hidden_size=768, num_hidden_layers=24, ex
                   tie_word_embeddings=True)
 SMOKE_MODEL = dict(model_type="mamba2", hidden_size=64, num_hidden_layers=2, expand=2, head_dim=16, num_heads=8,
                    state_size=16, n_groups=1, conv_kernel=4, vocab_size=512, chunk_size=16, tie_word_embeddings=True)
-# MiniMax-Text-01's layout (one full-attention layer in eight) at ~95M parameters.
+# MiniMax-Text-01's layout (one full-attention layer in eight) at ~93M parameters.
 MINIMAX_MODEL = dict(model_type="minimax", hidden_size=512, num_hidden_layers=8, num_attention_heads=8, head_dim=64,
                      num_key_value_heads=8, intermediate_size=1024, num_local_experts=4, num_experts_per_tok=2,
                      vocab_size=32000, block_size=256, layer_types=["linear_attention"] * 7 + ["full_attention"],
@@ -74,17 +77,30 @@ MINIMAX_SMOKE = dict(model_type="minimax", hidden_size=64, num_hidden_layers=2, 
                      num_key_value_heads=2, intermediate_size=64, num_local_experts=2, num_experts_per_tok=1,
                      vocab_size=512, block_size=16, layer_types=["linear_attention", "full_attention"],
                      max_position_embeddings=1024)
+# RecurrentGemma-2B's layout (recurrent, recurrent, attention) at ~77M parameters.
+RECURRENT_GEMMA_MODEL = dict(model_type="recurrent_gemma", hidden_size=768, lru_width=768, num_hidden_layers=12,
+                             num_attention_heads=12, num_key_value_heads=1, head_dim=64, intermediate_size=2304,
+                             vocab_size=32000, conv1d_width=4, attention_window_size=2048)
+RECURRENT_GEMMA_SMOKE = dict(model_type="recurrent_gemma", hidden_size=64, lru_width=64, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=128,
+                             vocab_size=512, conv1d_width=4, attention_window_size=64)
 # --model: (full config, smoke config, name in titles, what HF eager runs)
 MODELS = {
     "mamba2": (FULL_MODEL, SMOKE_MODEL, "Mamba2", "transformers' PyTorch reference path for Mamba2 (no mamba_ssm / "
                "causal_conv1d kernels on CPU)"),
     "minimax": (MINIMAX_MODEL, MINIMAX_SMOKE, "MiniMax", "transformers' MiniMax (lightning attention: 256-token "
                 "blocks in prefill, a K^T V state in its MiniMaxCache, one token at a time in decode)"),
+    "recurrent_gemma": (RECURRENT_GEMMA_MODEL, RECURRENT_GEMMA_SMOKE, "RecurrentGemma", "transformers' "
+                        "RecurrentGemma (conv and RG-LRU states on its modules, a one-token branch in decode)"),
 }
 
 
 def describe(cfg: Dict[str, Any]) -> str:
     """The model's shape in one phrase, for the report."""
+    if cfg["model_type"] == "recurrent_gemma":
+        return (f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers (recurrent, recurrent, attention; "
+                f"local window {cfg['attention_window_size']}), lru width {cfg['lru_width']}, "
+                f"{cfg['num_attention_heads']} heads of {cfg['head_dim']}, vocab {cfg['vocab_size']}")
     if cfg["model_type"] == "minimax":
         full = cfg["layer_types"].count("full_attention")
         return (f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers ({cfg['num_hidden_layers'] - full} "
@@ -524,8 +540,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                        "--smoke, the smoke run's: histories 8 40, batch sizes 1 2, batch history 24, "
                                        "4 steps, 2 rounds, recompute budget 5 s.")
     p.add_argument("--model", choices=sorted(MODELS), default="mamba2",
-                   help="mamba2: ~115M Mamba2 (SSM state caches); minimax: ~95M MiniMax (lightning-attention "
-                        "states and one paged-KV attention layer)")
+                   help="mamba2: ~115M Mamba2 (SSM state caches); minimax: ~93M MiniMax (lightning-attention "
+                        "states and one paged-KV attention layer); recurrent_gemma: ~77M RecurrentGemma (conv and "
+                        "RG-LRU states, local attention on the paged KV cache)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny model (hidden 64, 2 layers) and short histories: checks the script in seconds; "
                         "results go to .cache/bench/smoke-results unless --out is given")
@@ -539,8 +556,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="recompute mode: at most about this many seconds of timed steps per point and round "
                         "(at least 2 steps; full: 20)")
     p.add_argument("--out", help="directory of the JSON and markdown results (full: benchmarks/results)")
-    p.add_argument("--png", help="where the plot goes (full: benchmarks/state-decode.png, with --model minimax "
-                   "benchmarks/state-decode-minimax.png; smoke: beside the JSON)")
+    p.add_argument("--png", help="where the plot goes (full: benchmarks/state-decode.png, with another --model "
+                   "benchmarks/state-decode-<model>.png; smoke: beside the JSON)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice, recorded)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure HF + torch.compile in the batch comparison (full: on; smoke: off, it "

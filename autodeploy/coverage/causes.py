@@ -26,10 +26,6 @@ RECOMPUTE_NEEDS: Dict[str, str] = {
                       "torch_cached_dsa_indexer) and a cached attention taking the selected token indices; with PLE "
                       "layers also an n-gram token-context state and a dilated-conv state. The GatedDeltaNet layers "
                       "already export as torch_gated_delta_rule / torch_causal_conv1d and the MoE as torch_moe.",
-    "recurrent_gemma": "the RG-LRU recurrence (a gated diagonal linear recurrence over the LRU width) and a "
-                       "temporal conv written as nn.Conv1d, not HF's causal_conv1d_fn. Needs an RG-LRU op with a "
-                       "[slots, width] state, and an export patch for its recurrent block emitting that op and "
-                       "torch_causal_conv1d.",
     "rwkv": "the WKV recurrence (per-channel exponential decay with a numerator, denominator and running-max "
             "state) and token shift (each layer mixes in the previous token). Needs a WKV op with "
             "[slots, 3, hidden] state and a token-shift state [slots, hidden] per block.",
