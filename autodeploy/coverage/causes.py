@@ -26,12 +26,6 @@ RECOMPUTE_NEEDS: Dict[str, str] = {
                       "torch_cached_dsa_indexer) and a cached attention taking the selected token indices; with PLE "
                       "layers also an n-gram token-context state and a dilated-conv state. The GatedDeltaNet layers "
                       "already export as torch_gated_delta_rule / torch_causal_conv1d and the MoE as torch_moe.",
-    "rwkv": "the WKV recurrence (per-channel exponential decay with a numerator, denominator and running-max "
-            "state) and token shift (each layer mixes in the previous token). Needs a WKV op with "
-            "[slots, 3, hidden] state and a token-shift state [slots, hidden] per block.",
-    "xlstm": "the mLSTM (matrix memory with exponential gates and a stabiliser), which the lean custom model "
-             "computes in its parallel form. Needs an mLSTM op with C [slots, h, dk, dv], n [slots, h, dk] and "
-             "m [slots, h] states.",
     "zaya": "Compressed Convolutional Attention: q/k pass through a depthwise then a grouped causal conv (window "
             "(cca_time0 - 1) + (cca_time1 - 1), written as nn.Conv1d) and half of each value head is the previous "
             "token's projection. Needs a grouped causal conv op (the conv-state cache fits) and a one-token shift "

@@ -23,7 +23,7 @@ from transformers.models.xlstm import modeling_xlstm as hf_xlstm
 
 from autodeploy import LLM, SamplingParams
 from autodeploy.models.custom import custom_model_for
-from autodeploy.models.custom.modeling_xlstm import XLSTMForCausalLM, mlstm_parallel
+from autodeploy.models.custom.modeling_xlstm import XLSTMForCausalLM
 from autodeploy.models.custom.testing import (
     assert_block_matches, assert_exports_at_two_shapes, assert_layer_matches, assert_logits_match,
     assert_rmse_close, copy_weights,
@@ -93,7 +93,7 @@ def test_parallel_mlstm_equals_hf_recurrent_and_chunkwise_kernels(gate_scale):
     q, k = (torch.randn(b, nh, s, dqk, generator=gen, dtype=torch.float64) for _ in range(2))
     v = torch.randn(b, nh, s, dv, generator=gen, dtype=torch.float64)
     i, f = (torch.randn(b, nh, s, generator=gen, dtype=torch.float64) * gate_scale for _ in range(2))
-    out = mlstm_parallel(q, k, v, i, f, 1e-6)
+    out = torch.ops.autodeploy.torch_mlstm(*(x.transpose(1, 2) for x in (q, k, v, i, f)), 1e-6).transpose(1, 2)
     recurrent = hf_xlstm.mlstm_recurrent_sequence_native(q, k, v, i, f, eps=1e-6, dtype_state=torch.float64)
     assert_rmse_close(out, recurrent, 1e-12, "vs HF recurrent kernel")
     n = 20  # the chunkwise kernel takes whole chunks only
@@ -161,7 +161,7 @@ def checkpoint(tmp_path_factory) -> str:
     return path
 
 
-def test_llm_greedy_tokens_equal_hf_in_recompute_mode(checkpoint, caplog):
+def test_llm_greedy_tokens_equal_hf_on_the_mlstm_state_cache(checkpoint, caplog):
     prompts = [_ids(1, n)[0].tolist() for n in (5, 13)]
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     expected = []
@@ -175,7 +175,7 @@ def test_llm_greedy_tokens_equal_hf_in_recompute_mode(checkpoint, caplog):
         llm = LLM(checkpoint, max_seq_len=64, max_batch_size=2, max_num_tokens=64)
     assert llm.build.factory.custom_model is XLSTMForCausalLM
     assert "building custom model XLSTMForCausalLM for xLSTMConfig" in caplog.text
-    assert llm.build.context.cache_mode == "recompute"  # no mLSTM state cache yet
+    assert llm.build.context.cache_mode == "state"  # insert_cached_mlstm: one C/n/m state per layer
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [list(o.token_ids) for o in outs] == expected

@@ -6,14 +6,12 @@ Python and handles the remainder with a per-token loop. ``torch.export`` cannot 
 sequence dimension symbolic through that reshape, so the exported graph bakes in the chunk count
 of the example and is wrong for every other length.
 
-This module computes the same mLSTM in its exact *parallel (quadratic) form* (``mlstm_parallel``):
-one ``[seq, seq]`` decay matrix per head built from cumulative log forget gates, with the same
-max-stabiliser and normaliser as HF's kernels. Nothing in it depends on the chunk size, so the
-graph takes any batch and sequence length. The model keeps no recurrent state (the pipeline has
-no mLSTM state cache yet), so it is served in *recompute* mode: exact, each step reruns the
-sequence's history. The price of the parallel form is a ``[b, nh, s, s]`` float32 decay matrix
-per layer (quadratic in the sequence, like attention without a fused kernel) instead of HF's
-``O(s * chunk)``; a canonical mLSTM op with C/n/m state caches would remove both costs.
+This module computes the same mLSTM as one canonical op, ``torch_mlstm`` (``autodeploy.ops.mlstm``):
+over a whole sequence in its exact *parallel form* (one ``[seq, seq]`` decay matrix per head from
+cumulative log forget gates, with HF's max-stabiliser and normaliser), which nothing ties to a
+chunk size, so the graph takes any batch and sequence length. ``insert_cached_mlstm`` then gives
+each layer a per-sequence ``C``/``n``/``m`` state and steps the recurrence token by token, so a
+decode step costs the same at any history.
 
 Config options and how they are handled:
 
@@ -64,42 +62,6 @@ def soft_cap(values: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
 def round_up(value: float, multiple: int) -> int:
     """``value`` rounded up to a multiple of ``multiple`` (HF's ``round_up_to_next_multiple_of``)."""
     return int(((value + multiple - 1) // multiple) * multiple)
-
-
-def mlstm_parallel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, igate: torch.Tensor,
-                   fgate: torch.Tensor, eps: float) -> torch.Tensor:
-    """The mLSTM over a whole sequence from a zero initial state, in its parallel form.
-
-    ``query``/``key`` ``[b, nh, s, dqk]``, ``value`` ``[b, nh, s, dv]``, ``igate``/``fgate``
-    ``[b, nh, s]`` (gate pre-activations, already soft-capped). Returns ``h`` ``[b, nh, s, dv]``.
-
-    The recurrence HF evaluates (chunkwise, per token or in one step; initial C = 0, n = 0, m = 0)::
-
-        m_t = max(log sigmoid(f_t) + m_{t-1}, i_t)
-        C_t = exp(log sigmoid(f_t) + m_{t-1} - m_t) C_{t-1} + exp(i_t - m_t) k_t v_t^T   (n_t: k_t for v_t)
-        h_t = (q_t / sqrt(dqk)) C_t / (max(|(q_t / sqrt(dqk)) n_t|, exp(-m_t)) + eps)
-
-    unrolls, with ``F_t = sum_{r<=t} log sigmoid(f_r)``, to ``m_t = max(F_t, max_{s<=t} F_t - F_s + i_s)``
-    (the ``F_t`` term is the zero initial state's, whose stabiliser is 0) and the stabilised
-    decays ``D_ts = exp(F_t - F_s + i_s - m_t)`` for ``s <= t`` (0 above the diagonal). Then
-    ``C_t`` read by ``q_t`` is ``sum_s D_ts (q_t . k_s) v_s``, and ``n_t`` read by it is the same
-    sum without ``v_s``: the numerator and denominator below, with HF's ``exp(-m_t)`` floor and
-    ``eps``. No reshape depends on the sequence length, so export keeps it dynamic.
-    """
-    out_dtype = value.dtype
-    dtype = torch.float64 if out_dtype == torch.float64 else torch.float32  # HF's states: at least float32
-    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    log_f = F.logsigmoid(fgate.to(dtype)).cumsum(-1)  # F_t: [b, nh, s]
-    seq = query.shape[2]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
-    log_d = log_f[..., :, None] - log_f[..., None, :] + igate.to(dtype)[..., None, :]
-    log_d = log_d.masked_fill(~causal, float("-inf"))  # [b, nh, t, s]
-    stab = torch.maximum(log_f, log_d.amax(dim=-1))  # m_t: [b, nh, s]
-    decay = torch.exp(log_d - stab[..., None])
-    scores = (query @ key.transpose(-2, -1)) * (query.shape[-1] ** -0.5) * decay
-    numerator = scores @ value
-    denominator = torch.maximum(scores.sum(dim=-1, keepdim=True).abs(), torch.exp(-stab)[..., None])
-    return (numerator / (denominator + eps)).to(out_dtype)
 
 
 class XLSTMRMSNorm(nn.Module):
@@ -169,7 +131,7 @@ class XLSTMFeedForward(nn.Module):
 
 class XLSTMLayer(nn.Module):
     """The mLSTM layer (HF ``xLSTMLayer``): projections, soft-capped gates, the mLSTM
-    (``mlstm_parallel``), the per-head LayerNorm, the sigmoid output gate and ``out_proj``.
+    (``torch_mlstm``), the per-head LayerNorm, the sigmoid output gate and ``out_proj``.
 
     The widths are HF's layer widths ``int(hidden * factor)`` (not the config's ``qk_dim``/``v_dim``
     properties, which round up to 64 and only size HF's state cache)."""
@@ -214,9 +176,9 @@ class XLSTMLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v, o, i, f = self._projections(x)
-        heads = [t.reshape(b, s, self.num_heads, -1).transpose(1, 2) for t in (q, k, v)]
-        h = mlstm_parallel(*heads, i.transpose(1, 2), f.transpose(1, 2), self.eps)  # [b, nh, s, dv]
-        h = self.multihead_norm(h.transpose(1, 2))  # [b, s, v_dim]
+        heads = [t.reshape(b, s, self.num_heads, -1) for t in (q, k, v)]
+        h = ad.torch_mlstm(*heads, i, f, self.eps)  # [b, s, nh, dv]
+        h = self.multihead_norm(h)  # [b, s, v_dim]
         return self.out_proj(torch.sigmoid(o) * h)
 
 
@@ -285,4 +247,4 @@ class XLSTMForCausalLM(nn.Module):
         return soft_cap(logits, self.config.output_logit_soft_cap)
 
 
-__all__ = ["XLSTMForCausalLM", "mlstm_parallel", "soft_cap"]
+__all__ = ["XLSTMForCausalLM", "soft_cap"]
