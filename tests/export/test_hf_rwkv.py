@@ -94,3 +94,25 @@ def test_only_rwkv_token_shifts_match():
     assert is_token_shift(torch.nn.ZeroPad2d((0, 0, 1, -1)))
     assert not is_token_shift(torch.nn.ZeroPad2d((0, 0, 1, 0)))
     assert not is_token_shift(torch.nn.ConstantPad2d((0, 0, 1, -1), 0.0))
+
+
+def test_llm_on_a_rescaled_rwkv_gives_hf_greedy_tokens(tmp_path):
+    """End to end on a real checkpoint with 8 blocks rescaled in 4 groups (rescale_every=2): the
+    engine serves it on state caches and its greedy tokens equal HF's. (Before the rwkv patch
+    such a model did not build: its static-length export mixed the halving with unscaled weights.)"""
+    from autodeploy import LLM, SamplingParams
+    from autodeploy.models.presets import write_random_checkpoint
+
+    write_random_checkpoint(dict(model_type="rwkv", vocab_size=512, hidden_size=64, attention_hidden_size=64,
+                                 intermediate_size=128, num_hidden_layers=8, context_length=256, rescale_every=2),
+                            str(tmp_path), seed=0)
+    prompt = torch.randint(8, 512, (1, 20), generator=torch.Generator().manual_seed(0))
+    reference = RwkvForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                      do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:].tolist()
+    llm = LLM(str(tmp_path), max_seq_len=64, max_batch_size=2)
+    assert llm.build.context.cache_mode == "state"
+    out = llm.generate([{"prompt_token_ids": prompt[0].tolist()}],
+                       SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert list(out.token_ids) == expected
