@@ -92,6 +92,7 @@ KEYS: Dict[str, List[str]] = {
     "insert_cached_diagonal_recurrence": ["transforms/test_insert_cached_diagonal_recurrence.py"],
     "insert_cached_wkv": ["transforms/test_insert_cached_wkv.py"],
     "insert_cached_mlstm": ["transforms/test_insert_cached_mlstm.py"],
+    "insert_cached_cca_conv": ["transforms/test_insert_cached_cca_conv.py"],
     "insert_cached_residual_add": ["transforms/test_insert_cached_residual_add.py", "runtime/test_hidden_states.py"],
     "initialize_mrope_delta_cache": ["transforms/test_initialize_mrope_delta_cache.py"],
     "gather_logits_before_lm_head": ["transforms/test_gather_logits_before_lm_head.py"],
@@ -349,6 +350,7 @@ INTENDED: Dict[str, str] = {
     "transforms/test_insert_cached_diagonal_recurrence.py::test_a_graph_without_a_diagonal_recurrence_is_left_alone": "near miss",
     "transforms/test_insert_cached_wkv.py::test_a_graph_without_wkv_is_left_alone": "near miss",
     "transforms/test_insert_cached_mlstm.py::test_a_graph_without_mlstm_is_left_alone": "near miss",
+    "transforms/test_insert_cached_cca_conv.py::test_a_graph_without_cca_convs_is_left_alone": "near miss",
     "transforms/test_insert_cached_residual_add.py::test_hf_hidden_states_convention":
         "reference check: HF's output_hidden_states convention the other tests rely on (runs no transform)",
     "transforms/test_insert_cached_residual_add.py::test_capture_op_writes_only_the_step_rows":

@@ -26,10 +26,6 @@ RECOMPUTE_NEEDS: Dict[str, str] = {
                       "torch_cached_dsa_indexer) and a cached attention taking the selected token indices; with PLE "
                       "layers also an n-gram token-context state and a dilated-conv state. The GatedDeltaNet layers "
                       "already export as torch_gated_delta_rule / torch_causal_conv1d and the MoE as torch_moe.",
-    "zaya": "Compressed Convolutional Attention: q/k pass through a depthwise then a grouped causal conv (window "
-            "(cca_time0 - 1) + (cca_time1 - 1), written as nn.Conv1d) and half of each value head is the previous "
-            "token's projection. Needs a grouped causal conv op (the conv-state cache fits) and a one-token shift "
-            "state, with an export patch for ZayaCCAProjection.",
 }
 
 

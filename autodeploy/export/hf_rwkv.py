@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .patch_registry import register_export_patch
+from .state_kernels import previous_token
 
 _ops = torch.ops.autodeploy
 _HF_MODULE = "transformers.models.rwkv.modeling_rwkv"
@@ -57,14 +58,6 @@ def _scaled_linear(linear: nn.Linear, factor: float) -> Callable[[Tensor], Tenso
         return torch.nn.functional.linear(x, linear.weight, linear.bias) * factor
 
     return forward
-
-
-def _shift_as_conv(x: Tensor) -> Tensor:
-    """``x [b, s, c]`` moved down one token (zeros first) as a width-2 causal conv with taps [1, 0]."""
-    channels = x.shape[-1]
-    ones = torch.ones(channels, 1, 1, dtype=x.dtype, device=x.device)
-    taps = torch.cat([ones, torch.zeros_like(ones)], dim=2)  # [c, 1, 2]: the previous token, not this one
-    return _ops.torch_causal_conv1d(x, taps, None, None)
 
 
 @contextmanager
@@ -96,7 +89,7 @@ def _rwkv(model: nn.Module) -> Iterator[None]:
         stack.enter_context(_attribute(hf, "rwkv_linear_attention", _wkv_fn(hf.rwkv_linear_attention)))
         for m in model.modules():
             if is_token_shift(m):
-                stack.enter_context(_attribute(m, "forward", _shift_as_conv))
+                stack.enter_context(_attribute(m, "forward", previous_token))
             every = getattr(getattr(m, "config", None), "rescale_every", 0)
             if type(m).__name__ == "RwkvModel" and every > 0:
                 stack.enter_context(_attribute(m, "layers_are_rescaled", True))

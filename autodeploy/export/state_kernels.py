@@ -110,6 +110,16 @@ _KERNELS: Dict[str, Callable[[Callable], Callable]] = {
 }
 
 
+def previous_token(x: Tensor) -> Tensor:
+    """``x [b, s, c]`` moved down one token (zeros first: ``out[:, t] = x[:, t - 1]``), written as a
+    width-2 depthwise ``torch_causal_conv1d`` with taps ``[1, 0]`` (``1 * x_{t-1} + 0 * x_t``, the
+    same numbers), so ``insert_cached_causal_conv`` keeps the previous token per sequence: the
+    state of RWKV's token shift and of ZAYA's delayed value projection."""
+    ones = torch.ones(x.shape[-1], 1, 1, dtype=x.dtype, device=x.device)
+    taps = torch.cat([ones, torch.zeros_like(ones)], dim=2)  # [c, 1, 2]: the previous token, not this one
+    return _ops.torch_causal_conv1d(x, taps, None, None)
+
+
 def _modelling_modules() -> List[Any]:
     return [m for name, m in list(sys.modules.items())
             if name.startswith("transformers.models.") and name.rsplit(".", 1)[-1].startswith("modeling_")

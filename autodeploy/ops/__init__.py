@@ -6,7 +6,7 @@ fake kernel so it survives ``torch.export`` and shape propagation. Backend imple
 """
 
 from . import attention, cached_attention, compiled, delta_rule, linear, mlp, moe, normalization, rope, ssm  # noqa: F401
-from . import diagonal_recurrence, gdn_gating, l2norm, linear_attention, mlstm, wkv  # noqa: F401
+from . import cca_conv, diagonal_recurrence, gdn_gating, l2norm, linear_attention, mlstm, wkv  # noqa: F401
 from . import hidden_states  # noqa: F401
 from . import quant  # noqa: F401
 from . import collectives  # noqa: F401

@@ -240,7 +240,7 @@ def test_report_distinguishes_wrong_output_from_errors(tmp_path):
 
 def test_report_says_what_the_recompute_types_need_and_counts_state_caches():
     results = [
-        CheckResult("zaya", status="pass", stage="compare", logits_rel_rmse=1e-7, tokens_match=True,
+        CheckResult("qwen4_exp_text", status="pass", stage="compare", logits_rel_rmse=1e-7, tokens_match=True,
                     cache_mode="recompute", cache_mode_reason="static length"),
         CheckResult("mamba", status="pass", stage="compare", logits_rel_rmse=1e-7, tokens_match=True,
                     cache_mode="state"),
@@ -252,7 +252,7 @@ def test_report_says_what_the_recompute_types_need_and_counts_state_caches():
     md = markdown(results, {"date": "today"})
     assert "| mamba | pass | pass | state |" in md and "| lfm2 | pass | pass | paged KV + state |" in md
     section = md.split("## What the stateful types in recompute mode need", 1)[1]
-    assert "* **zaya**: Compressed Convolutional Attention" in section and "mamba" not in section
+    assert "* **qwen4_exp_text**: QSA sparse attention" in section and "mamba" not in section
 
 
 @pytest.mark.slow

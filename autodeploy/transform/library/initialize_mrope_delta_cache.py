@@ -199,7 +199,7 @@ class InitializeMropeDeltaCache(BaseTransform):
     run_after = ("optimize_rope", "insert_cached_attention", "insert_cached_causal_conv", "insert_cached_ssm_attention",
                  "insert_cached_delta_rule", "insert_cached_gated_delta_rule",
                  "insert_cached_linear_attention", "insert_cached_diagonal_recurrence", "insert_cached_wkv",
-                 "insert_cached_mlstm")
+                 "insert_cached_mlstm", "insert_cached_cca_conv")
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> TransformInfo:
         skip = TransformInfo(skipped=True, is_clean=True, has_valid_shapes=True, reason="no multimodal RoPE")
