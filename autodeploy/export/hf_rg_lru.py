@@ -22,13 +22,13 @@ For one export this patch:
 Calls with a cache (``use_cache=True``, a stored ``recurrent_states``) run HF's code.
 """
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .patch_registry import register_export_patch
+from .patch_registry import register_export_patch, replaced_attribute
 
 _ops = torch.ops.autodeploy
 _BLOCK = ("linear_x", "linear_y", "linear_out", "conv_1d", "rg_lru", "act_fn")
@@ -70,29 +70,20 @@ def _rnn_scan(original: Callable) -> Callable:
     return rnn_scan
 
 
-@contextmanager
-def _replaced(methods: Dict[Tuple[type, str], Callable[[Callable], Callable]]) -> Iterator[None]:
-    """Each ``(class, method name)`` replaced by ``make(original)`` for the block, then restored."""
-    originals = {(cls, name): cls.__dict__[name] for cls, name in methods}
-    try:
-        for (cls, name), make in methods.items():
-            setattr(cls, name, make(originals[(cls, name)]))
-        yield
-    finally:
-        for (cls, name), original in originals.items():
-            setattr(cls, name, original)
-
-
 @register_export_patch(
     "rg_lru",
     "RecurrentGemma's recurrent block (a padded nn.Conv1d and a per-token Python scan, states on the modules) "
     "exports as torch_causal_conv1d and torch_diagonal_recurrence, which the state-cache transforms serve",
 )
-def _rg_lru(model: nn.Module):  # type: ignore[no-untyped-def]
+@contextmanager
+def _rg_lru(model: nn.Module) -> Iterator[None]:
     methods: Dict[Tuple[type, str], Callable[[Callable], Callable]] = {}
     for m in model.modules():
-        if is_recurrent_block(m) and "forward" in type(m).__dict__:
+        if is_recurrent_block(m) and "forward" in vars(type(m)):
             methods[(type(m), "forward")] = _block_forward
-        elif is_rg_lru(m) and "_rnn_scan" in type(m).__dict__:
+        elif is_rg_lru(m) and "_rnn_scan" in vars(type(m)):
             methods[(type(m), "_rnn_scan")] = _rnn_scan
-    return _replaced(methods)
+    with ExitStack() as stack:
+        for (cls, name), make in methods.items():
+            stack.enter_context(replaced_attribute(cls, name, make(vars(cls)[name])))
+        yield

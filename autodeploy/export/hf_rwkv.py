@@ -25,12 +25,12 @@ Calls with a state (HF's cache) run HF's code; the patch lasts one export.
 
 import sys
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .patch_registry import register_export_patch
+from .patch_registry import register_export_patch, replaced_attribute
 from .state_kernels import previous_token
 
 _ops = torch.ops.autodeploy
@@ -60,19 +60,6 @@ def _scaled_linear(linear: nn.Linear, factor: float) -> Callable[[Tensor], Tenso
     return forward
 
 
-@contextmanager
-def _attribute(obj: Any, name: str, value: Any) -> Iterator[None]:
-    had, old = name in vars(obj), vars(obj).get(name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if had:
-            setattr(obj, name, old)
-        else:
-            delattr(obj, name)
-
-
 @register_export_patch(
     "rwkv",
     "RWKV-4: the token shift exports as a width-2 torch_causal_conv1d and rwkv_linear_attention (a loop over the "
@@ -86,16 +73,16 @@ def _rwkv(model: nn.Module) -> Iterator[None]:
         yield
         return
     with ExitStack() as stack:
-        stack.enter_context(_attribute(hf, "rwkv_linear_attention", _wkv_fn(hf.rwkv_linear_attention)))
+        stack.enter_context(replaced_attribute(hf, "rwkv_linear_attention", _wkv_fn(hf.rwkv_linear_attention)))
         for m in model.modules():
             if is_token_shift(m):
-                stack.enter_context(_attribute(m, "forward", previous_token))
+                stack.enter_context(replaced_attribute(m, "forward", previous_token))
             every = getattr(getattr(m, "config", None), "rescale_every", 0)
             if type(m).__name__ == "RwkvModel" and every > 0:
-                stack.enter_context(_attribute(m, "layers_are_rescaled", True))
+                stack.enter_context(replaced_attribute(m, "layers_are_rescaled", True))
                 for i, block in enumerate(m.blocks):
                     if i // every:
                         factor = 2.0 ** -(i // every)
                         for linear in (block.attention.output, block.feed_forward.value):
-                            stack.enter_context(_attribute(linear, "forward", _scaled_linear(linear, factor)))
+                            stack.enter_context(replaced_attribute(linear, "forward", _scaled_linear(linear, factor)))
         yield

@@ -65,3 +65,19 @@ def replaced_forwards(forwards: Mapping[type, Callable]) -> Iterator[None]:
                 del cls.forward
             else:
                 cls.forward = original
+
+
+@contextmanager
+def replaced_attribute(obj: object, name: str, value: object) -> Iterator[None]:
+    """``obj.name = value`` for the block, then as before: the old value put back, or the attribute
+    deleted again when ``obj`` did not hold it itself (an instance's ``forward`` override, a
+    class's method that it inherited) -- for patches that swap one function or flag."""
+    had, old = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, old)
+        else:
+            delattr(obj, name)
