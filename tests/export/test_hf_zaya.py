@@ -50,9 +50,11 @@ def test_patched_projection_returns_hf_qkv(projection, s, masked):
 
 
 def test_export_carries_the_ops_with_a_dynamic_sequence(projection):
+    # Dim.DYNAMIC, not a named Dim: torch 2.11's solver cannot prove HF's repeat_kv guard
+    # min(16*s, 32*s) == 16*s for a named dim (2.13's can); the lengths below show it stays dynamic
     with _patched(projection):
         ep = torch.export.export(projection, (torch.randn(1, 12, HIDDEN), None, None),
-                                 dynamic_shapes=({1: Dim("seq", min=1, max=512)}, None, None), strict=False)
+                                 dynamic_shapes=({1: Dim.DYNAMIC}, None, None), strict=False)
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
     assert targets.count(ad.torch_cca_conv.default) == 1 and targets.count(ad.torch_causal_conv1d.default) == 1
     for s in (12, 1, 2, 30):
