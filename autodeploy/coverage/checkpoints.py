@@ -3,7 +3,8 @@
 The check loads models exactly as a user's checkpoint is loaded (``config.json``,
 ``model.safetensors``, ``generation_config.json``, a tokenizer), so the coverage numbers
 measure the real loading path. A checkpoint is rewritten only when its config, seed or the
-transformers version changes (a stamp file holds the fingerprint).
+transformers version changes (a stamp file holds the fingerprint). Parameters that HF's init
+leaves all zero get random values, so that no path of a model is invisible in its logits.
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-CHECKPOINT_FORMAT_VERSION = 1
+# 2: parameters HF's init leaves all zero get random values (ZERO_PARAMETER_STD)
+CHECKPOINT_FORMAT_VERSION = 2
 STAMP = ".coverage-checkpoint"
 SEED = 0
+# std of the values given to all-zero parameters (biases excepted): large enough that a zero-init
+# key scale, router or gate projection moves the logits, small enough for a (1 + w) norm scale
+ZERO_PARAMETER_STD = 0.1
 
 
 def default_cache_dir() -> str:
@@ -57,7 +62,7 @@ def ensure_checkpoint(config: Dict[str, Any], cache_dir: str, seed: int = SEED) 
     os.makedirs(cache_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{config['model_type']}-", dir=cache_dir)
     try:
-        write_random_checkpoint(config, tmp, seed=seed)
+        write_random_checkpoint(config, tmp, seed=seed, zero_parameter_std=ZERO_PARAMETER_STD)
         with open(os.path.join(tmp, STAMP), "w") as f:
             f.write(want)
         if os.path.exists(target):

@@ -132,11 +132,17 @@ def preset_dir(name: str) -> str:
 
 
 def write_random_checkpoint(config_dict: Dict[str, Any], directory: str, seed: int = 0,
-                            save_dtype: str = "float32") -> str:
+                            save_dtype: str = "float32", zero_parameter_std: Optional[float] = None) -> str:
     """Write a complete HF checkpoint with seeded random weights and a trained tokenizer.
 
     The weights are drawn in float32 and saved in ``save_dtype``. Also used by the tests to build
     checkpoints from any transformers config.
+
+    ``zero_parameter_std``: parameters that the model's own init leaves all zero (biases excepted)
+    get normal values of this std instead. HF zero-initialises some multiplicative parameters
+    (ZAYA's key scale ``temp``, AFMoE's router, xLSTM's gate projections, Gemma-style ``1 + w``
+    norms, attention sinks), which would make whole paths of a random model invisible in its
+    logits: a checker comparing against HF could not see them computed wrong.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -152,6 +158,11 @@ def write_random_checkpoint(config_dict: Dict[str, Any], directory: str, seed: i
     config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if zero_parameter_std is not None:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.is_floating_point() and not name.endswith("bias") and not param.any():
+                    param.normal_(0.0, zero_parameter_std)
     if save_dtype != "float32":
         model = model.to(getattr(torch, save_dtype))
     model.save_pretrained(directory)
