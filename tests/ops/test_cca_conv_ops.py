@@ -2,7 +2,7 @@
 input (bit for bit), the cached op over flattened steps against the uncached op on whole sequences
 (prefill then decode, chunked prefill, mixed steps, a restart over garbage), fake kernels and export."""
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ from torch import nn
 from torch.export import Dim
 
 import autodeploy.ops.cca_conv  # noqa: F401  (registers the ops)
+from state_steps import step_metadata
 
 ad = torch.ops.autodeploy
 C, GROUPS, T0, T1 = 12, 3, 2, 3
@@ -53,29 +54,12 @@ def test_mismatched_weights_are_refused():
 # ---- cached op --------------------------------------------------------------------------------
 
 
-def _step_metadata(seqs: Sequence[Tuple[int, int, int, bool]]) -> Dict[str, torch.Tensor]:
-    """(slot, start, num_new_tokens, use_initial_state) per sequence, multi-token ones first."""
-    i32 = dict(dtype=torch.int32)
-    lengths = [n for _, _, n, _ in seqs]
-    num_prefill = sum(not (n == 1 and s > 0) for _, s, n, _ in seqs)
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return dict(
-        batch_info=torch.tensor([num_prefill, cu[num_prefill], len(seqs) - num_prefill], **i32),
-        seq_len=torch.tensor(lengths, **i32),
-        cu_seqlen=torch.tensor(cu, **i32),
-        slot_idx=torch.tensor([slot for slot, _, _, _ in seqs], **i32),
-        use_initial_state=torch.tensor([cont for _, _, _, cont in seqs], dtype=torch.bool),
-    )
-
-
 def _run_schedule(seqs: List[torch.Tensor], slots: List[int], steps, num_slots: int,
                   cache: Optional[torch.Tensor] = None):
     cache = torch.zeros(num_slots, C, K) if cache is None else cache
     outs: Dict[int, List[torch.Tensor]] = {i: [] for i in range(len(seqs))}
     for step in steps:
-        meta = _step_metadata([(slots[i], s, e - s, cont) for i, s, e, cont in step])
+        meta = step_metadata([(slots[i], s, e - s, cont) for i, s, e, cont in step])
         flat = torch.cat([seqs[i][0, s:e] for i, s, e, _ in step])[None]
         o = ad.torch_cached_cca_conv(flat, *WEIGHTS, *meta.values(), cache, GROUPS)
         for (i, s, e, _), start in zip(step, meta["cu_seqlen"].tolist()):
@@ -129,7 +113,7 @@ def test_restart_without_initial_state_ignores_garbage_in_the_slot(length):
 
 def test_a_state_cache_of_another_window_is_refused():
     with pytest.raises(ValueError, match="state cache .* does not fit"):
-        ad.torch_cached_cca_conv(torch.randn(1, 3, C), *WEIGHTS, *_step_metadata([(0, 0, 3, False)]).values(),
+        ad.torch_cached_cca_conv(torch.randn(1, 3, C), *WEIGHTS, *step_metadata([(0, 0, 3, False)]).values(),
                                  torch.zeros(2, C, K + 1), GROUPS)
 
 
@@ -138,7 +122,7 @@ def test_a_state_cache_of_another_window_is_refused():
 
 def _opcheck_cases():
     a, b = torch.randn(1, 4, C), torch.randn(1, 3, C)
-    meta = _step_metadata([(2, 0, 4, False), (0, 2, 1, True)])
+    meta = step_metadata([(2, 0, 4, False), (0, 2, 1, True)])
     flat = torch.cat([a[0], b[0, 2:3]])[None]
     return [
         ("uncached", ad.torch_cca_conv, (torch.randn(2, 5, C), *WEIGHTS, GROUPS)),

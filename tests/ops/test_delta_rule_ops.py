@@ -13,6 +13,7 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf_kimi
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen
 
 import autodeploy.ops.delta_rule  # noqa: F401  (registers the ops)
+from state_steps import step_metadata
 
 ad = torch.ops.autodeploy
 RTOL, ATOL = 1e-5, 1e-5
@@ -192,26 +193,6 @@ def test_low_precision_inputs_compute_in_fp32_and_return_their_dtype():
 H, HK, DK, DV = 4, 2, 8, 6
 
 
-def _step_metadata(seqs: Sequence[Tuple[int, int, int, bool]]) -> Dict[str, torch.Tensor]:
-    """Metadata of one step; ``seqs`` is (slot, start, num_new_tokens, use_initial_state) per
-    sequence, prefills (several tokens or a first token) before single-token continuations."""
-    i32 = dict(dtype=torch.int32)
-    lengths = [n for _, _, n, _ in seqs]
-    is_decode = [n == 1 and s > 0 for _, s, n, _ in seqs]
-    num_prefill = len(seqs) - sum(is_decode)
-    assert not any(is_decode[:num_prefill]), "prefills first"
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return dict(
-        batch_info=torch.tensor([num_prefill, cu[num_prefill], len(seqs) - num_prefill], **i32),
-        seq_len=torch.tensor(lengths, **i32),
-        cu_seqlen=torch.tensor(cu, **i32),
-        slot_idx=torch.tensor([slot for slot, _, _, _ in seqs], **i32),
-        use_initial_state=torch.tensor([cont for _, _, _, cont in seqs], dtype=torch.bool),
-    )
-
-
 def _cached(variant: str, t, meta, state_cache, l2: bool = True) -> torch.Tensor:
     m = (meta["batch_info"], meta["seq_len"], meta["cu_seqlen"], meta["slot_idx"], meta["use_initial_state"])
     if variant == "delta":
@@ -233,7 +214,7 @@ def _run_schedule(variant: str, seqs: List[Dict], slots: List[int], steps, num_s
     cache = torch.zeros(num_slots, H, DK, DV) if state_cache is None else state_cache
     outs: Dict[int, List[torch.Tensor]] = {i: [] for i in range(len(seqs))}
     for step in steps:
-        meta = _step_metadata([(slots[i], s, e - s, cont) for i, s, e, cont in step])
+        meta = step_metadata([(slots[i], s, e - s, cont) for i, s, e, cont in step])
         o = _cached(variant, _flatten([(seqs[i], s, e) for i, s, e, _ in step]), meta, cache)
         assert o.shape == (1, meta["cu_seqlen"][-1], H, DV)
         for (i, s, e, _), start in zip(step, meta["cu_seqlen"].tolist()):
@@ -314,7 +295,7 @@ def test_continuing_from_a_stored_state_matches_hf_initial_state(variant):
     init = torch.randn(H, DK, DV) * 0.3
     cache = torch.zeros(2, H, DK, DV)
     cache[1] = init
-    out = _cached(variant, t, _step_metadata([(1, 10, 70, True)]), cache)
+    out = _cached(variant, t, step_metadata([(1, 10, 70, True)]), cache)
     if variant == "gated":
         hf, hf_state = HF_GDN_CHUNK(t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"], initial_state=init[None],
                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -334,7 +315,7 @@ def _opcheck_cases():
     g_head = -torch.rand(2, 5, H)
     ft = _flatten([({n: x[:1] for n, x in t.items()}, 0, 4), ({n: x[1:] for n, x in t.items()}, 2, 3)])
     fg_head = torch.cat([g_head[0, :4], g_head[1, 2:3]])[None]
-    meta = _step_metadata([(2, 0, 4, False), (0, 2, 1, True)])
+    meta = step_metadata([(2, 0, 4, False), (0, 2, 1, True)])
     m = (meta["batch_info"], meta["seq_len"], meta["cu_seqlen"], meta["slot_idx"], meta["use_initial_state"])
     cache = torch.randn(3, H, DK, DV)
     q, k, v, beta = t["q"], t["k"], t["v"], t["beta"]
@@ -393,7 +374,7 @@ class _CachedGDN(torch.nn.Module):
 
 def test_cached_op_exports_as_one_mutating_node_with_dynamic_tokens():
     seqs = [_inputs("gated", 1, 6, HK, H, DK, DV), _inputs("gated", 1, 2, HK, H, DK, DV)]
-    meta = _step_metadata([(0, 0, 6, False), (1, 1, 1, True)])
+    meta = step_metadata([(0, 0, 6, False), (1, 1, 1, True)])
     ft = _flatten([(seqs[0], 0, 6), (seqs[1], 1, 2)])
     cache = torch.randn(3, H, DK, DV)
     args = (ft["q"], ft["k"], ft["v"], ft["g"], ft["beta"], *meta.values(), cache)

@@ -4,13 +4,14 @@ on whole sequences (prefill then decode, chunked prefill, mixed steps, a restart
 fake kernels and export. HF's MiniMax module itself is the reference in
 tests/export/test_hf_lightning.py."""
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
 from torch.export import Dim
 
 from autodeploy.ops import linear_attention
+from state_steps import step_metadata
 
 ad = torch.ops.autodeploy
 RTOL, ATOL = 1e-5, 1e-5
@@ -83,30 +84,13 @@ def test_mismatched_shapes_name_the_tensors(bad):
 # ---- cached op --------------------------------------------------------------------------------
 
 
-def _step_metadata(seqs: Sequence[Tuple[int, int, int, bool]]) -> Dict[str, torch.Tensor]:
-    """(slot, start, num_new_tokens, use_initial_state) per sequence, multi-token ones first."""
-    i32 = dict(dtype=torch.int32)
-    lengths = [n for _, _, n, _ in seqs]
-    num_prefill = sum(not (n == 1 and s > 0) for _, s, n, _ in seqs)
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return dict(
-        batch_info=torch.tensor([num_prefill, cu[num_prefill], len(seqs) - num_prefill], **i32),
-        seq_len=torch.tensor(lengths, **i32),
-        cu_seqlen=torch.tensor(cu, **i32),
-        slot_idx=torch.tensor([slot for slot, _, _, _ in seqs], **i32),
-        use_initial_state=torch.tensor([cont for _, _, _, cont in seqs], dtype=torch.bool),
-    )
-
-
 def _run_schedule(seqs: List[Dict[str, torch.Tensor]], slots: List[int], steps, num_slots: int,
                   cache: Optional[torch.Tensor] = None, scale: Optional[float] = None):
     """Steps of (sequence, start, end, use_initial_state); returns per-sequence outputs and the cache."""
     cache = torch.zeros(num_slots, H, DK, DV) if cache is None else cache
     outs: Dict[int, List[torch.Tensor]] = {i: [] for i in range(len(seqs))}
     for step in steps:
-        meta = _step_metadata([(slots[i], s, e - s, cont) for i, s, e, cont in step])
+        meta = step_metadata([(slots[i], s, e - s, cont) for i, s, e, cont in step])
         flat = {n: torch.cat([seqs[i][n][0, s:e] for i, s, e, _ in step])[None] for n in ("q", "k", "v", "g")}
         o = ad.torch_cached_linear_attention(flat["q"], flat["k"], flat["v"], flat["g"], *meta.values(), cache, scale)
         assert o.shape == (1, meta["cu_seqlen"][-1], H, DV)
@@ -185,7 +169,7 @@ def test_restart_without_initial_state_ignores_garbage_in_the_slot(length):
 
 def test_a_state_cache_of_another_size_is_refused():
     t = _inputs(3)
-    meta = _step_metadata([(0, 0, 3, False)])
+    meta = step_metadata([(0, 0, 3, False)])
     with pytest.raises(ValueError, match="state cache .* does not fit"):
         ad.torch_cached_linear_attention(t["q"], t["k"], t["v"], t["g"], *meta.values(),
                                          torch.zeros(2, H, DK, DV + 1), None)
@@ -196,7 +180,7 @@ def test_a_state_cache_of_another_size_is_refused():
 
 def _opcheck_cases():
     a, b = _inputs(4), _inputs(3)
-    meta = _step_metadata([(2, 0, 4, False), (0, 2, 1, True)])
+    meta = step_metadata([(2, 0, 4, False), (0, 2, 1, True)])
     flat = {n: torch.cat([a[n][0], b[n][0, 2:3]])[None] for n in a}
     t = _inputs(5, b=2)
     return [

@@ -5,7 +5,7 @@ the uncached op on whole sequences (prefill then decode, chunked prefill, mixed 
 over garbage), fake kernels and export. The parallel form against HF's chunkwise kernel and the
 whole model against HF: tests/models/test_custom_xlstm.py."""
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ from torch.export import Dim
 from transformers.models.xlstm import modeling_xlstm as hf
 
 import autodeploy.ops.mlstm  # noqa: F401  (registers the ops)
+from state_steps import step_metadata
 
 ad = torch.ops.autodeploy
 NH, DQK, DV, EPS = 3, 4, 5, 1e-6
@@ -65,29 +66,12 @@ def test_mismatched_shapes_are_refused():
 # ---- cached op --------------------------------------------------------------------------------
 
 
-def _step_metadata(seqs: Sequence[Tuple[int, int, int, bool]]) -> Dict[str, torch.Tensor]:
-    """(slot, start, num_new_tokens, use_initial_state) per sequence, multi-token ones first."""
-    i32 = dict(dtype=torch.int32)
-    lengths = [n for _, _, n, _ in seqs]
-    num_prefill = sum(not (n == 1 and s > 0) for _, s, n, _ in seqs)
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return dict(
-        batch_info=torch.tensor([num_prefill, cu[num_prefill], len(seqs) - num_prefill], **i32),
-        seq_len=torch.tensor(lengths, **i32),
-        cu_seqlen=torch.tensor(cu, **i32),
-        slot_idx=torch.tensor([slot for slot, _, _, _ in seqs], **i32),
-        use_initial_state=torch.tensor([cont for _, _, _, cont in seqs], dtype=torch.bool),
-    )
-
-
 def _run_schedule(seqs: List[Dict[str, torch.Tensor]], slots: List[int], steps, num_slots: int,
                   cache: Optional[torch.Tensor] = None):
     cache = torch.zeros(num_slots, NH, DQK + 1, DV + 1) if cache is None else cache
     outs: Dict[int, List[torch.Tensor]] = {i: [] for i in range(len(seqs))}
     for step in steps:
-        meta = _step_metadata([(slots[i], s, e - s, cont) for i, s, e, cont in step])
+        meta = step_metadata([(slots[i], s, e - s, cont) for i, s, e, cont in step])
         flat = {n: torch.cat([seqs[i][n][0, s:e] for i, s, e, _ in step])[None] for n in ("q", "k", "v", "i", "f")}
         o = ad.torch_cached_mlstm(flat["q"], flat["k"], flat["v"], flat["i"], flat["f"], *meta.values(), cache, EPS)
         for (i, s, e, _), start in zip(step, meta["cu_seqlen"].tolist()):
@@ -160,7 +144,7 @@ def test_restart_without_initial_state_ignores_garbage_in_the_slot(length):
 def test_a_state_cache_of_another_size_is_refused():
     t = _inputs(3)
     with pytest.raises(ValueError, match="state cache .* does not fit"):
-        ad.torch_cached_mlstm(t["q"], t["k"], t["v"], t["i"], t["f"], *_step_metadata([(0, 0, 3, False)]).values(),
+        ad.torch_cached_mlstm(t["q"], t["k"], t["v"], t["i"], t["f"], *step_metadata([(0, 0, 3, False)]).values(),
                               torch.zeros(2, NH, DQK, DV), EPS)
 
 
@@ -169,7 +153,7 @@ def test_a_state_cache_of_another_size_is_refused():
 
 def _opcheck_cases():
     a, b = _inputs(4), _inputs(3)
-    meta = _step_metadata([(2, 0, 4, False), (0, 2, 1, True)])
+    meta = step_metadata([(2, 0, 4, False), (0, 2, 1, True)])
     flat = {n: torch.cat([a[n][0], b[n][0, 2:3]])[None] for n in a}
     t = _inputs(5, b=2)
     state = _pack(*_hf(_inputs(3, b=3))[1])
