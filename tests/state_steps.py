@@ -25,3 +25,18 @@ def step_metadata(seqs: Sequence[Tuple[int, int, int, bool]]) -> Dict[str, torch
         slot_idx=torch.tensor([slot for slot, _, _, _ in seqs], **i32),
         use_initial_state=torch.tensor([cont for _, _, _, cont in seqs], dtype=torch.bool),
     )
+
+
+def check_slot_writes(op, args: Sequence, state_arg: int, written: Sequence[int] = (0, 2),
+                      untouched: Sequence[int] = (1,)) -> None:
+    """Runs a cached state op on ``args`` (a step naming the ``written`` slots): those slots of the
+    state ``args[state_arg]`` change, the ``untouched`` ones stay bit for bit, and the op's schema
+    declares that argument written (what lets export and the graph keep the in-place update)."""
+    cache = args[state_arg]
+    before = cache.clone()
+    op(*args)
+    for slot in written:
+        assert not torch.equal(cache[slot], before[slot]), f"slot {slot} was not written"
+    for slot in untouched:
+        assert torch.equal(cache[slot], before[slot]), f"slot {slot} was written"
+    assert op.default._schema.arguments[state_arg].alias_info.is_write

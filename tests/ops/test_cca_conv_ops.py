@@ -11,7 +11,7 @@ from torch import nn
 from torch.export import Dim
 
 import autodeploy.ops.cca_conv  # noqa: F401  (registers the ops)
-from state_steps import step_metadata
+from state_steps import check_slot_writes, step_metadata
 
 ad = torch.ops.autodeploy
 C, GROUPS, T0, T1 = 12, 3, 2, 3
@@ -137,12 +137,7 @@ def test_opcheck(name, op, args):
 
 def test_cached_op_writes_only_named_slots_and_declares_the_mutation():
     _, op, args = _opcheck_cases()[1]
-    cache = args[-2]
-    before = cache.clone()
-    op(*args)
-    assert not torch.equal(cache[2], before[2]) and not torch.equal(cache[0], before[0])
-    assert torch.equal(cache[1], before[1])
-    assert op.default._schema.arguments[10].alias_info.is_write
+    check_slot_writes(op, args, state_arg=10)
 
 
 class _Conv(torch.nn.Module):

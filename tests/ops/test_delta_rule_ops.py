@@ -13,7 +13,7 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf_kimi
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen
 
 import autodeploy.ops.delta_rule  # noqa: F401  (registers the ops)
-from state_steps import step_metadata
+from state_steps import check_slot_writes, step_metadata
 
 ad = torch.ops.autodeploy
 RTOL, ATOL = 1e-5, 1e-5
@@ -340,12 +340,7 @@ def test_opcheck(name, op, args):
 
 def test_cached_op_writes_only_named_slots_and_declares_the_mutation():
     _, op, args = _opcheck_cases()[4]
-    cache = args[-3]
-    before = cache.clone()
-    op(*args)
-    assert not torch.equal(cache[2], before[2]) and not torch.equal(cache[0], before[0])
-    assert torch.equal(cache[1], before[1])
-    assert op.default._schema.arguments[10].alias_info.is_write
+    check_slot_writes(op, args, state_arg=10)
 
 
 class _GDN(torch.nn.Module):

@@ -12,7 +12,7 @@ from torch.export import Dim
 from transformers.models.rwkv import modeling_rwkv as hf
 
 import autodeploy.ops.wkv  # noqa: F401  (registers the ops)
-from state_steps import step_metadata
+from state_steps import check_slot_writes, step_metadata
 
 ad = torch.ops.autodeploy
 C = 6
@@ -159,12 +159,7 @@ def test_opcheck(name, op, args):
 
 def test_cached_op_writes_only_named_slots_and_declares_the_mutation():
     _, op, args = _opcheck_cases()[1]
-    cache = args[-1]
-    before = cache.clone()
-    op(*args)
-    assert not torch.equal(cache[2], before[2]) and not torch.equal(cache[0], before[0])
-    assert torch.equal(cache[1], before[1])
-    assert op.default._schema.arguments[9].alias_info.is_write
+    check_slot_writes(op, args, state_arg=9)
 
 
 class _Wkv(torch.nn.Module):
