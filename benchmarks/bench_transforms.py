@@ -45,6 +45,7 @@ VARIANTS: Dict[str, Dict[str, Dict[str, Any]]] = {
     "-fuse_add_rms_norm": {"fuse_add_rms_norm": {"enabled": False}},
     "fuse_rmsnorm=compile": {"fuse_rmsnorm": {"backend": "compile"}},
     "-optimize_rope": {"optimize_rope": {"enabled": False}},
+    "-fold_constants": {"fold_constants": {"enabled": False}},
     "-gather_logits_before_lm_head": {"gather_logits_before_lm_head": {"enabled": False}},
     "compile_backend=torch-compile": {"compile_model": {"backend": "torch-compile"}},
     "linear_backend=torch": {"select_linear_backend": {"backend": "torch"}},

@@ -322,7 +322,10 @@ import sys
 sys.modules["xdsl"] = None  # ``import xdsl...`` raises ImportError from here on
 import torch
 from helpers import apply_transform, export_gm
-gm = export_gm(torch.nn.SiLU(), torch.randn(2, 5, 32))
+class Chain(torch.nn.Module):  # three element-wise ops: one group to fuse
+    def forward(self, x):
+        return torch.sigmoid(x) * x + 1.0
+gm = export_gm(Chain(), torch.randn(2, 5, 32))
 gm, record = apply_transform("mlir_elementwise_fusion", gm, cache_dir=sys.argv[1])
 print("STATUS", record.status, record.error)
 """
