@@ -77,7 +77,8 @@ class LLM:
         self._engine: Optional[Engine] = None
         if self.config.world_size == 1:
             self._engine = Engine(self.build.graph, cache, tokenizer=self.tokenizer_handle,
-                                  eos_token_ids=self._eos_token_ids())
+                                  eos_token_ids=self._eos_token_ids(),
+                                  prefix_caching=self.config.enable_prefix_caching)
             return
         from .runtime.step_broadcast import StepSender, agree_on_capacity
 
@@ -88,7 +89,8 @@ class LLM:
             atexit.register(StepSender.stop, self._sender)
             self._engine = Engine(self.build.graph, cache, tokenizer=self.tokenizer_handle,
                                   eos_token_ids=self._eos_token_ids(), step_sender=self._sender,
-                                  num_pages=pages, max_batch_size=sequences)
+                                  num_pages=pages, max_batch_size=sequences,
+                                  prefix_caching=self.config.enable_prefix_caching)
 
     # ---- tensor parallelism --------------------------------------------------------------------
     @property

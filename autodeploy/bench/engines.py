@@ -94,6 +94,9 @@ class AutoDeployEngine(BenchEngine):
         from ..transform import library  # noqa: F401  (module imports are once per process, not build)
 
         self.name = label
+        # the rounds send the same prompts again: with prefix caching a repeat would skip its
+        # prefill, which HF's engines cannot, so the comparison runs without it
+        settings.setdefault("enable_prefix_caching", False)
         start = time.perf_counter()
         self.llm = LLM(model, yaml=yaml, **settings)
         self.build_s = time.perf_counter() - start

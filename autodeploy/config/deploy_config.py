@@ -60,6 +60,13 @@ class DeployConfig(BaseModel):
     )
     max_num_tokens: int = Field(default=2048, ge=1, description="Most tokens in one step (prefill budget).")
     page_size: int = Field(default=16, ge=1, description="Tokens per KV-cache page.")
+    enable_prefix_caching: bool = Field(
+        default=True,
+        description="Reuse the KV-cache pages of a prompt prefix computed before (a shared system prompt, the "
+        "earlier turns of a chat): a new sequence computes only the tokens after the longest cached prefix of "
+        "whole pages. Exact (pages are matched by their tokens). Off by itself for models with per-sequence "
+        "state caches (SSM, convolution, recurrences) and for requests asking for prompt logprobs or hidden states.",
+    )
     skip_tokenizer_init: bool = Field(
         default=False,
         description="Never load a tokenizer: prompts must be token ids and outputs carry token ids only "

@@ -108,16 +108,24 @@ class Engine:
         step_sender: Optional["StepSender"] = None,
         num_pages: Optional[int] = None,
         max_batch_size: Optional[int] = None,
+        prefix_caching: bool = False,
     ):
         """``step_sender``: rank 0 of a tensor-parallel group sends every step to the other ranks.
         ``num_pages`` / ``max_batch_size``: schedule within fewer pages or sequences than this
-        rank's cache holds (every rank's cache must hold what rank 0 schedules)."""
+        rank's cache holds (every rank's cache must hold what rank 0 schedules).
+        ``prefix_caching``: sequences start from the cached pages of a prompt prefix seen before
+        (``PagePool``); off, with one log line, for a model with per-sequence state caches."""
         self.cache = cache
         self.runner = ModelRunner(model, cache, step_sender)
         self.tokenizer = tokenizer
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
         self.max_seq_len = cache.max_seq_len
-        self.pool = PagePool(num_pages if num_pages is not None else cache.allocatable_pages, cache.page_size)
+        if prefix_caching and cache.state_names:
+            logger.info("prefix caching is off for this model: its per-sequence state caches (%s) hold what a "
+                        "cached prefix would skip", ", ".join(cache.state_names[:3]))
+            prefix_caching = False
+        self.pool = PagePool(num_pages if num_pages is not None else cache.allocatable_pages, cache.page_size,
+                             prefix_caching=prefix_caching)
         self.scheduler = Scheduler(
             self.pool, max_batch_size=max_batch_size or cache.max_batch_size, max_num_tokens=cache.max_num_tokens,
             chunked_prefill=chunked_prefill,
@@ -180,6 +188,12 @@ class Engine:
     @property
     def num_free_pages(self) -> int:
         return self.pool.num_free
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of the admitted sequences' tokens read from cached pages (prefix caching)."""
+        queried = self.scheduler.prefix_query_tokens
+        return self.scheduler.prefix_hit_tokens / queried if queried else 0.0
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages (e.g. its client went away)."""

@@ -1,29 +1,113 @@
-"""The page pool: which KV-cache pages are free."""
+"""The page pool: which KV-cache pages are free, and (prefix caching) which hold a known prefix.
 
-from typing import List
+Prefix caching: a full page holds the keys and values of ``page_size`` tokens, and they depend
+only on those tokens and every token before them. So once a page is full, a later sequence whose
+tokens start the same way can read that page instead of computing it again (a chat's system
+prompt, a few-shot preamble, the turns of a conversation so far). The pool keeps an index from
+"(the prefix before this page, this page's tokens)" to the page, where the prefix before is named
+by the id the pool gave the previous page's entry. Entries are compared by their tokens, never by
+a hash alone, and ids are never reused, so a match is exact: the page holds what computing the
+tokens would write.
+
+Pages are reference-counted: a matched page is shared, read-only (a sequence writes only past
+its matched pages, into pages of its own). A page nobody holds any more keeps its contents and
+its entry, and is handed out again (its entry dropped) only when no never-used page is left,
+least recently released first; a sequence's pages are released tail first, so the head of a
+shared prefix outlives its tails. ``num_free`` counts both kinds: a cached page costs a new
+sequence nothing.
+"""
+
+import itertools
+from collections import OrderedDict
+from typing import Dict, List, Tuple
+
+Key = Tuple[int, Tuple[int, ...]]  # (id of the previous page's entry, 0 for the first page; this page's tokens)
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False):
         self.num_pages = num_pages
         self.page_size = page_size
+        self.prefix_caching = prefix_caching
         self._free: List[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self._refs: List[int] = [0] * num_pages
+        self._page_of: Dict[Key, int] = {}  # entry -> the page holding it
+        self._entry_of: Dict[int, Tuple[Key, int]] = {}  # page -> (its entry, the entry's id)
+        self._cached: "OrderedDict[int, None]" = OrderedDict()  # unheld pages with an entry, least recent first
+        self._ids = itertools.count(1)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Pages nobody holds that keep a prefix (free to take, reused when matched)."""
+        return len(self._cached)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def allocate(self, count: int) -> List[int]:
-        if count > len(self._free):
-            raise RuntimeError(f"asked for {count} pages with {len(self._free)} free")
-        return [self._free.pop() for _ in range(count)]
+        if count > self.num_free:
+            raise RuntimeError(f"asked for {count} pages with {self.num_free} free")
+        pages = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.pop()
+            else:  # reuse the least recently released cached page: its entry goes
+                page, _ = self._cached.popitem(last=False)
+                key, _ = self._entry_of.pop(page)
+                del self._page_of[key]
+            self._refs[page] = 1
+            pages.append(page)
+        return pages
 
     def free(self, pages: List[int]) -> None:
-        self._free.extend(reversed(pages))
+        for page in reversed(pages):  # tail first: the head of a prefix stays cached longest
+            self._refs[page] -= 1
+            if self._refs[page] > 0:
+                continue
+            if page in self._entry_of:
+                self._cached[page] = None
+            else:
+                self._free.append(page)
+
+    # ---- prefix caching --------------------------------------------------------------------
+    def _tokens(self, token_ids: List[int], index: int) -> Tuple[int, ...]:
+        return tuple(token_ids[index * self.page_size:(index + 1) * self.page_size])
+
+    def match(self, token_ids: List[int]) -> Tuple[List[int], List[int]]:
+        """The cached pages holding the longest prefix of ``token_ids`` that leaves at least one
+        token to compute (its logits pick the next token), now held by the caller; and their
+        entry ids (``register``'s ``ids``)."""
+        pages: List[int] = []
+        ids: List[int] = []
+        for index in range((len(token_ids) - 1) // self.page_size):
+            page = self._page_of.get((ids[-1] if ids else 0, self._tokens(token_ids, index)))
+            if page is None:
+                break
+            if self._refs[page] == 0:
+                del self._cached[page]
+            self._refs[page] += 1
+            pages.append(page)
+            ids.append(self._entry_of[page][1])
+        return pages, ids
+
+    def register(self, token_ids: List[int], pages: List[int], num_computed: int, ids: List[int]) -> None:
+        """Give an entry to each page of a sequence that is full and computed (its first
+        ``num_computed`` tokens are in the cache) and has none yet; ``ids`` (the entry ids of its
+        pages so far, in order) grows by one per page. A page whose tokens another page already
+        holds (computed side by side) keeps no entry and takes the other's id."""
+        for index in range(len(ids), num_computed // self.page_size):
+            key = (ids[-1] if ids else 0, self._tokens(token_ids, index))
+            holder = self._page_of.get(key)
+            if holder is None:
+                holder = pages[index]
+                self._page_of[key] = holder
+                self._entry_of[holder] = (key, next(self._ids))
+            ids.append(self._entry_of[holder][1])

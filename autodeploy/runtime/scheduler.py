@@ -8,6 +8,12 @@ and it waits, at the front of the queue, to be recomputed (prompt and generated 
 No request is dropped: one sequence always fits because the pool holds at least a full
 ``max_seq_len`` sequence.
 
+With prefix caching (``PagePool.prefix_caching``) a sequence being admitted first takes the
+cached pages that hold the start of its tokens (``PagePool.match``) and computes only the rest,
+as a chunked prefill continues; the pages each step fills are given entries after it ran
+(``mark_computed``). A preempted sequence matches again when it is readmitted: its own pages,
+released tail first, are usually still cached.
+
 Each running sequence also holds a state slot (``Sequence.slot``, ``0..max_batch_size-1``) for
 the per-sequence state caches (SSM, convolution, delta rule): taken when it starts running,
 given back when it finishes, is aborted or is preempted. A preempted sequence recomputes from an
@@ -62,6 +68,10 @@ class Scheduler:
         self.waiting: Deque[Sequence] = deque()
         self.running: List[Sequence] = []  # in arrival order
         self.num_preemptions = 0
+        # prefix caching: tokens of the sequences admitted that could match, and of those the
+        # tokens read from cached pages instead of computed
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
         self.free_slots: List[int] = list(range(max_batch_size))[::-1]  # pop() hands out the lowest
 
     # ---- queue ---------------------------------------------------------------------------------
@@ -75,6 +85,8 @@ class Scheduler:
         """The step ran: its tokens are in the cache."""
         for seq, n in step.sequences:
             seq.num_computed += n
+            if self.pool.prefix_caching:
+                self.pool.register(seq.token_ids, seq.pages, seq.num_computed, seq.prefix_ids)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence wherever it is."""
@@ -82,9 +94,19 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._release_pages(seq)
+        self._release_slot(seq)
+
+    def _release_pages(self, seq: Sequence) -> None:
         self.pool.free(seq.pages)
         seq.pages = []
-        self._release_slot(seq)
+        seq.prefix_ids = []
+
+    def _unmatch(self, seq: Sequence) -> None:
+        """A sequence that matched cached pages but is not admitted this step lets them go (it
+        waits holding nothing, and matches again when admitted)."""
+        self._release_pages(seq)
+        seq.num_computed = 0
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.slot is not None:
@@ -97,8 +119,7 @@ class Scheduler:
         logger.info("KV pool full: preempted request %s (choice %d, %d tokens computed, %d pages freed); "
                     "it will be recomputed", seq.request_id, seq.index, seq.num_computed, len(seq.pages))
         self.running.remove(seq)
-        self.pool.free(seq.pages)
-        seq.pages = []
+        self._release_pages(seq)
         self._release_slot(seq)
         seq.num_computed = 0
         self.waiting.appendleft(seq)
@@ -154,9 +175,14 @@ class Scheduler:
             admitting = seq not in self.running
             if admitting and len(self.running) >= self.max_batch_size:
                 break
+            if admitting and self.pool.prefix_caching and seq.may_share_prefix:
+                seq.pages, seq.prefix_ids = self.pool.match(seq.token_ids)
+                seq.num_computed = len(seq.pages) * self.pool.page_size
             n = seq.remaining
             if n > budget:
                 if not self.chunked_prefill:
+                    if admitting:
+                        self._unmatch(seq)
                     break
                 n = budget
             if admitting:
@@ -164,8 +190,12 @@ class Scheduler:
                 if not self._grow(seq, seq.num_computed + n):
                     fits = (len(seq.pages) + self.pool.num_free) * self.pool.page_size - seq.num_computed
                     if not self.chunked_prefill or fits < 1 or not self._grow(seq, seq.num_computed + fits):
+                        self._unmatch(seq)
                         break
                     n = fits
+                if self.pool.prefix_caching and seq.may_share_prefix:
+                    self.prefix_query_tokens += seq.num_tokens
+                    self.prefix_hit_tokens += seq.num_computed
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.slot = self.free_slots.pop()  # running < max_batch_size: one is free

@@ -20,6 +20,8 @@ class Sequence:
     token_ids: List[int] = field(init=False)
     num_computed: int = 0  # tokens whose keys/values are in the cache
     pages: List[int] = field(default_factory=list)
+    # prefix caching: the pool's entry id of each of its full pages so far (``PagePool.register``)
+    prefix_ids: List[int] = field(default_factory=list)
     slot: Optional[int] = None  # its state slot while running (per-sequence state caches)
     finish_reason: Optional[str] = None
     logprobs: Optional[List[Dict[int, float]]] = None
@@ -66,6 +68,12 @@ class Sequence:
         prompt = len(self.prompt_token_ids)
         return (self.prompt_logprobs is not None and len(self.prompt_logprobs) < prompt
                 and self.num_computed < prompt - 1)
+
+    @property
+    def may_share_prefix(self) -> bool:
+        """Whether it may start from cached pages: not when it needs every prompt token's logits
+        (prompt log-probabilities) or hidden states, which a skipped token would not produce."""
+        return self.prompt_logprobs is None and self.hidden_states is None
 
     @property
     def text(self) -> str:

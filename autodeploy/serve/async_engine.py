@@ -226,3 +226,5 @@ class AsyncEngine:
             pages_used=pool.num_used, pages_free=pool.num_free,
         )
         self.metrics.set_preemptions(self._engine.num_preemptions)
+        scheduler = self._engine.scheduler
+        self.metrics.set_prefix_cache(scheduler.prefix_query_tokens, scheduler.prefix_hit_tokens)

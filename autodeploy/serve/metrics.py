@@ -39,6 +39,7 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.preemptions = 0
+        self.prefix_cache = {"queried": 0, "hit": 0}  # tokens (PagePool prefix caching)
         self.gauges = {"running": 0, "waiting": 0, "pages_used": 0, "pages_free": 0}
         self.ttft = _Histogram(_LATENCY_BUCKETS)
         self.itl = _Histogram(_LATENCY_BUCKETS)
@@ -62,6 +63,11 @@ class Metrics:
         """The engine's own count (its one source), copied after each step."""
         with self._lock:
             self.preemptions = total
+
+    def set_prefix_cache(self, queried: int, hit: int) -> None:
+        """The scheduler's prefix-caching token counts (its one source), copied after each step."""
+        with self._lock:
+            self.prefix_cache = {"queried": queried, "hit": hit}
 
     def observe_ttft(self, seconds: float) -> None:
         with self._lock:
@@ -103,6 +109,12 @@ class Metrics:
                 "# HELP autodeploy_preemptions_total Sequences preempted for KV pages (freed, recomputed later).",
                 "# TYPE autodeploy_preemptions_total counter",
                 f"autodeploy_preemptions_total {self.preemptions}",
+                "# HELP autodeploy_prefix_cache_queried_tokens_total Tokens of the sequences admitted with prefix caching.",
+                "# TYPE autodeploy_prefix_cache_queried_tokens_total counter",
+                f"autodeploy_prefix_cache_queried_tokens_total {self.prefix_cache['queried']}",
+                "# HELP autodeploy_prefix_cache_hit_tokens_total Of those, tokens read from cached pages, not computed.",
+                "# TYPE autodeploy_prefix_cache_hit_tokens_total counter",
+                f"autodeploy_prefix_cache_hit_tokens_total {self.prefix_cache['hit']}",
                 "# HELP autodeploy_time_to_first_token_seconds Arrival to first generated token.",
                 "# TYPE autodeploy_time_to_first_token_seconds histogram",
                 *self.ttft.render("autodeploy_time_to_first_token_seconds"),

@@ -188,3 +188,21 @@ def test_preemptions_counted_and_logged(tight_server):
     assert after["autodeploy_kv_pages_used"] == 0
     time.sleep(0.2)
     assert "preempted request" in tight_server.log_text(), tight_server.log_tail()
+
+
+def test_prefix_cache_hits_counted(server):
+    """The same long prompt twice: the second request reads the first one's full pages from the
+    prefix cache, and /metrics counts those tokens."""
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 4)  # ~45 tokens of MAX_SEQ_LEN 128
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    server.wait_idle()
+    before = server.metrics()
+    first = httpx.post(f"{server.url}{CMPL}", json=body, timeout=60).json()
+    second = httpx.post(f"{server.url}{CMPL}", json=body, timeout=60).json()
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    after = server.wait_idle()
+    tokens = first["usage"]["prompt_tokens"]
+    queried = after["autodeploy_prefix_cache_queried_tokens_total"] - before["autodeploy_prefix_cache_queried_tokens_total"]
+    hit = after["autodeploy_prefix_cache_hit_tokens_total"] - before["autodeploy_prefix_cache_hit_tokens_total"]
+    assert queried == 2 * tokens
+    assert hit == (tokens - 1) // 16 * 16 > 0  # the second request's whole pages but the last token's

@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""Time to first token when requests share a long prefix (a system prompt): prefix caching on
+and off, against HF eager and HF + torch.compile.
+
+    python benchmarks/bench_prefix_caching.py                      # small preset, prefixes of 256 and 1024 tokens
+    python benchmarks/bench_prefix_caching.py --prefixes 512 --questions 4 --no-compile
+    python benchmarks/bench_prefix_caching.py --smoke              # tiny-llama, seconds
+
+Each engine answers the same requests one after another, each alone: per round and prefix
+length, ``--questions`` prompts that share one prefix (``--prefixes`` tokens of random ids, new
+in every round) and end in ``--question-len`` tokens of their own, one new token each (greedy),
+so the time is the time to the first token. The first request of a round's prefix finds nothing
+cached ("first", median over rounds); the others find its pages in autodeploy's prefix cache
+("later", median). autodeploy runs with its defaults except ``enable_prefix_caching``; HF has no
+prefix cache (its ``generate`` computes every prompt). The engines take turns on each round's
+requests, so machine noise hits them alike. Writes JSON and markdown to ``benchmarks/results/``
+and a PNG, ``benchmarks/prefix-caching.png``.
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Any, Dict, List
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+from autodeploy.bench.engines import AutoDeployEngine, HFEngine  # noqa: E402
+from autodeploy.bench.runner import cpu_name, git_commit  # noqa: E402
+
+
+def _prompts(prefix_len: int, questions: int, question_len: int, vocab: int, seed: int) -> List[List[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(3, vocab) for _ in range(question_len)] for _ in range(questions)]
+
+
+def measure(engines: Dict[str, Any], prefixes: List[int], args: argparse.Namespace, vocab: int) -> Dict[str, Any]:
+    """{engine: {prefix_len: {"first": [s, ...], "later": [s, ...]}}}"""
+    times: Dict[str, Dict[int, Dict[str, List[float]]]] = {
+        name: {p: {"first": [], "later": []} for p in prefixes} for name in engines}
+    for r in range(args.rounds):
+        for p in prefixes:
+            prompts = _prompts(p, args.questions, args.question_len, vocab, seed=1000 * p + r + 2)
+            for name, engine in engines.items():
+                for i, prompt in enumerate(prompts):
+                    times[name][p]["first" if i == 0 else "later"].append(engine.generate([prompt], 1))
+            print(f"round {r + 1}, prefix {p}: " + ", ".join(
+                f"{n} {statistics.median(times[n][p]['later']) * 1e3:.0f} ms" for n in engines), flush=True)
+    return times
+
+
+def table(data: Dict[str, Any]) -> str:
+    meta, rows = data["meta"], data["rows"]
+    lines = [f"# Time to first token with a shared prefix ({meta['model']}, {meta['dtype']}, {meta['cpu']}, "
+             f"{meta['threads']} threads)", "",
+             f"torch {meta['torch']}, transformers {meta['transformers']}, commit {meta['commit']}, {meta['date']}; "
+             f"{meta['questions']} questions of {meta['question_len']} tokens per prefix and round, {meta['rounds']} "
+             "rounds; 'first': the first request of a round's prefix (nothing cached), median over rounds; 'later': median over the others (ms), with its range; "
+             "the ratio is HF eager's time over the engine's.", "",
+             "| engine | prefix tokens | first request [ms] | later requests [ms] | vs HF eager |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['engine']} | {row['prefix']} | {row['first_ms']:.0f} | {row['later_ms']:.0f} "
+                     f"({row['later_min_ms']:.0f}-{row['later_max_ms']:.0f}) | {row['vs_hf_eager']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(data: Dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", flush=True)
+        return
+    rows = data["rows"]
+    prefixes = sorted({r["prefix"] for r in rows})
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(engines)
+    for i, name in enumerate(engines):
+        vals = [next(r["later_ms"] for r in rows if r["engine"] == name and r["prefix"] == p) for p in prefixes]
+        ax.bar([x + i * width for x in range(len(prefixes))], vals, width, label=name)
+    ax.set_xticks([x + width * (len(engines) - 1) / 2 for x in range(len(prefixes))])
+    ax.set_xticklabels([f"prefix {p}" for p in prefixes])
+    ax.set_ylabel("time to first token [ms]")
+    ax.set_yscale("log")
+    ax.set_title(f"shared prefix + {data['meta']['question_len']}-token question ({data['meta']['model']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small")
+    p.add_argument("--prefixes", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--questions", type=int, default=4)
+    p.add_argument("--question-len", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also HF + torch.compile (static cache; compiles each prompt length once)")
+    p.add_argument("--smoke", action="store_true", help="tiny-llama, short prefixes, one round: seconds")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--png", default=os.path.join(REPO, "benchmarks", "prefix-caching.png"))
+    args = p.parse_args()
+    if args.smoke:
+        args.model, args.prefixes, args.questions, args.question_len, args.rounds = "tiny-llama", [48], 2, 8, 1
+        args.compile = False
+        args.out = os.path.join(REPO, ".cache", "bench", "smoke-results")
+        args.png = os.path.join(args.out, "prefix-caching.png")
+    from autodeploy.models.factory import resolve_source
+
+    checkpoint = resolve_source(args.model)
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    max_seq_len = max(args.prefixes) + args.question_len + 8
+    engines: Dict[str, Any] = {
+        "autodeploy (prefix caching)": AutoDeployEngine(args.model, label="autodeploy (prefix caching)", dtype="float32",
+                                                        max_seq_len=max_seq_len, enable_prefix_caching=True),
+        "autodeploy (no prefix caching)": AutoDeployEngine(args.model, label="autodeploy (no prefix caching)",
+                                                           dtype="float32", max_seq_len=max_seq_len),
+        "hf-eager": HFEngine(checkpoint, torch.float32),
+    }
+    if args.compile:
+        engines["hf+torch.compile"] = HFEngine(checkpoint, torch.float32, compile=True)
+    # warm-up: every engine runs each prompt length once (HF + torch.compile compiles it here)
+    for p_len in args.prefixes:
+        warm = _prompts(p_len, 1, args.question_len, vocab, seed=1)[0]
+        for engine in engines.values():
+            engine.generate([warm], 1)
+    times = measure(engines, args.prefixes, args, vocab)
+    rows = []
+    for p_len in args.prefixes:
+        hf = statistics.median(times["hf-eager"][p_len]["later"])
+        for name in engines:
+            later = times[name][p_len]["later"]
+            rows.append({"engine": name, "prefix": p_len, "first_ms": statistics.median(times[name][p_len]["first"]) * 1e3,
+                         "later_ms": statistics.median(later) * 1e3, "later_min_ms": min(later) * 1e3,
+                         "later_max_ms": max(later) * 1e3, "vs_hf_eager": hf / statistics.median(later)})
+    import transformers
+
+    meta = {"model": args.model, "dtype": "float32", "cpu": cpu_name(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "commit": git_commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "questions": args.questions, "question_len": args.question_len,
+            "rounds": args.rounds, "prefixes": args.prefixes}
+    data = {"meta": meta, "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"prefix-caching-{time.strftime('%Y%m%d-%H%M%S')}")
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    md = table(data)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    print(md, flush=True)
+    plot(data, args.png)
+    for engine in engines.values():
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Prefix caching: a sequence starts from the cached pages of a prefix computed before.
+
+The pool's rules by hand (match, sharing, eviction order, ids never reused); the scheduler under
+a random workload of shared prefixes with a small pool, checking with a simulated cache that
+every position a step reads holds that position's token (so no page is ever read with another
+prefix's contents, written while shared, or leaked); and the engine on the real tiny-llama
+preset and a tiny real checkpoint against HF's greedy tokens.
+"""
+
+import random
+
+import pytest
+
+from autodeploy import LLM, SamplingParams
+from autodeploy.runtime.page_pool import PagePool
+from autodeploy.runtime.sampling_params import SamplingParams as Params
+from autodeploy.runtime.scheduler import Scheduler
+from autodeploy.runtime.sequence import Sequence
+from helpers import coverage_checkpoint, hf_greedy_tokens
+
+PS = 4  # tokens per page in the pool tests
+
+
+def _computed(pool, tokens, pages, ids):
+    """A sequence that computed all of ``tokens`` into ``pages`` registers its full pages."""
+    pool.register(tokens, pages, len(tokens), ids)
+    return ids
+
+
+# ---- the pool --------------------------------------------------------------------------------
+def test_match_takes_whole_cached_pages_and_leaves_a_token_to_compute():
+    pool = PagePool(8, PS, prefix_caching=True)
+    tokens = list(range(10))  # pages [0-3] [4-7] and two tokens of a third
+    pages = pool.allocate(3)
+    ids = _computed(pool, tokens, pages, [])
+    assert len(ids) == 2  # full pages only
+    assert pool.match(tokens + [99])[0] == pages[:2]
+    assert pool.match(tokens[:9])[0] == pages[:2]
+    assert pool.match(tokens[:8])[0] == pages[:1]  # 8 tokens: the second page would leave none to compute
+    assert pool.match(tokens[:5] + [42, 6, 7, 8])[0] == pages[:1]  # differs inside the second page
+    assert pool.match([42] + tokens[1:])[0] == []
+
+
+def test_shared_pages_are_freed_when_the_last_holder_lets_go_and_stay_cached():
+    pool = PagePool(4, PS, prefix_caching=True)
+    tokens = list(range(9))
+    pages = pool.allocate(3)
+    ids = _computed(pool, tokens, pages, [])
+    shared, shared_ids = pool.match(tokens)
+    assert shared == pages[:2] and shared_ids == ids
+    assert pool.num_free == 1
+    pool.free(pages)  # the first holder: its third page (no entry) is free again, the shared two held
+    assert pool.num_free == 2 and pool.num_cached == 0
+    pool.free(shared)
+    assert pool.num_free == 4 and pool.num_cached == 2  # free to take, still matchable
+    again, _ = pool.match(tokens)
+    assert again == pages[:2] and pool.num_cached == 0
+    pool.free(again)
+
+
+def test_cached_pages_are_reused_tail_first_after_the_never_used_ones():
+    pool = PagePool(4, PS, prefix_caching=True)
+    tokens = list(range(13))
+    pages = pool.allocate(4)
+    _computed(pool, tokens, pages, [])  # three full pages with entries
+    pool.free(pages)
+    assert pool.num_free == 4 and pool.num_cached == 3
+    (fresh,) = pool.allocate(1)
+    assert fresh == pages[3]  # the page without an entry goes first
+    (taken,) = pool.allocate(1)
+    assert taken == pages[2]  # then the tail of the cached prefix
+    assert pool.match(tokens)[0] == pages[:2]
+
+
+def test_an_evicted_page_does_not_make_its_cached_child_match_behind_other_tokens():
+    """Entries name the previous page's entry by an id that is never reused: after the first page
+    of a prefix is evicted and refilled with other tokens, the old second page (still cached, its
+    keys and values computed after the old first page) is not matched behind the new one."""
+    pool = PagePool(4, PS, prefix_caching=True)
+    a = list(range(9))
+    p0, p1, p2 = pool.allocate(3)
+    _computed(pool, a, [p0, p1, p2], [])
+    pool.free([p0])
+    pool.free([p1])  # reuse order of the cached pages: p0, then p1
+    pool.free([p2])  # no entry: back on the free list
+    fresh = pool.allocate(2)  # the never-used page and p2
+    assert sorted(fresh) == sorted([p2, 3])
+    (evicted,) = pool.allocate(1)
+    assert evicted == p0 and pool.num_cached == 1  # p1 is still cached
+    b = [100, 101, 102, 103] + a[4:8] + [7]  # another first page, then a's second page's tokens
+    _computed(pool, b, [p0, p2, 3], [])
+    matched, _ = pool.match(b)
+    assert matched == [p0, p2] and p1 not in matched
+    assert pool.match(a)[0] == []  # a's first page is gone: nothing of a matches
+    pool.free(matched)
+    pool.free([p0, p2, 3])
+    assert pool.num_free == 4
+
+
+def test_pages_computed_side_by_side_keep_one_entry():
+    pool = PagePool(6, PS, prefix_caching=True)
+    tokens = list(range(9))
+    first, second = pool.allocate(3), pool.allocate(3)
+    ids_first = _computed(pool, tokens, first, [])
+    ids_second = _computed(pool, tokens, second, [])
+    assert ids_first == ids_second  # the second sequence's pages take the first's ids
+    pool.free(first)
+    pool.free(second)
+    assert pool.num_cached == 2 and pool.num_free == 6
+    assert pool.match(tokens)[0] == first[:2]
+
+
+# ---- the scheduler, simulated ------------------------------------------------------------------
+class SimulatedCache:
+    """What each page slot holds: the keys/values a step wrote there, named by what they depend
+    on (the position and every token up to it)."""
+
+    def __init__(self, num_pages, page_size):
+        self.page_size = page_size
+        self.slots = [[None] * page_size for _ in range(num_pages)]
+
+    def write(self, seq, start, count):
+        for pos in range(start, start + count):
+            self.slots[seq.pages[pos // self.page_size]][pos % self.page_size] = tuple(seq.token_ids[:pos + 1])
+
+    def check_reads(self, seq, upto):
+        for pos in range(upto):
+            held = self.slots[seq.pages[pos // self.page_size]][pos % self.page_size]
+            assert held == tuple(seq.token_ids[:pos + 1]), f"{seq.request_id} reads {held} at position {pos}"
+
+
+def _run_workload(seed, num_pages, prefix_caching=True, steps_limit=3000):
+    rng = random.Random(seed)
+    page_size = 4
+    pool = PagePool(num_pages, page_size, prefix_caching=prefix_caching)
+    sched = Scheduler(pool, max_batch_size=4, max_num_tokens=24)
+    cache = SimulatedCache(num_pages, page_size)
+    heads = [[rng.randrange(50) for _ in range(rng.choice([5, 8, 13]))] for _ in range(3)]
+    heads.append([50, 51, 52, 53] + heads[0][4:])  # another first page, then the same pages as heads[0]
+    for i in range(24):
+        prompt = rng.choice(heads) + [rng.randrange(50) for _ in range(rng.randrange(0, 7))]
+        sched.add(Sequence(f"r{i}", 0, prompt, Params(max_tokens=rng.randrange(1, 9), temperature=0), i))
+    steps = 0
+    while sched.has_work():
+        steps += 1
+        assert steps < steps_limit
+        step = sched.schedule()
+        writing = {}
+        for seq, n in step.sequences:
+            first_page, last_page = seq.num_computed // page_size, (seq.num_computed + n - 1) // page_size
+            for page in seq.pages[first_page:last_page + 1]:
+                writing.setdefault(page, []).append(seq.request_id)
+        holders = {}
+        for seq in sched.running:
+            for page in seq.pages:
+                holders.setdefault(page, set()).add(seq.request_id)
+        for page, writers in writing.items():
+            assert len(writers) == 1 and holders[page] == set(writers), f"page {page} written while shared"
+        for seq, n in step.sequences:
+            cache.write(seq, seq.num_computed, n)
+        for seq, n in step.sequences:
+            cache.check_reads(seq, seq.num_computed + n)
+        sched.mark_computed(step)
+        for seq, n in step.sequences:
+            if seq.remaining == 0:
+                seq.append_token(rng.randrange(50))
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    seq.finish_reason = "length"
+                    sched.finish(seq)
+    assert pool.num_free == num_pages
+    return sched
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shared_prefixes_read_only_their_own_tokens(seed):
+    roomy = _run_workload(seed, num_pages=64)
+    assert roomy.prefix_hit_tokens > 0
+    tight = _run_workload(seed, num_pages=8)  # eviction and preemption
+    assert tight.num_preemptions > 0 or tight.prefix_hit_tokens > 0
+
+
+def test_without_prefix_caching_nothing_is_matched():
+    sched = _run_workload(0, num_pages=64, prefix_caching=False)
+    assert sched.prefix_hit_tokens == 0 and sched.prefix_query_tokens == 0
+
+
+# ---- the engine --------------------------------------------------------------------------------
+SYSTEM = "You are a helpful assistant. Answer in one short sentence, and never use lists. "
+QUESTIONS = ["What is a class?", "Why are exceptions raised?", "What does the for statement do?"]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    base = dict(max_seq_len=128, max_batch_size=4, max_num_tokens=64, page_size=4)
+    return LLM("tiny-llama", **base), LLM("tiny-llama", **base, enable_prefix_caching=False)
+
+
+def _greedy(new_tokens=12, **kw):
+    return SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, **kw)
+
+
+def test_requests_sharing_a_system_prompt_give_the_tokens_computed_without_it(engines):
+    cached, plain = engines
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    expected = [o.token_ids for o in plain.generate(prompts, _greedy())]
+    eng = cached.engine
+    hits_before = eng.scheduler.prefix_hit_tokens
+    first = cached.generate(prompts[:1], _greedy())[0].token_ids  # computes and caches the prefix
+    rest = [o.token_ids for o in cached.generate(prompts[1:], _greedy())]
+    assert [first] + rest == expected
+    system_pages = len(cached.tokenizer(SYSTEM)["input_ids"]) // 4
+    # the later two each start from at least the system prompt's whole pages
+    assert eng.scheduler.prefix_hit_tokens - hits_before >= 2 * (system_pages - 1) * 4
+    assert plain.engine.scheduler.prefix_hit_tokens == 0
+    # the same prompt again: everything but its last page's tokens comes from the cache
+    again = cached.generate(prompts[:1], _greedy())[0].token_ids
+    assert again == expected[0]
+    assert 0 < cached.engine.prefix_cache_hit_rate < 1
+
+
+def test_prompt_logprobs_and_n_with_a_cached_prefix(engines):
+    cached, plain = engines
+    prompt = SYSTEM + QUESTIONS[0]
+    cached.generate([prompt], _greedy())  # the prefix is cached now
+    params = _greedy(6, prompt_logprobs=1, n=2)
+    got, want = cached.generate([prompt], params)[0], plain.generate([prompt], params)[0]
+    # prompt logprobs need every prompt position: that sequence computes them all
+    assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(got.prompt_token_ids)
+    for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+
+
+def test_matches_hf_greedy_on_a_real_checkpoint():
+    path, vocab = coverage_checkpoint("llama")
+    llm = LLM(path, dtype="float32", max_seq_len=128, max_batch_size=4, page_size=4)
+    rng = random.Random(0)
+    head = [rng.randrange(3, vocab) for _ in range(21)]
+    prompts = [head + [rng.randrange(3, vocab) for _ in range(k)] for k in (1, 3, 6)]
+    outs = [llm.generate([{"prompt_token_ids": p}], _greedy(8))[0].token_ids for p in prompts]  # one by one
+    assert llm.engine.scheduler.prefix_hit_tokens >= 2 * 20
+    assert outs == hf_greedy_tokens(path, prompts, 8)
+
+
+def test_state_models_run_without_prefix_caching():
+    path, vocab = coverage_checkpoint("mamba2")
+    llm = LLM(path, dtype="float32", max_seq_len=64, max_batch_size=2, page_size=4)
+    assert not llm.engine.pool.prefix_caching
+    prompt = [5 + i % 11 for i in range(14)]
+    first = llm.generate([{"prompt_token_ids": prompt}], _greedy(6))[0].token_ids
+    assert llm.generate([{"prompt_token_ids": prompt}], _greedy(6))[0].token_ids == first
+    assert first == hf_greedy_tokens(path, [prompt], 6)[0]
