@@ -41,16 +41,24 @@ def _prompts(prefix_len: int, questions: int, question_len: int, vocab: int, see
     return [prefix + [rng.randrange(3, vocab) for _ in range(question_len)] for _ in range(questions)]
 
 
-def measure(engines: Dict[str, Any], prefixes: List[int], args: argparse.Namespace, vocab: int) -> Dict[str, Any]:
-    """{engine: {prefix_len: {"first": [s, ...], "later": [s, ...]}}}"""
+def _hit_tokens(engine: Any) -> int:
+    return engine.llm.engine.scheduler.prefix_hit_tokens if isinstance(engine, AutoDeployEngine) else 0
+
+
+def measure(engines: Dict[str, Any], prefixes: List[int], args: argparse.Namespace, vocab: int,
+            hits: Dict[str, Dict[int, int]]) -> Dict[str, Any]:
+    """{engine: {prefix_len: {"first": [s, ...], "later": [s, ...]}}}; ``hits`` gets the tokens
+    each autodeploy engine read from its prefix cache per prefix length."""
     times: Dict[str, Dict[int, Dict[str, List[float]]]] = {
         name: {p: {"first": [], "later": []} for p in prefixes} for name in engines}
     for r in range(args.rounds):
         for p in prefixes:
             prompts = _prompts(p, args.questions, args.question_len, vocab, seed=1000 * p + r + 2)
             for name, engine in engines.items():
+                before = _hit_tokens(engine)
                 for i, prompt in enumerate(prompts):
                     times[name][p]["first" if i == 0 else "later"].append(engine.generate([prompt], 1))
+                hits.setdefault(name, {})[p] = hits.get(name, {}).get(p, 0) + _hit_tokens(engine) - before
             print(f"round {r + 1}, prefix {p}: " + ", ".join(
                 f"{n} {statistics.median(times[n][p]['later']) * 1e3:.0f} ms" for n in engines), flush=True)
     return times
@@ -110,14 +118,18 @@ def main() -> int:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also HF + torch.compile (static cache; compiles each prompt length once)")
     p.add_argument("--smoke", action="store_true", help="tiny-llama, short prefixes, one round: seconds")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
-    p.add_argument("--png", default=os.path.join(REPO, "benchmarks", "prefix-caching.png"))
+    p.add_argument("--out", help="directory of the JSON and markdown (default: benchmarks/results; "
+                   "with --smoke .cache/bench/smoke-results)")
+    p.add_argument("--png", help="where the plot goes (default: benchmarks/prefix-caching.png; with --smoke "
+                   "beside the results)")
     args = p.parse_args()
     if args.smoke:
         args.model, args.prefixes, args.questions, args.question_len, args.rounds = "tiny-llama", [48], 2, 8, 1
         args.compile = False
-        args.out = os.path.join(REPO, ".cache", "bench", "smoke-results")
-        args.png = os.path.join(args.out, "prefix-caching.png")
+    args.out = args.out or os.path.join(REPO, *((".cache", "bench", "smoke-results") if args.smoke
+                                               else ("benchmarks", "results")))
+    args.png = args.png or (os.path.join(args.out, "prefix-caching.png") if args.smoke
+                            else os.path.join(REPO, "benchmarks", "prefix-caching.png"))
     from autodeploy.models.factory import resolve_source
 
     checkpoint = resolve_source(args.model)
@@ -138,7 +150,8 @@ def main() -> int:
         warm = _prompts(p_len, 1, args.question_len, vocab, seed=1)[0]
         for engine in engines.values():
             engine.generate([warm], 1)
-    times = measure(engines, args.prefixes, args, vocab)
+    hits: Dict[str, Dict[int, int]] = {}
+    times = measure(engines, args.prefixes, args, vocab, hits)
     rows = []
     for p_len in args.prefixes:
         hf = statistics.median(times["hf-eager"][p_len]["later"])
@@ -146,7 +159,8 @@ def main() -> int:
             later = times[name][p_len]["later"]
             rows.append({"engine": name, "prefix": p_len, "first_ms": statistics.median(times[name][p_len]["first"]) * 1e3,
                          "later_ms": statistics.median(later) * 1e3, "later_min_ms": min(later) * 1e3,
-                         "later_max_ms": max(later) * 1e3, "vs_hf_eager": hf / statistics.median(later)})
+                         "later_max_ms": max(later) * 1e3, "vs_hf_eager": hf / statistics.median(later),
+                         "hit_tokens": hits.get(name, {}).get(p_len)})
     import transformers
 
     meta = {"model": args.model, "dtype": "float32", "cpu": cpu_name(), "threads": torch.get_num_threads(),
