@@ -169,12 +169,9 @@ def _freed_bytes(gm: fx.GraphModule, const: Set[fx.Node], folded: Set[fx.Node]) 
         if n in const:
             stack.extend(i for i in n.all_input_nodes if i not in folded)
     live_targets = {str(n.target) for n in live if n.op == "get_attr"}
-    dead = {str(n.target) for n in const if n.op == "get_attr" and str(n.target) not in live_targets}
-    total = 0
-    for target in dead:
-        value = get_attr_value(gm, next(n for n in const if n.op == "get_attr" and str(n.target) == target))
-        total += _nbytes(value) if isinstance(value, torch.Tensor) else 0
-    return total
+    dead = {str(n.target): n for n in const if n.op == "get_attr" and str(n.target) not in live_targets}
+    values = [get_attr_value(gm, node) for node in dead.values()]
+    return sum(_nbytes(v) for v in values if isinstance(v, torch.Tensor))
 
 
 def _within_budget(gm: fx.GraphModule, const: Set[fx.Node], values: Dict[fx.Node, torch.Tensor],
