@@ -12,7 +12,8 @@ With prefix caching (``PagePool.prefix_caching``) a sequence being admitted firs
 cached pages that hold the start of its tokens (``PagePool.match``) and computes only the rest,
 as a chunked prefill continues; the pages each step fills are given entries after it ran
 (``mark_computed``). A preempted sequence matches again when it is readmitted: its own pages,
-released tail first, are usually still cached.
+released tail first, are usually still cached. The other choices of an ``n > 1`` request wait
+while the first one computes the prompt's whole pages, then start from them.
 
 Each running sequence also holds a state slot (``Sequence.slot``, ``0..max_batch_size-1``) for
 the per-sequence state caches (SSM, convolution, delta rule): taken when it starts running,
@@ -102,6 +103,14 @@ class Scheduler:
         seq.pages = []
         seq.prefix_ids = []
 
+    def _sibling_computing_prompt(self, seq: Sequence) -> bool:
+        """Whether another running sequence of ``seq``'s request (``n > 1``) has yet to compute the
+        prompt pages ``seq`` could match: ``seq`` then waits for them rather than computing the
+        same prompt beside it."""
+        shared_end = (seq.num_prompt_tokens - 1) // self.pool.page_size * self.pool.page_size
+        return shared_end > 0 and any(s.request_id == seq.request_id and s is not seq and s.num_computed < shared_end
+                                      for s in self.running)
+
     def _unmatch(self, seq: Sequence) -> None:
         """A sequence that matched cached pages but is not admitted this step lets them go (it
         waits holding nothing, and matches again when admitted)."""
@@ -176,6 +185,8 @@ class Scheduler:
             if admitting and len(self.running) >= self.max_batch_size:
                 break
             if admitting and self.pool.prefix_caching and seq.may_share_prefix:
+                if self._sibling_computing_prompt(seq):
+                    continue  # another choice of its request computes the prompt: matched once it has
                 seq.pages, seq.prefix_ids = self.pool.match(seq.token_ids)
                 seq.num_computed = len(seq.pages) * self.pool.page_size
             n = seq.remaining

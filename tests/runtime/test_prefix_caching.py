@@ -137,9 +137,12 @@ def _run_workload(seed, num_pages, prefix_caching=True, steps_limit=3000):
     cache = SimulatedCache(num_pages, page_size)
     heads = [[rng.randrange(50) for _ in range(rng.choice([5, 8, 13]))] for _ in range(3)]
     heads.append([50, 51, 52, 53] + heads[0][4:])  # another first page, then the same pages as heads[0]
+    arrival = 0
     for i in range(24):
         prompt = rng.choice(heads) + [rng.randrange(50) for _ in range(rng.randrange(0, 7))]
-        sched.add(Sequence(f"r{i}", 0, prompt, Params(max_tokens=rng.randrange(1, 9), temperature=0), i))
+        for choice in range(rng.choice([1, 1, 2, 3])):  # requests with n > 1: choices of one prompt
+            sched.add(Sequence(f"r{i}", choice, prompt, Params(max_tokens=rng.randrange(1, 9), temperature=0), arrival))
+            arrival += 1
     steps = 0
     while sched.has_work():
         steps += 1
@@ -229,6 +232,19 @@ def test_prompt_logprobs_and_n_with_a_cached_prefix(engines):
     for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+
+
+def test_choices_of_one_request_compute_the_prompt_once(engines):
+    cached, plain = engines
+    prompt = "Three answers, each its own: " + QUESTIONS[2] + " Explain the loop and its else clause."  # cached by no other test
+    params = SamplingParams(max_tokens=8, temperature=0.9, seed=7, n=3, ignore_eos=True)
+    before = cached.engine.scheduler.prefix_hit_tokens
+    got = cached.generate([prompt], params)[0]
+    want = plain.generate([prompt], params)[0]
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    shared = (len(got.prompt_token_ids) - 1) // 4 * 4
+    # the second and third choice waited for the first one's prompt pages and read them
+    assert cached.engine.scheduler.prefix_hit_tokens - before == 2 * shared
 
 
 def test_matches_hf_greedy_on_a_real_checkpoint():
