@@ -254,10 +254,7 @@ class FoldConstants(BaseTransform):
                 buffer = graph.get_attr(_store(gm, node, value))
             buffer.meta["val"] = node.meta.get("val")
             node.replace_all_uses_with(buffer)
-        eliminate_dead_code(gm)
-        for node in list(graph.nodes):
-            if node.op == "get_attr" and not node.users:
-                graph.erase_node(node)
+        eliminate_dead_code(gm)  # the computed chains and the get_attr nodes only they read
         _drop_unread_attrs(gm, sources)
         gm.recompile()
         return TransformInfo(num_matches=len(values), is_clean=not values, has_valid_shapes=True)
