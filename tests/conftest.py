@@ -15,13 +15,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 # Each pytest-xdist worker gets its share of the cores (make test runs two workers on the 2-core
-# machines): two workers of two OpenMP threads each oversubscribe two cores (measured 2026-11-28 on an AVX2-only 2-core EPYC: tests/runtime 157 -> 140 s, the whole
-# suite 1015 -> 924 s at one thread each). The processes tests start (servers,
-# CLI runs, ranks) inherit the same share through OMP_NUM_THREADS unless it is set already.
+# machines, where two workers of two threads each oversubscribe them). Measured 2026-11-28 on an
+# AVX2-only 2-core EPYC at one thread per worker: tests/runtime 157 -> 140 s, the whole suite
+# 1015 -> 924 s. Processes the tests start (servers, CLI runs, ranks) get no OMP_NUM_THREADS from
+# here; those that import this conftest inherit the worker count and so take the same share.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
-os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
-torch.set_num_threads(_THREADS)
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 # A test's own Python subprocess (it imports this conftest) keeps the no-op mutation of the
 # pytest process that started it (see noop_mutation.py; only that plugin sets the variable).
