@@ -17,15 +17,10 @@ import torch  # noqa: E402
 # Each pytest-xdist worker gets its share of the cores (make test runs two workers on the 2-core
 # machines, where two workers of two threads each oversubscribe them). Measured 2026-11-28 on an
 # AVX2-only 2-core EPYC at one thread per worker: tests/runtime 157 -> 140 s, the whole suite
-# 1015 -> 924 s. The processes tests start (servers, CLI runs, ranks) take the same share through
-# OMP_NUM_THREADS, unless the user set it: xdist's controller imports this file first (without a
-# worker count) and its workers inherit what it set, so a worker replaces a value it finds marked.
+# 1015 -> 924 s. Processes the tests start (servers, CLI runs, ranks) get no OMP_NUM_THREADS from
+# here; those that import this conftest inherit the worker count and so take the same share.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
-if "OMP_NUM_THREADS" not in os.environ or os.environ.get("_AUTODEPLOY_TESTS_SET_OMP"):
-    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
-    os.environ["_AUTODEPLOY_TESTS_SET_OMP"] = "1"
-torch.set_num_threads(_THREADS)
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 # A test's own Python subprocess (it imports this conftest) keeps the no-op mutation of the
 # pytest process that started it (see noop_mutation.py; only that plugin sets the variable).
