@@ -128,3 +128,31 @@ def test_bad_attn_implementation_rejected_by_config():
 def test_export_requires_build_model():
     with pytest.raises(ConfigError, match="build_model"):
         build(family_checkpoint("llama"), up_to=Stage.EXPORT, overrides={"build_model": {"enabled": False}})
+
+
+def _call_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_export_leaves_an_uncached_fake_mode_and_no_stack_traces_by_default(exported):
+    """lean_tracing: the fake mode left on the graph (which every later shape propagation uses)
+    runs without its dispatch cache, and no node carries a stack trace unless asked for."""
+    from torch._guards import detect_fake_mode
+
+    gm = exported.graph
+    mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
+    assert mode is not None and mode.cache_enabled is False
+    # (torch's runtime-assert pass names itself on the size nodes it adds, whatever the setting)
+    assert not any("modeling_llama.py" in (n.meta.get("stack_trace") or "") for n in _call_nodes(gm))
+    # the settings are back to torch's once the export is done
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.config as fx_config
+
+    assert dynamo_config.fake_tensor_cache_enabled is True and fx_config.do_not_emit_stack_traces is False
+
+
+def test_stack_traces_on_request_name_the_source_line():
+    res = build(family_checkpoint("llama"), up_to=Stage.EXPORT,
+                overrides={"export_to_gm": {"stack_traces": True}})
+    attn = [n for n in _call_nodes(res.graph) if n.target == ad.torch_attention.default]
+    assert len(attn) == 2 and all("modeling_llama.py" in n.meta.get("stack_trace", "") for n in attn)

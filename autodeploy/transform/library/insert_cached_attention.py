@@ -168,8 +168,7 @@ class InsertCachedAttention(BaseTransform):
 
     @staticmethod
     def _check_cacheable(node: fx.Node) -> None:
-        where = node.meta.get("stack_trace", "").strip().splitlines()
-        layer = node.name + (f" ({where[-2].strip()})" if len(where) >= 2 else "")
+        layer = f"{node.name} ({_module_of(node)})" if _module_of(node) else node.name
         if arg(node, 3, "attn_mask") is not None:
             raise RuntimeError(
                 f"attention {layer} still has an explicit mask the matchers could not read as causal/windowed; "
@@ -179,6 +178,15 @@ class InsertCachedAttention(BaseTransform):
             raise RuntimeError(f"attention {layer} is not causal; a decoder KV cache cannot serve bidirectional attention")
         if arg(node, 4, "dropout_p", 0.0) != 0.0:
             raise RuntimeError(f"attention {layer} has dropout; inference graphs must not")
+
+
+def _module_of(node: fx.Node) -> str:
+    """The module that made ``node`` (export's ``nn_module_stack``): ``path (Class)``, or ''."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    if not stack:
+        return ""
+    path, cls = stack[-1]
+    return f"{path}, {cls.__name__ if isinstance(cls, type) else str(cls).rsplit('.', 1)[-1]}"
 
 
 # ---- FP8 KV cache: the per-layer scales -----------------------------------------------------
