@@ -168,7 +168,8 @@ class InsertCachedAttention(BaseTransform):
 
     @staticmethod
     def _check_cacheable(node: fx.Node) -> None:
-        layer = f"{node.name} ({_module_of(node)})" if _module_of(node) else node.name
+        module = _module_of(node)
+        layer = f"{node.name} ({module})" if module else node.name
         if arg(node, 3, "attn_mask") is not None:
             raise RuntimeError(
                 f"attention {layer} still has an explicit mask the matchers could not read as causal/windowed; "
@@ -181,7 +182,7 @@ class InsertCachedAttention(BaseTransform):
 
 
 def _module_of(node: fx.Node) -> str:
-    """The module that made ``node`` (export's ``nn_module_stack``): ``path (Class)``, or ''."""
+    """The module that made ``node`` (export's ``nn_module_stack``): ``path, Class``, or ''."""
     stack = list((node.meta.get("nn_module_stack") or {}).values())
     if not stack:
         return ""
