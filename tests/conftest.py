@@ -34,3 +34,25 @@ if os.environ.get("_AUTODEPLOY_NOOP_ACTIVE"):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# ---- work units of `make test`'s two workers (--dist loadfile) --------------------------------
+# The server tests share three `autodeploy serve` processes (tests/serve/conftest.py: main, aux,
+# tight), which a worker starts the first time one of its tests asks. Scheduled by file, the files
+# using them landed on both workers, and each started its own main and aux server (~15-20 s of CPU
+# apiece on the 2-core machine). tests/serve is one work unit instead; every other file is its own.
+SHARED_SCOPES = ("tests/serve/",)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: no error where xdist is not loaded
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((scope for scope in SHARED_SCOPES if path.startswith(scope)), path)
+
+    return SharedServerScheduling(config, log)

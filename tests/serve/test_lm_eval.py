@@ -31,7 +31,7 @@ import pytest
 
 from serve_utils import AUTODEPLOY, REPO, ServerProcess
 
-lm_eval = pytest.importorskip("lm_eval")
+lm_eval = pytest.importorskip("lm_eval", reason="needs lm-eval: pip install -e '.[eval]' (not in dev: ~500 MB)")
 
 DATA = os.path.join(REPO, "tests", "data", "lm_eval")
 MC_TASK, PPL_TASK = "autodeploy_mc", "autodeploy_ppl"
