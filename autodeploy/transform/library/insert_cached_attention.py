@@ -182,12 +182,14 @@ class InsertCachedAttention(BaseTransform):
 
 
 def _module_of(node: fx.Node) -> str:
-    """The module that made ``node`` (export's ``nn_module_stack``): ``path, Class``, or ''."""
+    """The module that made ``node`` (export's ``nn_module_stack``): ``path, Class``, only ``Class``
+    for the exported module itself (its path is empty), or '' when export recorded none."""
     stack = list((node.meta.get("nn_module_stack") or {}).values())
     if not stack:
         return ""
     path, cls = stack[-1]
-    return f"{path}, {cls.__name__ if isinstance(cls, type) else str(cls).rsplit('.', 1)[-1]}"
+    name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
+    return f"{path}, {name}" if path else name
 
 
 # ---- FP8 KV cache: the per-layer scales -----------------------------------------------------
