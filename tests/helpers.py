@@ -265,6 +265,29 @@ def apply_transform(key: str, gm: fx.GraphModule, **config: Any) -> Tuple[fx.Gra
     return out, ctx.history[-1]
 
 
+class Nested(torch.nn.Module):
+    """``block`` one level down, where a decoder's layers sit (``layers.0``)."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([block])
+
+    def forward(self, x: torch.Tensor) -> Any:  # one input: torch.export takes *args as one tuple
+        return self.layers[0](x)
+
+
+def attention_sources(gm: fx.GraphModule) -> List[Tuple[str, str]]:
+    """(module path, class name) of each ``torch_attention`` node, from its ``nn_module_stack``
+    (innermost module; ``("", "")`` where the node has none)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target == torch.ops.autodeploy.torch_attention.default:
+            stack = list((n.meta.get("nn_module_stack") or {}).values())
+            path, cls = stack[-1] if stack else ("", "")
+            out.append((path, cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]))
+    return out
+
+
 def ops_of(gm: fx.GraphModule) -> set:
     return {n.target for n in gm.graph.nodes if n.op == "call_function"}
 

@@ -161,8 +161,12 @@ def _build(directory: str, **settings):
     return result, records
 
 
-def test_modelopt_kv_scales_reach_each_layer(modelopt_kv):
-    result, records = _build(modelopt_kv, kv_cache_dtype="fp8")
+@pytest.mark.parametrize("route", ["autodeploy", "sdpa"])  # sdpa: the attention made by match_sdpa_attention
+def test_modelopt_kv_scales_reach_each_layer(modelopt_kv, route):
+    """Each layer's scales are found by the attention node's module path (its nn_module_stack),
+    on either export route."""
+    result, records = _build(modelopt_kv, kv_cache_dtype="fp8",
+                             transforms={"export_to_gm": {"attn_implementation": route}})
     assert result.context.cache_mode == "paged_kv"
     nodes = _cached_nodes(result.graph_module)
     assert sorted(_layer(n) for n in nodes) == list(range(NUM_LAYERS))

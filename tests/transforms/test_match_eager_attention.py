@@ -10,7 +10,7 @@ from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward a
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from helpers import apply_transform, assert_same_outputs, count_op, export_gm
+from helpers import Nested, apply_transform, assert_same_outputs, attention_sources, count_op, export_gm
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -101,6 +101,14 @@ def test_llama_causal_mask_op_becomes_is_causal(window, scaling):
     assert p["scale"] == pytest.approx(8 ** -0.5 if scaling is None else scaling)
     assert p["logit_cap"] is None
     assert_same_outputs(ref, gm, _xs((2, 6), (3, 9), (1, 4)))
+
+
+def test_the_attention_keeps_the_module_it_came_from():
+    """The new nodes take the replaced node's ``nn_module_stack`` (cached attention reads it)."""
+    ref, gm, record = _run(Nested(EagerBlock()), torch.randn(2, 6, HIDDEN))
+    _assert_eager_gone(gm, record)
+    assert attention_sources(gm) == [("layers.0", "EagerBlock")]
+    assert_same_outputs(ref, gm, _xs((2, 6), (1, 4)))
 
 
 def test_explicit_additive_mask_stays_explicit():

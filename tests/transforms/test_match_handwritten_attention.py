@@ -16,7 +16,7 @@ from torch.fx.node import map_arg
 
 from autodeploy.transform.graph_utils import get_attr_value
 
-from helpers import apply_transform, assert_same_outputs, count_op, export_gm
+from helpers import Nested, apply_transform, assert_same_outputs, attention_sources, count_op, export_gm
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -150,6 +150,17 @@ def _slopes_value(gm, node):
         if n is node:
             return env[n]
     raise AssertionError("the slopes are not a constant expression")
+
+
+def test_the_attention_keeps_the_module_it_came_from():
+    """The new nodes take the replaced node's ``nn_module_stack`` (cached attention reads it)."""
+    dyn = [{0: Dim("b", max=4), 1: Dim("s", min=2, max=MAX_POS - 1)}]
+    gm = export_gm(Nested(Block("neo")).eval(), torch.randn(2, 6, HIDDEN), dynamic=dyn)
+    ref = copy.deepcopy(gm)
+    gm, record = apply_transform("match_handwritten_attention", gm)
+    assert record.num_matches == 1 and count_op(gm, EAGER_OPS) == 0
+    assert attention_sources(gm) == [("layers.0", "Block")]
+    assert_same_outputs(ref, gm, _inputs())
 
 
 @pytest.mark.parametrize("style, window, scale", [

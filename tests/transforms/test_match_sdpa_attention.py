@@ -9,7 +9,7 @@ from torch import nn
 from torch.export import Dim
 from transformers import masking_utils as mu
 
-from helpers import apply_transform, assert_same_outputs, count_op, export_gm
+from helpers import Nested, apply_transform, assert_same_outputs, attention_sources, count_op, export_gm
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -91,6 +91,15 @@ def test_is_causal():
     assert p["is_causal"] is True
     assert p["attn_mask"] is None and p["sliding_window"] is None
     assert_same_outputs(ref, gm, _xs((2, 6), (3, 9), (1, 2)))
+
+
+def test_the_attention_keeps_the_module_it_came_from():
+    """The new nodes take the SDPA node's ``nn_module_stack``: cached attention names the layer in
+    its errors and finds an FP8 checkpoint's per-layer KV-cache scales by it."""
+    ref, gm, record, n_t = _run(Nested(SdpaBlock(mask="is_causal")), torch.randn(2, 6, HIDDEN))
+    _assert_matched(gm, record, n_t)
+    assert attention_sources(gm) == [("layers.0", "SdpaBlock")]
+    assert_same_outputs(ref, gm, _xs((2, 6), (1, 3)))
 
 
 @pytest.mark.parametrize("window", [None, 3])

@@ -119,6 +119,19 @@ def hf_index_mask_is_causal(mask: Any) -> bool:
     return causal == 1
 
 
+# Where a node came from, as export records it. The matchers' new nodes take it from the node they
+# replace: cached attention names a layer in its errors and finds an FP8 checkpoint's per-layer
+# KV-cache scales by the attention node's ``nn_module_stack`` (insert_cached_attention).
+SOURCE_META = ("nn_module_stack", "source_fn_stack", "stack_trace")
+
+
+def inherit_source_meta(new: fx.Node, old: fx.Node) -> None:
+    """Give ``new`` the source metadata of ``old`` (what it lacks of ``SOURCE_META``)."""
+    for key in SOURCE_META:
+        if key in old.meta and key not in new.meta:
+            new.meta[key] = old.meta[key]
+
+
 def emit_attention_bnsd(
     graph: fx.Graph,
     replaced: fx.Node,
@@ -144,6 +157,8 @@ def emit_attention_bnsd(
             (q_s, k_s, v_s, mask, 0.0, is_causal, scale, None, sliding_window, logit_cap),
             {"alibi_slopes": alibi_slopes} if alibi_slopes is not None else {},
         )
+    for new in (q_s, k_s, v_s, attn):
+        inherit_source_meta(new, replaced)
     # Users that transpose the bnsd output back to bsnd can take the op's output directly.
     for user in list(replaced.users):
         if is_transpose_12(user):
@@ -151,5 +166,6 @@ def emit_attention_bnsd(
     if replaced.users:
         with graph.inserting_after(attn):
             back = graph.call_function(aten.transpose.int, (attn, 1, 2))
+        inherit_source_meta(back, replaced)
         replaced.replace_all_uses_with(back)
     return attn
