@@ -7,7 +7,9 @@ STAMP := $(VENV)/.installed
 # once: 853 -> 691 s on the 2-core CI-sized machine (2026-11-27). PYTEST_ARGS="-q -m 'not slow and
 # not gpu'" runs it in one process. Each worker runs torch on its share of the cores (tests/conftest.py);
 # three workers measured slower than two (1023 vs 924 s, 2026-11-28, an AVX2-only 2-core EPYC).
-# --durations lists the slowest tests at the end, for whoever has to cut the suite's time.
+# tests/serve is one work unit (tests/conftest.py), so its shared servers start once. 2026-11-29, AVX2-only
+# 2-core EPYC, a fresh clone (empty .cache): 734.7 s. --durations lists the slowest tests at the end,
+# for whoever has to cut the suite's time. `make install` leaves the `eval` extra (lm-eval) out.
 PYTEST_ARGS ?= -q -m "not slow and not gpu" -n 2 --dist loadfile --durations=25
 
 .PHONY: run test test-gpu install clean
