@@ -194,7 +194,9 @@ def _write_coverage(args: argparse.Namespace, results: List[Any], recipes: List[
 
         with open(previous) as f:
             old_meta = json.load(f).get("meta", {})
-        meta = {**old_meta, "updated": f"{meta['date']}: {command}"}
+        # every update since the full sweep, oldest first: each re-checked some rows
+        updates = [u for u in (old_meta.get("updated"), f"{meta['date']}: {command}") if u]
+        meta = {**old_meta, "updated": "; ".join(updates)}
         results = merge_results(load_results(previous), results)
     return write_report(results, args.out, meta), results
 

@@ -283,7 +283,7 @@ def markdown(results: Sequence[CheckResult], meta: Optional[Dict[str, Any]] = No
         lines += ["", f"Command: `{meta['command']}`"
                   + (f", {meta['wall_s'] / 60:.1f} min wall time" if meta.get("wall_s") else "") + "."]
     if meta.get("updated"):
-        lines += ["", f"Rows updated since: {_cell(meta['updated'], 400)}."]
+        lines += ["", f"Rows updated since: {_cell(meta['updated'], 1000)}."]
     return "\n".join(lines) + "\n"
 
 

@@ -181,6 +181,25 @@ def test_cli_partial_sweep_leaves_the_committed_docs_alone(fake_sweep, tmp_path,
     assert str(report) in capsys.readouterr().out  # the path is printed at the end
 
 
+def test_update_merges_rows_and_lists_every_update(fake_sweep, tmp_path, monkeypatch):
+    """``--update`` replaces the re-checked rows, keeps the others, and the report names every
+    update since the sweep (each re-checked other rows), not only the last."""
+    monkeypatch.chdir(tmp_path)
+    out = str(tmp_path / "report.md")
+    assert main(["coverage", "--only", "llama,gemma", "--out", out]) == 0
+    assert main(["coverage", "--only", "gemma", "--update", "--out", out]) == 0
+    assert main(["coverage", "--only", "mistral", "--update", "--out", out]) == 0
+    assert fake_sweep == [["llama", "gemma"], ["gemma"], ["mistral"]]
+    with open(str(tmp_path / "report.json")) as f:
+        data = json.load(f)
+    assert sorted({r["model_type"] for r in data["results"]}) == ["gemma", "llama", "mistral"]
+    assert "--only llama,gemma" in data["meta"]["command"]  # the sweep's own line stays
+    updated = data["meta"]["updated"]
+    assert updated.index("--only gemma") < updated.index("--only mistral")
+    with open(out) as f:
+        assert "Rows updated since: " in f.read()
+
+
 def test_default_report_path_is_in_the_cache(tmp_path, monkeypatch):
     from autodeploy.coverage.report import COMMITTED_REPORT, default_report_path
 
