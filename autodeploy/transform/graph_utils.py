@@ -73,6 +73,20 @@ def is_impure(node: fx.Node) -> bool:
     return node.is_impure()
 
 
+# Where a node came from, as export records it. A transform's new nodes take it from the node they
+# replace: cached attention names a layer in its errors and finds an FP8 checkpoint's per-layer
+# KV-cache scales by the attention node's ``nn_module_stack`` (insert_cached_attention), and
+# ``export_to_gm.stack_traces`` is only useful to whoever debugs a graph if rewritten nodes keep theirs.
+SOURCE_META = ("nn_module_stack", "source_fn_stack", "stack_trace")
+
+
+def inherit_source_meta(new: fx.Node, old: fx.Node) -> None:
+    """Give ``new`` the source metadata of ``old`` (what it lacks of ``SOURCE_META``)."""
+    for key in SOURCE_META:
+        if key in old.meta and key not in new.meta:
+            new.meta[key] = old.meta[key]
+
+
 def eliminate_dead_code(gm: fx.GraphModule) -> None:
     gm.graph.eliminate_dead_code(is_impure_node=is_impure)
 

@@ -62,6 +62,10 @@ def test_llama_norms_match_and_numerics_hold():
     assert count_op(gm, ad.torch_rmsnorm) == 2
     assert count_op(gm, [aten.rsqrt, aten.pow, aten.mean]) == 0
     assert_same_outputs(reference, gm, [(torch.randn(2, 5, 32),), (torch.randn(3, 1, 32),)])
+    # a handler's new nodes keep the module the matched norm came from (the pattern set copies it)
+    paths = [list(n.meta["nn_module_stack"].values())[-1][0] for n in gm.graph.nodes
+             if n.op == "call_function" and n.target == ad.torch_rmsnorm.default]
+    assert paths == ["n1", "n2"]
 
 
 def test_gemma_offset_norm():

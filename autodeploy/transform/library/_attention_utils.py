@@ -6,7 +6,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import arg, is_op
+from ..graph_utils import arg, inherit_source_meta, is_op
 
 aten = torch.ops.aten
 
@@ -117,19 +117,6 @@ def hf_index_mask_is_causal(mask: Any) -> bool:
         elif not _all_true(leaf):
             return False
     return causal == 1
-
-
-# Where a node came from, as export records it. The matchers' new nodes take it from the node they
-# replace: cached attention names a layer in its errors and finds an FP8 checkpoint's per-layer
-# KV-cache scales by the attention node's ``nn_module_stack`` (insert_cached_attention).
-SOURCE_META = ("nn_module_stack", "source_fn_stack", "stack_trace")
-
-
-def inherit_source_meta(new: fx.Node, old: fx.Node) -> None:
-    """Give ``new`` the source metadata of ``old`` (what it lacks of ``SOURCE_META``)."""
-    for key in SOURCE_META:
-        if key in old.meta and key not in new.meta:
-            new.meta[key] = old.meta[key]
 
 
 def emit_attention_bnsd(
