@@ -272,8 +272,9 @@ class Nested(torch.nn.Module):
         super().__init__()
         self.layers = torch.nn.ModuleList([block])
 
-    def forward(self, x: torch.Tensor) -> Any:  # one input: torch.export takes *args as one tuple
-        return self.layers[0](x)
+    # named inputs, not *args: torch.export takes *args as one tuple input
+    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> Any:
+        return self.layers[0](x) if y is None else self.layers[0](x, y)
 
 
 def attention_sources(gm: fx.GraphModule) -> List[Tuple[str, str]]:

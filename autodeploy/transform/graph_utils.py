@@ -1,6 +1,7 @@
 """Small helpers over ``torch.fx`` graphs shared by the transforms."""
 
 import weakref
+from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -85,6 +86,26 @@ def inherit_source_meta(new: fx.Node, old: fx.Node) -> None:
     for key in SOURCE_META:
         if key in old.meta and key not in new.meta:
             new.meta[key] = old.meta[key]
+
+
+@contextmanager
+def nodes_created(graph: fx.Graph) -> Iterator[List[fx.Node]]:
+    """The nodes ``graph`` gets inside the block, in creation order. Through the owning module's
+    create-node hook (no walk of the graph, which per match made a pattern pass quadratic in its
+    size); a graph without one is compared before and after instead."""
+    created: List[fx.Node] = []
+    module = graph.owning_module
+    if module is not None and hasattr(module, "_register_create_node_hook"):
+        hook = created.append
+        module._register_create_node_hook(hook)
+        try:
+            yield created
+        finally:
+            module._unregister_create_node_hook(hook)
+        return
+    before = set(graph.nodes)
+    yield created
+    created.extend(n for n in graph.nodes if n not in before)
 
 
 def eliminate_dead_code(gm: fx.GraphModule) -> None:

@@ -41,7 +41,7 @@ from torch.export import Dim
 from ..utils.logging import get_logger
 from ..utils.paths import cache_root
 from .cleanups import cleanup_for_matching
-from .graph_utils import eliminate_dead_code, inherit_source_meta
+from .graph_utils import eliminate_dead_code, inherit_source_meta, nodes_created
 
 if TYPE_CHECKING:
     from torch._inductor import pattern_matcher as ipm
@@ -372,14 +372,13 @@ class PatternSet:
                 self._seen.add(key)
 
                 def run_handler(match: Match, *args: Any, **kwargs: Any) -> None:
-                    before = set(match.graph.nodes)
-                    handler(match, match.graph, **kwargs)
+                    with nodes_created(match.graph) as created:
+                        handler(match, match.graph, **kwargs)
                     # the handler's nodes come from the matched output's module (inductor's own
                     # replacements copy it; a handler builds its nodes itself)
                     source = match.output_node()
-                    for node in match.graph.nodes:
-                        if node not in before:
-                            inherit_source_meta(node, source)
+                    for node in created:
+                        inherit_source_meta(node, source)
 
                 ipm.register_graph_pattern(pattern, extra_check=extra_check, pass_dict=pass_)(run_handler)
 

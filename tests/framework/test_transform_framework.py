@@ -334,3 +334,29 @@ def test_a_graph_shape_propagation_cannot_handle_skips_the_transform_not_the_bui
     assert NeedsShapes.seen_vals == []  # it never ran
     assert "transform _test_needs_shapes skipped" in caplog.text
     torch.testing.assert_close(out(x), ref)
+
+
+@pytest.mark.parametrize("owned", [True, False])
+def test_nodes_created_lists_the_new_nodes_in_order(owned):
+    """Through the module's create-node hook, or (a graph without a module) by comparing; nodes made
+    after the block are not listed, and the hook is gone after it."""
+    from autodeploy.transform.graph_utils import nodes_created
+
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    graph = gm.graph
+    if not owned:
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))
+    x = next(n for n in graph.nodes if n.op == "placeholder")
+    relu = next(n for n in graph.nodes if n.op == "call_function")
+    assert (graph.owning_module is not None) == owned
+    with nodes_created(graph) as created:
+        with graph.inserting_after(relu):
+            b = graph.call_function(torch.neg, (relu,))
+        with graph.inserting_after(x):
+            a = graph.call_function(torch.abs, (x,))
+    with graph.inserting_after(b):
+        graph.call_function(torch.exp, (b,))
+    assert set(created) == {a, b} and len(created) == 2
+    if owned:
+        assert created == [b, a] and gm._create_node_hooks == []

@@ -18,7 +18,7 @@ from autodeploy.cache.sequence_info import METADATA_NAMES
 from autodeploy.transform.interface import PipelineContext, Stage
 from autodeploy.transform.optimizer import build_transform
 from autodeploy.utils.errors import ConfigError
-from helpers import build, count_op, export_gm, family_checkpoint, rel_rmse
+from helpers import Nested, build, count_op, export_gm, family_checkpoint, rel_rmse
 
 ad = torch.ops.autodeploy
 CACHED_OPS = {"torch": ad.torch_cached_attention_with_cache, "sdpa": ad.sdpa_cached_attention_with_cache}
@@ -248,22 +248,11 @@ def test_non_causal_attention_is_an_error():
         _apply(gm, on_uncacheable="error")
 
 
-class _Layers(nn.Module):
-    """``_Attn`` one level down, as a decoder's attention sits in ``model.layers.<i>``."""
-
-    def __init__(self, mode: str):
-        super().__init__()
-        self.layers = nn.ModuleList([_Attn(mode)])
-
-    def forward(self, input_ids, position_ids):
-        return self.layers[0](input_ids, position_ids)
-
-
 def test_uncacheable_attention_errors_name_the_module_that_made_it():
     """The error names the module (path and class, from export's ``nn_module_stack``) so a user can
     find the layer in the model's code; the exported module itself has no path: its class alone."""
     ids = torch.randint(0, 32, (2, 6))
-    nested = export_gm(_Layers("mask").eval(), ids, torch.arange(6)[None].expand(2, 6))
+    nested = export_gm(Nested(_Attn("mask")).eval(), ids, torch.arange(6)[None].expand(2, 6))
     with pytest.raises(RuntimeError, match=r"attention torch_attention \(layers\.0, _Attn\) still has an explicit mask"):
         _apply(nested, on_uncacheable="error")
     with pytest.raises(RuntimeError, match=r"attention torch_attention \(_Attn\) is not causal"):
