@@ -78,7 +78,8 @@ class LLM:
         if self.config.world_size == 1:
             self._engine = Engine(self.build.graph, cache, tokenizer=self.tokenizer_handle,
                                   eos_token_ids=self._eos_token_ids(),
-                                  prefix_caching=self.config.enable_prefix_caching)
+                                  prefix_caching=self.config.enable_prefix_caching,
+                                  state_snapshots=self.config.prefix_state_snapshots)
             return
         from .runtime.step_broadcast import StepSender, agree_on_capacity
 
@@ -90,7 +91,8 @@ class LLM:
             self._engine = Engine(self.build.graph, cache, tokenizer=self.tokenizer_handle,
                                   eos_token_ids=self._eos_token_ids(), step_sender=self._sender,
                                   num_pages=pages, max_batch_size=sequences,
-                                  prefix_caching=self.config.enable_prefix_caching)
+                                  prefix_caching=self.config.enable_prefix_caching,
+                                  state_snapshots=self.config.prefix_state_snapshots)
 
     # ---- tensor parallelism --------------------------------------------------------------------
     @property

@@ -106,7 +106,8 @@ def key_inputs(config: Any, factory: Any, world_size: int, rank: int) -> Dict[st
     from .._version import __version__
 
     settings = config.model_dump(mode="json")
-    for runtime_only in ("build_cache", "enable_prefix_caching"):  # settings of the engine, not the build
+    # settings of the engine, not the build
+    for runtime_only in ("build_cache", "enable_prefix_caching", "prefix_state_snapshots"):
         settings.pop(runtime_only, None)
     return {
         "format": CACHE_FORMAT_VERSION,

@@ -64,8 +64,17 @@ class DeployConfig(BaseModel):
         default=True,
         description="Reuse the KV-cache pages of a prompt prefix computed before (a shared system prompt, the "
         "earlier turns of a chat): a new sequence computes only the tokens after the longest cached prefix of "
-        "whole pages. Exact (pages are matched by their tokens). Off by itself for models with per-sequence "
-        "state caches (SSM, convolution, recurrences) and for requests asking for prompt logprobs or hidden states.",
+        "whole pages. Exact (pages are matched by their tokens). Off for requests asking for prompt logprobs or "
+        "hidden states. Models with per-sequence state caches (SSM, convolution, recurrences) resume only where a "
+        "copy of the state was kept (prefix_state_snapshots); off for them under tensor parallelism.",
+    )
+    prefix_state_snapshots: Optional[int] = Field(
+        default=None, ge=0,
+        description="Prefix caching for models with state caches: how many copies of a sequence's state at a page "
+        "boundary are kept (each one running state's size, least recently used dropped first). A copy is taken "
+        "where two prompts were seen to part (the second request sharing a system prompt computes it again and "
+        "leaves one; later ones start from it) and at an n > 1 request's last whole prompt page. Unset: "
+        "min(16, max_batch_size); 0: prefix caching off for such models. No effect on models without state caches.",
     )
     skip_tokenizer_init: bool = Field(
         default=False,

@@ -26,6 +26,7 @@ from .sampler import prompt_token_logprobs, sample, token_logprobs
 from .sampling_params import InvalidRequestError
 from .scheduler import ScheduledStep, Scheduler
 from .sequence import Sequence
+from .state_snapshots import StateSnapshots
 
 if TYPE_CHECKING:
     from .step_broadcast import StepSender
@@ -94,6 +95,33 @@ class _Request:
         return list(scored) if scored is not None else None
 
 
+# Snapshots kept for prefix caching of a state-cache model when the user sets no number: enough for
+# a few shared system prompts and their parting points, in at most the memory of 16 running states.
+DEFAULT_STATE_SNAPSHOTS = 16
+
+
+def _snapshot_store(cache: CachedSequenceInterface, capacity: Optional[int], sends_steps: bool,
+                    chunked_prefill: bool) -> Optional[StateSnapshots]:
+    """The snapshot store of a state-cache model's prefix caching, or None (with one log line
+    saying why) where prefix caching is off for it."""
+    names = ", ".join(cache.state_names[:3])
+    why = None
+    if sends_steps:
+        why = "state snapshots are not sent to the other ranks of a tensor-parallel group"
+    elif not chunked_prefill:
+        why = "a state is copied at a page boundary only where a prefill chunk ends there (chunked prefill is off)"
+    elif capacity == 0:
+        why = "prefix_state_snapshots is 0"
+    if why is not None:
+        logger.info("prefix caching is off for this model (state caches %s): %s", names, why)
+        return None
+    capacity = capacity if capacity is not None else min(DEFAULT_STATE_SNAPSHOTS, cache.max_batch_size)
+    store = StateSnapshots(cache, capacity)
+    logger.info("prefix caching with state caches (%s): up to %d state snapshots at page boundaries, %.1f MiB",
+                names, capacity, store.nbytes / 2**20)
+    return store
+
+
 class Engine:
     """Continuous batching over a cached graph (see ``autodeploy.cache``)."""
 
@@ -109,26 +137,29 @@ class Engine:
         num_pages: Optional[int] = None,
         max_batch_size: Optional[int] = None,
         prefix_caching: bool = False,
+        state_snapshots: Optional[int] = None,
     ):
         """``step_sender``: rank 0 of a tensor-parallel group sends every step to the other ranks.
         ``num_pages`` / ``max_batch_size``: schedule within fewer pages or sequences than this
         rank's cache holds (every rank's cache must hold what rank 0 schedules).
         ``prefix_caching``: sequences start from the cached pages of a prompt prefix seen before
-        (``PagePool``); off, with one log line, for a model with per-sequence state caches."""
+        (``PagePool``). ``state_snapshots``: for a model with per-sequence state caches, how many
+        copies of a state at a page boundary are kept for it (``StateSnapshots``; None: at most
+        ``DEFAULT_STATE_SNAPSHOTS``; 0 turns prefix caching off for such a model)."""
         self.cache = cache
         self.runner = ModelRunner(model, cache, step_sender)
         self.tokenizer = tokenizer
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
         self.max_seq_len = cache.max_seq_len
+        self.snapshots: Optional[StateSnapshots] = None
         if prefix_caching and cache.state_names:
-            logger.info("prefix caching is off for this model: its per-sequence state caches (%s) hold what a "
-                        "cached prefix would skip", ", ".join(cache.state_names[:3]))
-            prefix_caching = False
+            self.snapshots = _snapshot_store(cache, state_snapshots, step_sender is not None, chunked_prefill)
+            prefix_caching = self.snapshots is not None
         self.pool = PagePool(num_pages if num_pages is not None else cache.allocatable_pages, cache.page_size,
                              prefix_caching=prefix_caching)
         self.scheduler = Scheduler(
             self.pool, max_batch_size=max_batch_size or cache.max_batch_size, max_num_tokens=cache.max_num_tokens,
-            chunked_prefill=chunked_prefill,
+            chunked_prefill=chunked_prefill, snapshots=self.snapshots,
         )
         self.requests: Dict[str, _Request] = {}
         self.stats = EngineStats()

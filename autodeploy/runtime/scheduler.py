@@ -20,15 +20,26 @@ the per-sequence state caches (SSM, convolution, delta rule): taken when it star
 given back when it finishes, is aborted or is preempted. A preempted sequence recomputes from an
 empty state (its first step has ``use_initial_state`` False), so whatever its old slot holds by
 then does not matter.
+
+Prefix caching for a model with state caches (``StateSnapshots``): a sequence resumes only
+after a matched page whose state was copied, so its match is cut back to the deepest such page
+(the rest of the matched pages are let go and computed again into its own). Copies are taken at
+the end of a step, so the scheduler ends a prefill chunk at the page boundary where one is
+wanted (``Sequence.snapshot_at``): where the match went deeper than any copy (two prompts were
+seen to part there) and, for an ``n > 1`` request, at the prompt's last whole page (where the
+other choices start). Without chunked prefill no chunk is cut and no copy is taken.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Deque, List, Optional, Set, Tuple
 
 from ..utils.logging import get_logger
 from .page_pool import PagePool
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .state_snapshots import StateSnapshots
 
 logger = get_logger(__name__)
 
@@ -61,8 +72,11 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, *, max_batch_size: int, max_num_tokens: int, chunked_prefill: bool = True):
+    def __init__(self, pool: PagePool, *, max_batch_size: int, max_num_tokens: int, chunked_prefill: bool = True,
+                 snapshots: Optional["StateSnapshots"] = None):
+        """``snapshots``: the state copies of a model with state caches (prefix caching only)."""
         self.pool = pool
+        self.snapshots = snapshots
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.chunked_prefill = chunked_prefill
@@ -88,6 +102,10 @@ class Scheduler:
             seq.num_computed += n
             if self.pool.prefix_caching:
                 self.pool.register(seq.token_ids, seq.pages, seq.num_computed, seq.prefix_ids)
+            if seq.snapshot_at is not None and seq.num_computed >= seq.snapshot_at:
+                if seq.num_computed == seq.snapshot_at and self.snapshots is not None:
+                    self.snapshots.save(seq.prefix_ids[-1], seq.slot)  # type: ignore[arg-type]
+                seq.snapshot_at = None
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence wherever it is."""
@@ -111,11 +129,30 @@ class Scheduler:
         return shared_end > 0 and any(s.request_id == seq.request_id and s is not seq and s.num_computed < shared_end
                                       for s in self.running)
 
+    def _match(self, seq: Sequence) -> None:
+        """Start ``seq`` from the cached pages holding the start of its tokens; with state
+        snapshots only up to the deepest page with a copy, and mark where a copy is wanted."""
+        pages, ids = self.pool.match(seq.token_ids)
+        seq.snapshot_at = None
+        if self.snapshots is not None:
+            keep = self.snapshots.deepest(ids)
+            self.pool.free(pages[keep:])
+            page_size = self.pool.page_size
+            if self.chunked_prefill:
+                wanted = len(pages) * page_size  # prompts parted here, deeper than any copy
+                if seq.params.n > 1:  # the other choices start at the prompt's last whole page
+                    wanted = max(wanted, (seq.num_prompt_tokens - 1) // page_size * page_size)
+                seq.snapshot_at = wanted if wanted > keep * page_size else None
+            pages, ids = pages[:keep], ids[:keep]
+        seq.pages, seq.prefix_ids = pages, ids
+        seq.num_computed = len(pages) * self.pool.page_size
+
     def _unmatch(self, seq: Sequence) -> None:
         """A sequence that matched cached pages but is not admitted this step lets them go (it
         waits holding nothing, and matches again when admitted)."""
         self._release_pages(seq)
         seq.num_computed = 0
+        seq.snapshot_at = None
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.slot is not None:
@@ -131,6 +168,7 @@ class Scheduler:
         self._release_pages(seq)
         self._release_slot(seq)
         seq.num_computed = 0
+        seq.snapshot_at = None
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -187,9 +225,10 @@ class Scheduler:
             if admitting and self.pool.prefix_caching and seq.may_share_prefix:
                 if self._sibling_computing_prompt(seq):
                     continue  # another choice of its request computes the prompt: matched once it has
-                seq.pages, seq.prefix_ids = self.pool.match(seq.token_ids)
-                seq.num_computed = len(seq.pages) * self.pool.page_size
+                self._match(seq)
             n = seq.remaining
+            if seq.snapshot_at is not None and seq.snapshot_at > seq.num_computed:
+                n = min(n, seq.snapshot_at - seq.num_computed)  # the chunk ends where a state copy is wanted
             if n > budget:
                 if not self.chunked_prefill:
                     if admitting:
@@ -210,6 +249,8 @@ class Scheduler:
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.slot = self.free_slots.pop()  # running < max_batch_size: one is free
+                if self.snapshots is not None and seq.prefix_ids:
+                    self.snapshots.restore(seq.prefix_ids[-1], seq.slot)  # resume from the copied state
             else:
                 fits = (len(seq.pages) + self.pool.num_free) * self.pool.page_size - seq.num_computed
                 if self.chunked_prefill and 1 <= fits < n:

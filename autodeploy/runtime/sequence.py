@@ -23,6 +23,9 @@ class Sequence:
     # prefix caching: the pool's entry id of each of its full pages so far (``PagePool.register``)
     prefix_ids: List[int] = field(default_factory=list)
     slot: Optional[int] = None  # its state slot while running (per-sequence state caches)
+    # prefix caching with state snapshots: a page boundary where a prefill chunk ends so that a
+    # copy of its state is kept there (``Scheduler``; None: no copy wanted)
+    snapshot_at: Optional[int] = None
     finish_reason: Optional[str] = None
     logprobs: Optional[List[Dict[int, float]]] = None
     # SamplingParams.prompt_logprobs: entry j scores prompt token j given the tokens before it

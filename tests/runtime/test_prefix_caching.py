@@ -3,19 +3,24 @@
 The pool's rules by hand (match, sharing, eviction order, ids never reused); the scheduler under
 a random workload of shared prefixes with a small pool, checking with a simulated cache that
 every position a step reads holds that position's token (so no page is ever read with another
-prefix's contents, written while shared, or leaked); and the engine on the real tiny-llama
-preset and a tiny real checkpoint against HF's greedy tokens.
+prefix's contents, written while shared, or leaked), and with a simulated state cache that every
+sequence resumes from the state of its own prefix; and the engine on the real tiny-llama preset
+and tiny real checkpoints (Llama, Mamba2) against HF's greedy tokens.
 """
 
 import random
 
 import pytest
+import torch
 
 from autodeploy import LLM, SamplingParams
+from autodeploy.cache.interface import CachedSequenceInterface
+from autodeploy.cache.resources import StateHandler
 from autodeploy.runtime.page_pool import PagePool
 from autodeploy.runtime.sampling_params import SamplingParams as Params
 from autodeploy.runtime.scheduler import Scheduler
 from autodeploy.runtime.sequence import Sequence
+from autodeploy.runtime.state_snapshots import StateSnapshots
 from helpers import coverage_checkpoint, hf_greedy_tokens
 
 PS = 4  # tokens per page in the pool tests
@@ -129,11 +134,35 @@ class SimulatedCache:
             assert held == tuple(seq.token_ids[:pos + 1]), f"{seq.request_id} reads {held} at position {pos}"
 
 
-def _run_workload(seed, num_pages, prefix_caching=True, steps_limit=3000):
+class SimulatedState:
+    """A real state cache whose slot records the tokens its sequence ran through (row 0 the
+    count, then the tokens), as an SSM state summarises them: a step reads the slot (it must hold
+    exactly the sequence's computed tokens) and appends the step's tokens."""
+
+    def __init__(self, max_batch_size, page_size, width=64):
+        self.cache = CachedSequenceInterface(page_size=page_size, max_batch_size=max_batch_size, max_seq_len=width - 1,
+                                             max_num_tokens=24)
+        self.cache.add_cache("state", StateHandler((width,), torch.int64))
+        self.cache.allocate(self.cache.min_pages)
+
+    def run(self, seq, n):
+        row = self.cache.caches["state"][seq.slot]
+        if seq.num_computed == 0:  # use_initial_state False: starts from zeros
+            row.zero_()
+        count = int(row[0])
+        assert row[1:count + 1].tolist() == seq.token_ids[:seq.num_computed], \
+            f"{seq.request_id} resumes from another state at {seq.num_computed}"
+        row[count + 1:count + 1 + n] = torch.tensor(seq.token_ids[seq.num_computed:seq.num_computed + n])
+        row[0] = count + n
+
+
+def _run_workload(seed, num_pages, prefix_caching=True, steps_limit=3000, snapshots=None):
     rng = random.Random(seed)
     page_size = 4
     pool = PagePool(num_pages, page_size, prefix_caching=prefix_caching)
-    sched = Scheduler(pool, max_batch_size=4, max_num_tokens=24)
+    state = SimulatedState(4, page_size) if snapshots is not None else None
+    store = StateSnapshots(state.cache, snapshots) if state is not None else None
+    sched = Scheduler(pool, max_batch_size=4, max_num_tokens=24, snapshots=store)
     cache = SimulatedCache(num_pages, page_size)
     heads = [[rng.randrange(50) for _ in range(rng.choice([5, 8, 13]))] for _ in range(3)]
     heads.append([50, 51, 52, 53] + heads[0][4:])  # another first page, then the same pages as heads[0]
@@ -163,6 +192,8 @@ def _run_workload(seed, num_pages, prefix_caching=True, steps_limit=3000):
             cache.write(seq, seq.num_computed, n)
         for seq, n in step.sequences:
             cache.check_reads(seq, seq.num_computed + n)
+            if state is not None:
+                state.run(seq, n)
         sched.mark_computed(step)
         for seq, n in step.sequences:
             if seq.remaining == 0:
@@ -180,6 +211,36 @@ def test_random_shared_prefixes_read_only_their_own_tokens(seed):
     assert roomy.prefix_hit_tokens > 0
     tight = _run_workload(seed, num_pages=8)  # eviction and preemption
     assert tight.num_preemptions > 0 or tight.prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_state_models_resume_only_from_a_copy_of_the_state_after_their_prefix(seed):
+    """With state caches a sequence resumes only after a page whose state was copied, and its
+    slot then holds exactly the state of its own prefix (``SimulatedState`` checks every step)."""
+    roomy = _run_workload(seed, num_pages=64, snapshots=8)
+    assert roomy.prefix_hit_tokens > 0 and roomy.snapshots.num_restored > 0
+    assert roomy.prefix_hit_tokens <= _run_workload(seed, num_pages=64).prefix_hit_tokens
+    one = _run_workload(seed, num_pages=8, snapshots=1)  # eviction of pages, of copies and preemption
+    assert one.snapshots.num_saved > 0 and len(one.snapshots) == 1
+
+
+def test_snapshots_are_kept_by_entry_id_and_the_least_recent_goes_first():
+    state = SimulatedState(2, 4)
+    slots = state.cache.caches["state"]
+    store = StateSnapshots(state.cache, 2)
+    assert store.nbytes == 2 * 64 * 8 and store.deepest([3, 4]) == 0
+    for entry, value in ((10, 1), (11, 2)):
+        slots[0].fill_(value)
+        store.save(entry, 0)
+    assert store.deepest([10, 11, 12]) == 2 and store.deepest([10, 12]) == 1
+    store.restore(10, 1)  # 10 is now the most recently used
+    assert slots[1].eq(1).all()
+    slots[0].fill_(3)
+    store.save(12, 0)  # full: 11 goes
+    assert 11 not in store and 10 in store and 12 in store
+    store.save(10, 2)  # already kept: not copied again
+    store.restore(10, 0)
+    assert slots[0].eq(1).all() and store.num_saved == 3 and store.num_restored == 2
 
 
 def test_without_prefix_caching_nothing_is_matched():
@@ -258,11 +319,29 @@ def test_matches_hf_greedy_on_a_real_checkpoint():
     assert outs == hf_greedy_tokens(path, prompts, 8)
 
 
-def test_state_models_run_without_prefix_caching():
+def test_state_models_resume_from_state_snapshots_with_hf_tokens():
+    """Mamba2 (a state cache per layer, no attention): the second prompt sharing a head computes it
+    again and leaves a copy of the state where they part; later ones start from it. Tokens equal
+    HF's greedy ones, and the choices of an ``n > 1`` request start from the prompt's last page
+    with the tokens the engine without prefix caching samples."""
     path, vocab = coverage_checkpoint("mamba2")
-    llm = LLM(path, dtype="float32", max_seq_len=64, max_batch_size=2, page_size=4)
-    assert not llm.engine.pool.prefix_caching
+    base = dict(dtype="float32", max_seq_len=64, max_batch_size=4, page_size=4, max_num_tokens=64)
+    llm = LLM(path, **base)
+    assert llm.engine.pool.prefix_caching and llm.engine.snapshots.capacity == 4  # min(16, max_batch_size)
+    rng = random.Random(0)
+    head = [rng.randrange(3, vocab) for _ in range(22)]
+    prompts = [head + [rng.randrange(3, vocab) for _ in range(k)] for k in (1, 3, 6, 2)]
+    outs = [llm.generate([{"prompt_token_ids": p}], _greedy(6))[0].token_ids for p in prompts]  # one by one
+    sched, store = llm.engine.scheduler, llm.engine.snapshots
+    assert (sched.prefix_hit_tokens, store.num_saved, store.num_restored) == (2 * 20, 1, 2)
+    assert outs == hf_greedy_tokens(path, prompts, 6)
+
+    plain = LLM(path, **base, prefix_state_snapshots=0)
+    assert not plain.engine.pool.prefix_caching and plain.engine.snapshots is None
     prompt = [5 + i % 11 for i in range(14)]
-    first = llm.generate([{"prompt_token_ids": prompt}], _greedy(6))[0].token_ids
-    assert llm.generate([{"prompt_token_ids": prompt}], _greedy(6))[0].token_ids == first
-    assert first == hf_greedy_tokens(path, [prompt], 6)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=3, n=3, ignore_eos=True)
+    before = sched.prefix_hit_tokens
+    got = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    want = plain.generate([{"prompt_token_ids": prompt}], params)[0]
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    assert sched.prefix_hit_tokens - before == 2 * 12  # two choices from the copy after 3 whole pages
