@@ -11,7 +11,10 @@ length, ``--questions`` prompts that share one prefix (``--prefixes`` tokens of 
 in every round) and end in ``--question-len`` tokens of their own, one new token each (greedy),
 so the time is the time to the first token. The first request of a round's prefix finds nothing
 cached ("first", median over rounds); the others find its pages in autodeploy's prefix cache
-("later", median). autodeploy runs with its defaults except ``enable_prefix_caching``; HF has no
+("later", median; "second": the second request alone). A model with state caches (Mamba2:
+``--model`` a checkpoint of one) resumes only from a kept copy of its state, which the second
+request of a prefix leaves where the prompts part: that request computes the prefix again (its
+time is "second"), the ones after it start from the copy. autodeploy runs with its defaults except ``enable_prefix_caching``; HF has no
 prefix cache (its ``generate`` computes every prompt). The engines take turns on each round's
 requests, so machine noise hits them alike. Writes JSON and markdown to ``benchmarks/results/``
 and a PNG, ``benchmarks/prefix-caching.png``.
@@ -50,14 +53,17 @@ def measure(engines: Dict[str, Any], prefixes: List[int], args: argparse.Namespa
     """{engine: {prefix_len: {"first": [s, ...], "later": [s, ...]}}}; ``hits`` gets the tokens
     each autodeploy engine read from its prefix cache per prefix length."""
     times: Dict[str, Dict[int, Dict[str, List[float]]]] = {
-        name: {p: {"first": [], "later": []} for p in prefixes} for name in engines}
+        name: {p: {"first": [], "later": [], "second": []} for p in prefixes} for name in engines}
     for r in range(args.rounds):
         for p in prefixes:
             prompts = _prompts(p, args.questions, args.question_len, vocab, seed=1000 * p + r + 2)
             for name, engine in engines.items():
                 before = _hit_tokens(engine)
                 for i, prompt in enumerate(prompts):
-                    times[name][p]["first" if i == 0 else "later"].append(engine.generate([prompt], 1))
+                    elapsed = engine.generate([prompt], 1)
+                    times[name][p]["first" if i == 0 else "later"].append(elapsed)
+                    if i == 1:
+                        times[name][p]["second"].append(elapsed)
                 hits.setdefault(name, {})[p] = hits.get(name, {}).get(p, 0) + _hit_tokens(engine) - before
             print(f"round {r + 1}, prefix {p}: " + ", ".join(
                 f"{n} {statistics.median(times[n][p]['later']) * 1e3:.0f} ms" for n in engines), flush=True)
@@ -71,11 +77,13 @@ def table(data: Dict[str, Any]) -> str:
              f"torch {meta['torch']}, transformers {meta['transformers']}, commit {meta['commit']}, {meta['date']}; "
              f"{meta['questions']} questions of {meta['question_len']} tokens per prefix and round, {meta['rounds']} "
              "rounds; 'first': the first request of a round's prefix (nothing cached), median over rounds; 'later': median over the others (ms), with its range; "
-             "the ratio is HF eager's time over the engine's.", "",
-             "| engine | prefix tokens | first request [ms] | later requests [ms] | vs HF eager |",
-             "|---|---|---|---|---|"]
+             "'second': the second request of a round (median); "
+             "the ratio is HF eager's time over the engine's ('later').", "",
+             "| engine | prefix tokens | first request [ms] | second [ms] | later requests [ms] | vs HF eager |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['engine']} | {row['prefix']} | {row['first_ms']:.0f} | {row['later_ms']:.0f} "
+        second = f"{row['second_ms']:.0f}" if row.get("second_ms") is not None else "-"
+        lines.append(f"| {row['engine']} | {row['prefix']} | {row['first_ms']:.0f} | {second} | {row['later_ms']:.0f} "
                      f"({row['later_min_ms']:.0f}-{row['later_max_ms']:.0f}) | {row['vs_hf_eager']:.2f}x |")
     return "\n".join(lines) + "\n"
 
@@ -160,6 +168,8 @@ def main() -> int:
             rows.append({"engine": name, "prefix": p_len, "first_ms": statistics.median(times[name][p_len]["first"]) * 1e3,
                          "later_ms": statistics.median(later) * 1e3, "later_min_ms": min(later) * 1e3,
                          "later_max_ms": max(later) * 1e3, "vs_hf_eager": hf / statistics.median(later),
+                         "second_ms": (statistics.median(times[name][p_len]["second"]) * 1e3
+                                       if times[name][p_len]["second"] else None),
                          "hit_tokens": hits.get(name, {}).get(p_len)})
     import transformers
 
