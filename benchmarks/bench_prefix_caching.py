@@ -70,9 +70,14 @@ def measure(engines: Dict[str, Any], prefixes: List[int], args: argparse.Namespa
     return times
 
 
+def _name(model: str) -> str:
+    """A preset's name, or a checkpoint directory's last component (titles stay short)."""
+    return os.path.basename(model.rstrip("/")) or model
+
+
 def table(data: Dict[str, Any]) -> str:
     meta, rows = data["meta"], data["rows"]
-    lines = [f"# Time to first token with a shared prefix ({meta['model']}, {meta['dtype']}, {meta['cpu']}, "
+    lines = [f"# Time to first token with a shared prefix ({_name(meta['model'])}, {meta['dtype']}, {meta['cpu']}, "
              f"{meta['threads']} threads)", "",
              f"torch {meta['torch']}, transformers {meta['transformers']}, commit {meta['commit']}, {meta['date']}; "
              f"{meta['questions']} questions of {meta['question_len']} tokens per prefix and round, {meta['rounds']} "
@@ -109,7 +114,7 @@ def plot(data: Dict[str, Any], path: str) -> None:
     ax.set_xticklabels([f"prefix {p}" for p in prefixes])
     ax.set_ylabel("time to first token [ms]")
     ax.set_yscale("log")
-    ax.set_title(f"shared prefix + {data['meta']['question_len']}-token question ({data['meta']['model']})")
+    ax.set_title(f"shared prefix + {data['meta']['question_len']}-token question ({_name(data['meta']['model'])})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
