@@ -130,8 +130,12 @@ class LLM:
         if self.is_driver:
             raise ConfigError("follow() is for the ranks other than 0; this process runs the engine (llm.is_driver)")
         from .runtime.follower import follow
+        from .runtime.state_snapshots import StateReplica
 
-        return follow(self.build.graph, self.build.cache)
+        cache = self.build.cache
+        # rank 0 may keep state snapshots for prefix caching: this rank repeats its copies
+        replica = StateReplica(cache) if self.config.enable_prefix_caching and cache.state_names else None
+        return follow(self.build.graph, cache, replica)
 
     def shutdown(self) -> None:
         """Rank 0 of several: tell the other ranks to leave ``follow()`` (once; a no-op elsewhere).

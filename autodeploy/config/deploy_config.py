@@ -66,7 +66,7 @@ class DeployConfig(BaseModel):
         "earlier turns of a chat): a new sequence computes only the tokens after the longest cached prefix of "
         "whole pages. Exact (pages are matched by their tokens). Off for requests asking for prompt logprobs or "
         "hidden states. Models with per-sequence state caches (SSM, convolution, recurrences) resume only where a "
-        "copy of the state was kept (prefix_state_snapshots); off for them under tensor parallelism.",
+        "copy of the state was kept (prefix_state_snapshots).",
     )
     prefix_state_snapshots: Optional[int] = Field(
         default=None, ge=0,

@@ -103,12 +103,11 @@ DEFAULT_STATE_SNAPSHOTS = 16
 def _snapshot_store(cache: CachedSequenceInterface, capacity: Optional[int], sends_steps: bool,
                     chunked_prefill: bool) -> Optional[StateSnapshots]:
     """The snapshot store of a state-cache model's prefix caching, or None (with one log line
-    saying why) where prefix caching is off for it."""
+    saying why) where prefix caching is off for it. ``sends_steps``: rank 0 of a tensor-parallel
+    group, whose copies the other ranks make too."""
     names = ", ".join(cache.state_names[:3])
     why = None
-    if sends_steps:
-        why = "state snapshots are not sent to the other ranks of a tensor-parallel group"
-    elif not chunked_prefill:
+    if not chunked_prefill:
         why = "a state is copied at a page boundary only where a prefill chunk ends there (chunked prefill is off)"
     elif capacity == 0:
         why = "prefix_state_snapshots is 0"
@@ -116,7 +115,7 @@ def _snapshot_store(cache: CachedSequenceInterface, capacity: Optional[int], sen
         logger.info("prefix caching is off for this model (state caches %s): %s", names, why)
         return None
     capacity = capacity if capacity is not None else min(DEFAULT_STATE_SNAPSHOTS, cache.max_batch_size)
-    store = StateSnapshots(cache, capacity)
+    store = StateSnapshots(cache, capacity, record=sends_steps)  # the other ranks repeat its copies
     logger.info("prefix caching with state caches (%s): up to %d state snapshots at page boundaries, %.1f MiB",
                 names, capacity, store.nbytes / 2**20)
     return store
@@ -147,7 +146,6 @@ class Engine:
         copies of a state at a page boundary are kept for it (``StateSnapshots``; None: at most
         ``DEFAULT_STATE_SNAPSHOTS``; 0 turns prefix caching off for such a model)."""
         self.cache = cache
-        self.runner = ModelRunner(model, cache, step_sender)
         self.tokenizer = tokenizer
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
         self.max_seq_len = cache.max_seq_len
@@ -155,6 +153,7 @@ class Engine:
         if prefix_caching and cache.state_names:
             self.snapshots = _snapshot_store(cache, state_snapshots, step_sender is not None, chunked_prefill)
             prefix_caching = self.snapshots is not None
+        self.runner = ModelRunner(model, cache, step_sender, self.snapshots)
         self.pool = PagePool(num_pages if num_pages is not None else cache.allocatable_pages, cache.page_size,
                              prefix_caching=prefix_caching)
         self.scheduler = Scheduler(

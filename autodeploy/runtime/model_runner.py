@@ -14,7 +14,8 @@ overwrites them.
 Under tensor parallelism the runner of rank 0 is given a ``StepSender``
 (``autodeploy.runtime.step_broadcast``): each step's ``SequenceInfo`` goes to the other
 ranks, which run their shard of the graph with it (``autodeploy.runtime.follower``), while
-rank 0 runs its own.
+rank 0 runs its own; with the step go the state copies rank 0's ``StateSnapshots`` made since
+the last one, which the other ranks make on their shards first.
 """
 
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from .scheduler import ScheduledStep
 from .sequence import Sequence
 
 if TYPE_CHECKING:
+    from .state_snapshots import StateSnapshots
     from .step_broadcast import StepSender
 
 
@@ -43,10 +45,11 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: Callable[..., torch.Tensor], cache: CachedSequenceInterface,
-                 sender: Optional["StepSender"] = None):
+                 sender: Optional["StepSender"] = None, snapshots: Optional["StateSnapshots"] = None):
         self.model = model
         self.cache = cache
         self.sender = sender  # rank 0 of several: every step goes to the other ranks too
+        self.snapshots = snapshots  # with a sender: its copies go with the next step
 
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> StepLogits:
@@ -65,7 +68,8 @@ class ModelRunner:
         if self.sender is None:
             logits = self.model(*self.cache.graph_args(info))[0]
         else:
-            with self.sender.step(info):
+            copies = self.snapshots.take_copies() if self.snapshots is not None else ()
+            with self.sender.step(info, copies):
                 logits = self.model(*self.cache.graph_args(info))[0]
         self._hand_out_hidden_states([s for s, _ in batch], info)
         if not self.cache.gathered_logits:  # every token's row: keep those logits_index names

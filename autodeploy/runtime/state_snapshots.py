@@ -16,18 +16,45 @@ is where two prompts were seen to part (a sequence matched more cached pages tha
 covers: it computes them again and leaves a copy at the deepest one, so the third request
 sharing a system prompt starts from it) and the prompt's last whole page for the first choice
 of an ``n > 1`` request (its siblings wait for it and start there).
+
+Under tensor parallelism every rank holds its own shard of each state, so every rank keeps its
+own copies: rank 0's store decides (which row, which slot) and records each copy
+(``Copy``); the model runner sends the copies made since the last step with the next step
+(``step_broadcast``), and each other rank repeats them on its ``StateReplica`` before that step
+runs, in the order rank 0 made them (a copy taken after step ``k`` is made before step ``k + 1``
+on both sides, and no step runs in between).
 """
 
 from collections import OrderedDict
-from typing import Dict, List
+from typing import Dict, List, NamedTuple
 
 import torch
 
 from ..cache.interface import CachedSequenceInterface
 
 
+SAVE, RESTORE = 0, 1
+
+
+class Copy(NamedTuple):
+    """One copy between a running slot and a snapshot row: ``SAVE`` slot -> row, ``RESTORE`` row -> slot."""
+
+    kind: int
+    row: int
+    slot: int
+
+
+def _copy(cache: CachedSequenceInterface, rows: Dict[str, torch.Tensor], copy: Copy) -> None:
+    for name, stored in rows.items():
+        if copy.kind == SAVE:
+            stored[copy.row].copy_(cache.caches[name][copy.slot])
+        else:
+            cache.caches[name][copy.slot].copy_(stored[copy.row])
+
+
 class StateSnapshots:
-    def __init__(self, cache: CachedSequenceInterface, capacity: int):
+    def __init__(self, cache: CachedSequenceInterface, capacity: int, record: bool = False):
+        """``record``: keep every copy for ``take_copies`` (rank 0 under tensor parallelism)."""
         if capacity < 1:
             raise ValueError("a snapshot store needs room for at least one snapshot")
         self.cache = cache
@@ -41,6 +68,8 @@ class StateSnapshots:
         self._row_of: "OrderedDict[int, int]" = OrderedDict()  # entry id -> row, least recently used first
         self.num_saved = 0
         self.num_restored = 0
+        self._record = record
+        self._copies: List[Copy] = []
 
     @property
     def nbytes(self) -> int:
@@ -69,8 +98,7 @@ class StateSnapshots:
             row = self._free.pop()
         else:
             _, row = self._row_of.popitem(last=False)
-        for name, rows in self._rows.items():
-            rows[row].copy_(self.cache.caches[name][slot])
+        self._do(Copy(SAVE, row, slot))
         self._row_of[entry_id] = row
         self.num_saved += 1
 
@@ -78,6 +106,43 @@ class StateSnapshots:
         """Put the snapshot of ``entry_id`` into ``slot``, where the sequence resuming from it runs."""
         row = self._row_of[entry_id]
         self._row_of.move_to_end(entry_id)
-        for name, rows in self._rows.items():
-            self.cache.caches[name][slot].copy_(rows[row])
+        self._do(Copy(RESTORE, row, slot))
         self.num_restored += 1
+
+    def _do(self, copy: Copy) -> None:
+        _copy(self.cache, self._rows, copy)
+        if self._record:
+            self._copies.append(copy)
+
+    def take_copies(self) -> List[Copy]:
+        """The copies made since the last call, in order (recording stores only)."""
+        copies, self._copies = self._copies, []
+        return copies
+
+
+class StateReplica:
+    """A rank other than 0: its own shard's snapshot rows, copied as rank 0's store says (rows
+    are allocated when first used, so this rank needs no capacity of its own)."""
+
+    def __init__(self, cache: CachedSequenceInterface):
+        self.cache = cache
+        self._rows: Dict[str, torch.Tensor] = {}
+
+    def apply(self, copies: List[Copy]) -> None:
+        for copy in copies:
+            if copy.kind not in (SAVE, RESTORE):
+                raise ValueError(f"unknown state copy kind {copy.kind}")
+            self._grow(copy.row + 1)
+            _copy(self.cache, self._rows, copy)
+
+    def _grow(self, rows: int) -> None:
+        held = next(iter(self._rows.values())).shape[0] if self._rows else 0
+        if held >= rows:
+            return
+        rows = max(rows, 2 * held)  # doubling: a few reallocations up to rank 0's capacity
+        for name in self.cache.state_names:
+            state = self.cache.caches[name]
+            grown = torch.zeros((rows, *state.shape[1:]), dtype=state.dtype, device=state.device)
+            if name in self._rows:
+                grown[: self._rows[name].shape[0]].copy_(self._rows[name])
+            self._rows[name] = grown

@@ -8,10 +8,13 @@ rank (the LM head is whole, or its vocabulary slices are all-gathered); only ran
 
 Wire format, two broadcasts from rank 0 over the default group:
 
-1. a header: ``int64[5] = [kind, T, B, P, R]`` (``kind`` a ``MessageKind``; ``T`` tokens, ``B``
-   sequences, ``P`` page-table columns, ``R`` logits rows of a step, zeros otherwise);
+1. a header: ``int64[6] = [kind, T, B, P, R, C]`` (``kind`` a ``MessageKind``; ``T`` tokens, ``B``
+   sequences, ``P`` page-table columns, ``R`` logits rows, ``C`` state copies of a step, zeros
+   otherwise);
 2. for a step only: every ``SequenceInfo`` field flattened into one ``int64`` tensor, in
-   ``FIELDS`` order (the sizes follow from the header; each field is cast back to its dtype).
+   ``FIELDS`` order (the sizes follow from the header; each field is cast back to its dtype),
+   then the ``C`` state copies (``state_snapshots.Copy``: kind, row, slot) that each rank makes
+   before the step runs (prefix caching of a model with state caches).
 
 A rank waiting for a message is inside a collective, which fails after the group's timeout
 (``process_group.timeout_s``). So rank 0 sends a keep-alive whenever it has been quiet for a
@@ -24,12 +27,13 @@ import enum
 import threading
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..cache.sequence_info import METADATA_NAMES, SequenceInfo
+from .state_snapshots import Copy
 from ..utils.errors import RankFailure
 from ..utils.logging import get_logger
 from ..distributed import process_group
@@ -39,7 +43,7 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-HEADER_LEN = 5
+HEADER_LEN = 6
 
 
 class MessageKind(enum.IntEnum):
@@ -65,32 +69,43 @@ FIELDS: Dict[str, Tuple[_Shape, torch.dtype]] = {
 assert tuple(FIELDS) == ("input_ids", "position_ids", *METADATA_NAMES), "a SequenceInfo field has no wire format"
 
 
-def pack(info: SequenceInfo) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(header, payload)`` of one step, on the info's device."""
+def pack(info: SequenceInfo, copies: Sequence[Copy] = ()) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(header, payload)`` of one step and the state copies made before it, on the info's device."""
     inputs = info.as_inputs()
     device = info.input_ids.device
-    sizes = [info.num_tokens, info.num_sequences, int(info.page_table.shape[1]), int(info.logits_index.numel())]
+    sizes = [info.num_tokens, info.num_sequences, int(info.page_table.shape[1]), int(info.logits_index.numel()),
+             len(copies)]
     header = torch.tensor([int(MessageKind.STEP), *sizes], dtype=torch.long, device=device)
-    payload = torch.cat([inputs[name].reshape(-1).to(torch.long) for name in FIELDS])
-    return header, payload
+    parts = [inputs[name].reshape(-1).to(torch.long) for name in FIELDS]
+    if copies:
+        parts.append(torch.tensor([list(c) for c in copies], dtype=torch.long, device=device).reshape(-1))
+    return header, torch.cat(parts)
 
 
 def payload_numel(header: List[int]) -> int:
-    _, t, b, p, r = header
-    return sum(int(torch.Size(shape(t, b, p, r)).numel()) for shape, _ in FIELDS.values())
+    _, t, b, p, r, c = header
+    return sum(int(torch.Size(shape(t, b, p, r)).numel()) for shape, _ in FIELDS.values()) + 3 * c
+
+
+def state_copies(header: List[int], payload: torch.Tensor) -> List[Copy]:
+    """The state copies at the end of a step's payload, in the order rank 0 made them."""
+    count = header[5]
+    if not count:
+        return []
+    return [Copy(*row) for row in payload[payload.numel() - 3 * count:].reshape(count, 3).tolist()]
 
 
 def unpack(header: List[int], payload: torch.Tensor) -> SequenceInfo:
     """The ``SequenceInfo`` a header and payload describe (views into ``payload`` cast back)."""
-    _, t, b, p, r = header
+    _, t, b, p, r, c = header
     fields, offset = {}, 0
     for name, (shape_of, dtype) in FIELDS.items():
         shape = shape_of(t, b, p, r)
         n = int(torch.Size(shape).numel())
         fields[name] = payload[offset:offset + n].reshape(shape).to(dtype)
         offset += n
-    if offset != payload.numel():
-        raise RankFailure(f"a step message from rank 0 has {payload.numel()} values, its header says {offset}; "
+    if offset + 3 * c != payload.numel():
+        raise RankFailure(f"a step message from rank 0 has {payload.numel()} values, its header says {offset + 3 * c}; "
                           "are all ranks running the same autodeploy version?")
     return SequenceInfo(**fields)
 
@@ -124,14 +139,15 @@ class StepSender:
         self._last_sent = time.monotonic()
 
     @contextmanager
-    def step(self, info: SequenceInfo) -> Iterator[None]:
-        """Send ``info`` to every rank; the body runs rank 0's graph call. Any error inside (a
+    def step(self, info: SequenceInfo, copies: Sequence[Copy] = ()) -> Iterator[None]:
+        """Send ``info`` (and the state ``copies`` each rank makes first) to every rank; the body
+        runs rank 0's graph call. Any error inside (a
         rank gone, a collective timed out, a bug, Ctrl-C) leaves the ranks out of step: it is
         kept as the group's failure, and the step raises ``RankFailure`` naming it."""
         with self._lock:
             self._check()
             try:
-                header, payload = pack(info)
+                header, payload = pack(info, copies)
                 dist.broadcast(header, src=0)
                 dist.broadcast(payload, src=0)
                 self._last_sent = time.monotonic()
@@ -206,13 +222,23 @@ class StepSender:
                 self._lock.release()
 
 
+class ReceivedStep(NamedTuple):
+    info: SequenceInfo
+    copies: List[Copy]  # state copies to make before the step runs (``StateReplica.apply``)
+
+
 class StepReceiver:
-    """The other ranks' end: ``receive()`` is the next step's inputs, or None when rank 0 says stop."""
+    """The other ranks' end: ``receive()`` is the next step's inputs, or None when rank 0 says stop
+    (``receive_step()`` with the state copies that go before it)."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
 
     def receive(self) -> Optional[SequenceInfo]:
+        step = self.receive_step()
+        return step.info if step is not None else None
+
+    def receive_step(self) -> Optional[ReceivedStep]:
         while True:
             header_t = torch.empty(HEADER_LEN, dtype=torch.long, device=self.device)
             try:
@@ -230,7 +256,7 @@ class StepReceiver:
                 raise RankFailure(f"rank {process_group.rank()} got an unknown message kind {kind} from rank 0")
             payload = torch.empty(payload_numel(header), dtype=torch.long, device=self.device)
             dist.broadcast(payload, src=0)
-            return unpack(header, payload)
+            return ReceivedStep(unpack(header, payload), state_copies(header, payload))
 
 
 def agree_on_capacity(cache: "CachedSequenceInterface") -> Tuple[int, int]:

@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 from autodeploy.cache.interface import CachedSequenceInterface
 from autodeploy.cache.sequence_info import build_sequence_info
 from autodeploy.distributed import process_group
-from autodeploy.runtime.step_broadcast import FIELDS, StepSender, pack, payload_numel, unpack
+from autodeploy.runtime.state_snapshots import RESTORE, SAVE, Copy
+from autodeploy.runtime.step_broadcast import FIELDS, StepSender, pack, payload_numel, state_copies, unpack
 from autodeploy.utils.errors import RankFailure
 from test_collectives import _free_port
 
@@ -52,6 +53,18 @@ def test_a_step_survives_the_wire_format():
             assert got.dtype == sent.dtype and torch.equal(got, sent), name
     with pytest.raises(RankFailure, match="same autodeploy version"):
         unpack(header.tolist(), torch.cat([payload, payload[:1]]))
+
+
+def test_state_copies_ride_with_a_step():
+    info = _info(1)
+    copies = [Copy(SAVE, 3, 0), Copy(RESTORE, 3, 2), Copy(SAVE, 0, 1)]
+    header, payload = pack(info, copies)
+    assert header.tolist()[-1] == 3 and payload.numel() == payload_numel(header.tolist())
+    assert state_copies(header.tolist(), payload) == copies
+    back = unpack(header.tolist(), payload)
+    assert all(torch.equal(getattr(back, name), getattr(info, name)) for name in FIELDS)
+    plain_header, plain = pack(info)
+    assert state_copies(plain_header.tolist(), plain) == [] and payload.numel() == plain.numel() + 9
 
 
 # ---- two ranks ----------------------------------------------------------------------------------

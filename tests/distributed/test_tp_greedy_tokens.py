@@ -59,3 +59,50 @@ def test_greedy_tokens_at_several_ranks_equal_hf(family, world):
     assert len({r["bytes"] for r in results}) == 1, [r["bytes"] for r in results]
     single = _weight_bytes(hf_model(_checkpoint(family)))
     assert all(r["bytes"] < single for r in results), (single, [r["bytes"] for r in results])
+
+
+def _state_prefix_job(rank: int, world: int) -> Dict[str, Any]:
+    """Qwen3-Next (Gated DeltaNet state caches and attention; the experts sharded) with prefix
+    caching: three prompts sharing a 22-token head, one after another, and an unrelated one
+    before the third (so the slot the third runs in holds another state): the third starts from
+    the state copy the second left, which every rank must restore on its own."""
+    import random
+
+    from autodeploy import LLM, SamplingParams
+    from helpers import coverage_checkpoint
+
+    path, vocab = coverage_checkpoint("qwen3_next")
+    llm = LLM(path, dtype="float32", world_size=world, max_seq_len=64, max_batch_size=4, page_size=4,
+              max_num_tokens=64)
+    if not llm.is_driver:
+        llm.follow()
+        return {}
+    rng = random.Random(0)
+    head = [rng.randrange(3, vocab) for _ in range(22)]
+    prompts = [head + [rng.randrange(3, vocab) for _ in range(k)] for k in (1, 3)]
+    prompts += [[rng.randrange(3, vocab) for _ in range(30)], head + [rng.randrange(3, vocab) for _ in range(6)]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0] for p in prompts]
+    store = llm.engine.snapshots
+    llm.shutdown()
+    return {"tokens": [list(o.token_ids) for o in outs], "prompts": prompts, "path": path,
+            "logprobs": [[step[t] for step, t in zip(o.logprobs, o.token_ids)] for o in outs],
+            "hits": llm.engine.scheduler.prefix_hit_tokens, "copies": (store.num_saved, store.num_restored)}
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: both ranks build a Qwen3-Next
+@pytest.mark.distributed
+def test_state_snapshots_of_prefix_caching_at_two_ranks_give_hf_tokens():
+    results = _run_ranks(partial(_state_prefix_job, world=2), world=2, timeout=400)
+    for r in results:
+        assert "error" not in r, r.get("error")
+    lead = results[0]
+    assert lead["hits"] == 20 and lead["copies"] == (1, 1)
+    assert lead["tokens"] == hf_greedy_tokens(lead["path"], lead["prompts"], 6)
+    # the greedy tokens of a tiny random model hardly feel its state: its log-probabilities do
+    model = hf_model(lead["path"])
+    for prompt, tokens, logprobs in zip(lead["prompts"], lead["tokens"], lead["logprobs"]):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+        want = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(logprobs), want, atol=1e-4), (logprobs, want.tolist())
