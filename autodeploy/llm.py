@@ -75,6 +75,7 @@ class LLM:
         self.rank = self.build.context.rank
         self._sender: Optional["StepSender"] = None  # rank 0 of several: sends every step to the others
         self._engine: Optional[Engine] = None
+        self._agreed_sequences = cache.max_batch_size  # above world size 1: what every rank holds
         if self.config.world_size == 1:
             self._engine = Engine(self.build.graph, cache, tokenizer=self.tokenizer_handle,
                                   eos_token_ids=self._eos_token_ids(),
@@ -84,6 +85,7 @@ class LLM:
         from .runtime.step_broadcast import StepSender, agree_on_capacity
 
         pages, sequences = agree_on_capacity(cache)  # every rank, in the same order
+        self._agreed_sequences = sequences
         if self.rank == 0:
             self._sender = StepSender(cache.device)
             # a script that forgets shutdown() still lets the other ranks go when it ends
@@ -130,11 +132,13 @@ class LLM:
         if self.is_driver:
             raise ConfigError("follow() is for the ranks other than 0; this process runs the engine (llm.is_driver)")
         from .runtime.follower import follow
-        from .runtime.state_snapshots import StateReplica
+        from .runtime.state_snapshots import StateReplica, snapshot_capacity
 
         cache = self.build.cache
-        # rank 0 may keep state snapshots for prefix caching: this rank repeats its copies
-        replica = StateReplica(cache) if self.config.enable_prefix_caching and cache.state_names else None
+        # rank 0 keeps state snapshots for prefix caching (Engine): this rank repeats its copies
+        capacity = snapshot_capacity(self.config.prefix_state_snapshots, self._agreed_sequences)
+        replica = (StateReplica(cache, capacity) if self.config.enable_prefix_caching and cache.state_names
+                   and capacity > 0 else None)
         return follow(self.build.graph, cache, replica)
 
     def shutdown(self) -> None:

@@ -26,7 +26,7 @@ from .sampler import prompt_token_logprobs, sample, token_logprobs
 from .sampling_params import InvalidRequestError
 from .scheduler import ScheduledStep, Scheduler
 from .sequence import Sequence
-from .state_snapshots import StateSnapshots
+from .state_snapshots import StateSnapshots, snapshot_capacity
 
 if TYPE_CHECKING:
     from .step_broadcast import StepSender
@@ -95,12 +95,7 @@ class _Request:
         return list(scored) if scored is not None else None
 
 
-# Snapshots kept for prefix caching of a state-cache model when the user sets no number: enough for
-# a few shared system prompts and their parting points, in at most the memory of 16 running states.
-DEFAULT_STATE_SNAPSHOTS = 16
-
-
-def _snapshot_store(cache: CachedSequenceInterface, capacity: Optional[int], sends_steps: bool,
+def _snapshot_store(cache: CachedSequenceInterface, setting: Optional[int], max_batch_size: int, sends_steps: bool,
                     chunked_prefill: bool) -> Optional[StateSnapshots]:
     """The snapshot store of a state-cache model's prefix caching, or None (with one log line
     saying why) where prefix caching is off for it. ``sends_steps``: rank 0 of a tensor-parallel
@@ -109,12 +104,12 @@ def _snapshot_store(cache: CachedSequenceInterface, capacity: Optional[int], sen
     why = None
     if not chunked_prefill:
         why = "a state is copied at a page boundary only where a prefill chunk ends there (chunked prefill is off)"
-    elif capacity == 0:
+    elif setting == 0:
         why = "prefix_state_snapshots is 0"
     if why is not None:
         logger.info("prefix caching is off for this model (state caches %s): %s", names, why)
         return None
-    capacity = capacity if capacity is not None else min(DEFAULT_STATE_SNAPSHOTS, cache.max_batch_size)
+    capacity = snapshot_capacity(setting, max_batch_size)
     store = StateSnapshots(cache, capacity, record=sends_steps)  # the other ranks repeat its copies
     logger.info("prefix caching with state caches (%s): up to %d state snapshots at page boundaries, %.1f MiB",
                 names, capacity, store.nbytes / 2**20)
@@ -143,15 +138,16 @@ class Engine:
         rank's cache holds (every rank's cache must hold what rank 0 schedules).
         ``prefix_caching``: sequences start from the cached pages of a prompt prefix seen before
         (``PagePool``). ``state_snapshots``: for a model with per-sequence state caches, how many
-        copies of a state at a page boundary are kept for it (``StateSnapshots``; None: at most
-        ``DEFAULT_STATE_SNAPSHOTS``; 0 turns prefix caching off for such a model)."""
+        copies of a state at a page boundary are kept for it (``snapshot_capacity``; 0 turns
+        prefix caching off for such a model)."""
         self.cache = cache
         self.tokenizer = tokenizer
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
         self.max_seq_len = cache.max_seq_len
         self.snapshots: Optional[StateSnapshots] = None
         if prefix_caching and cache.state_names:
-            self.snapshots = _snapshot_store(cache, state_snapshots, step_sender is not None, chunked_prefill)
+            self.snapshots = _snapshot_store(cache, state_snapshots, max_batch_size or cache.max_batch_size,
+                                             step_sender is not None, chunked_prefill)
             prefix_caching = self.snapshots is not None
         self.runner = ModelRunner(model, cache, step_sender, self.snapshots)
         self.pool = PagePool(num_pages if num_pages is not None else cache.allocatable_pages, cache.page_size,

@@ -26,7 +26,7 @@ on both sides, and no step runs in between).
 """
 
 from collections import OrderedDict
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -34,6 +34,21 @@ from ..cache.interface import CachedSequenceInterface
 
 
 SAVE, RESTORE = 0, 1
+# Snapshots kept when the user sets no number: enough for a few shared system prompts and their
+# parting points, in at most the memory of 16 running states.
+DEFAULT_STATE_SNAPSHOTS = 16
+
+
+def snapshot_capacity(setting: Optional[int], max_batch_size: int) -> int:
+    """How many snapshots a store keeps: ``prefix_state_snapshots``, or unset
+    ``min(DEFAULT_STATE_SNAPSHOTS, max_batch_size)`` (every rank of a group computes the same)."""
+    return setting if setting is not None else min(DEFAULT_STATE_SNAPSHOTS, max_batch_size)
+
+
+def _allocate_rows(cache: CachedSequenceInterface, capacity: int) -> Dict[str, torch.Tensor]:
+    return {name: torch.empty((capacity, *cache.caches[name].shape[1:]), dtype=cache.caches[name].dtype,
+                              device=cache.caches[name].device)
+            for name in cache.state_names}
 
 
 class Copy(NamedTuple):
@@ -59,11 +74,7 @@ class StateSnapshots:
             raise ValueError("a snapshot store needs room for at least one snapshot")
         self.cache = cache
         self.capacity = capacity
-        self._rows: Dict[str, torch.Tensor] = {
-            name: torch.empty((capacity, *cache.caches[name].shape[1:]), dtype=cache.caches[name].dtype,
-                              device=cache.caches[name].device)
-            for name in cache.state_names
-        }
+        self._rows = _allocate_rows(cache, capacity)
         self._free: List[int] = list(range(capacity - 1, -1, -1))
         self._row_of: "OrderedDict[int, int]" = OrderedDict()  # entry id -> row, least recently used first
         self.num_saved = 0
@@ -121,28 +132,17 @@ class StateSnapshots:
 
 
 class StateReplica:
-    """A rank other than 0: its own shard's snapshot rows, copied as rank 0's store says (rows
-    are allocated when first used, so this rank needs no capacity of its own)."""
+    """A rank other than 0: its own shard's snapshot rows (as many as rank 0's store,
+    ``snapshot_capacity``), copied as rank 0's store says."""
 
-    def __init__(self, cache: CachedSequenceInterface):
+    def __init__(self, cache: CachedSequenceInterface, capacity: int):
         self.cache = cache
-        self._rows: Dict[str, torch.Tensor] = {}
+        self.capacity = capacity
+        self._rows = _allocate_rows(cache, capacity)
 
     def apply(self, copies: List[Copy]) -> None:
         for copy in copies:
-            if copy.kind not in (SAVE, RESTORE):
-                raise ValueError(f"unknown state copy kind {copy.kind}")
-            self._grow(copy.row + 1)
+            if copy.kind not in (SAVE, RESTORE) or not 0 <= copy.row < self.capacity:
+                raise ValueError(f"state copy {copy} does not fit this rank's {self.capacity} snapshot rows; do all "
+                                 "ranks have the same prefix_state_snapshots?")
             _copy(self.cache, self._rows, copy)
-
-    def _grow(self, rows: int) -> None:
-        held = next(iter(self._rows.values())).shape[0] if self._rows else 0
-        if held >= rows:
-            return
-        rows = max(rows, 2 * held)  # doubling: a few reallocations up to rank 0's capacity
-        for name in self.cache.state_names:
-            state = self.cache.caches[name]
-            grown = torch.zeros((rows, *state.shape[1:]), dtype=state.dtype, device=state.device)
-            if name in self._rows:
-                grown[: self._rows[name].shape[0]].copy_(self._rows[name])
-            self._rows[name] = grown
