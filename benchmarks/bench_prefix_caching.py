@@ -14,10 +14,11 @@ cached ("first", median over rounds); the others find its pages in autodeploy's 
 ("later", median; "second": the second request alone). A model with state caches (Mamba2:
 ``--model`` a checkpoint of one) resumes only from a kept copy of its state, which the second
 request of a prefix leaves where the prompts part: that request computes the prefix again (its
-time is "second"), the ones after it start from the copy. autodeploy runs with its defaults except ``enable_prefix_caching``; HF has no
-prefix cache (its ``generate`` computes every prompt). The engines take turns on each round's
-requests, so machine noise hits them alike. Writes JSON and markdown to ``benchmarks/results/``
-and a PNG, ``benchmarks/prefix-caching.png``.
+time is "second"), the ones after it start from the copy. autodeploy runs with its defaults
+except ``enable_prefix_caching``; HF has no prefix cache (its ``generate`` computes every
+prompt). The engines take turns on each round's requests, so machine noise hits them alike.
+Writes JSON and markdown to ``benchmarks/results/`` and a PNG, ``benchmarks/prefix-caching.png``
+(``--png`` elsewhere).
 """
 
 import argparse

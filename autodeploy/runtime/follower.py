@@ -23,7 +23,8 @@ logger = get_logger(__name__)
 
 
 @torch.inference_mode()
-def follow(model: Callable[..., object], cache: CachedSequenceInterface, replica: Optional[StateReplica] = None) -> int:
+def follow(model: Callable[..., object], cache: CachedSequenceInterface,
+           replica: Optional[StateReplica] = None) -> int:
     """Run every step rank 0 sends until it sends stop; returns the number of steps run. Raises
     ``RankFailure`` when rank 0 (or another rank) is gone or hung for longer than the group's
     timeout. ``replica``: where rank 0's state copies go (None: this rank expects none)."""
@@ -37,7 +38,8 @@ def follow(model: Callable[..., object], cache: CachedSequenceInterface, replica
             break
         if step.copies:
             if replica is None:
-                raise RuntimeError("rank 0 sent state copies but this rank keeps no state snapshots")
+                raise RuntimeError("rank 0 sent state copies but this rank keeps no state snapshots: give every rank "
+                                   "the same enable_prefix_caching and prefix_state_snapshots")
             replica.apply(step.copies)
         model(*cache.graph_args(step.info))
         steps += 1

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from ..cache.sequence_info import METADATA_NAMES, SequenceInfo
-from .state_snapshots import Copy
 from ..utils.errors import RankFailure
 from ..utils.logging import get_logger
 from ..distributed import process_group
+from .state_snapshots import Copy
 
 if TYPE_CHECKING:
     from ..cache.interface import CachedSequenceInterface
