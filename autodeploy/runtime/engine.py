@@ -100,19 +100,20 @@ def _snapshot_store(cache: CachedSequenceInterface, setting: Optional[int], max_
     """The snapshot store of a state-cache model's prefix caching, or None (with one log line
     saying why) where prefix caching is off for it. ``sends_steps``: rank 0 of a tensor-parallel
     group, whose copies the other ranks make too."""
-    names = ", ".join(cache.state_names[:3])
+    state = cache.state_names
+    names = f"{len(state)} state caches (" + ", ".join(state[:3]) + (", ...)" if len(state) > 3 else ")")
     why = None
     if not chunked_prefill:
         why = "a state is copied at a page boundary only where a prefill chunk ends there (chunked prefill is off)"
     elif setting == 0:
         why = "prefix_state_snapshots is 0"
     if why is not None:
-        logger.info("prefix caching is off for this model (state caches %s): %s", names, why)
+        logger.info("prefix caching is off for this model with %s: %s", names, why)
         return None
     capacity = snapshot_capacity(setting, max_batch_size)
     store = StateSnapshots(cache, capacity, record=sends_steps)  # the other ranks repeat its copies
-    logger.info("prefix caching with state caches (%s): up to %d state snapshots at page boundaries, %.1f MiB",
-                names, capacity, store.nbytes / 2**20)
+    logger.info("prefix caching for a model with %s: up to %d copies of a sequence's states at page boundaries "
+                "(prefix_state_snapshots), %.1f MiB", names, capacity, store.nbytes / 2**20)
     return store
 
 
