@@ -33,7 +33,7 @@ def follow(model: Callable[..., object], cache: CachedSequenceInterface,
     logger.info("rank %d follows rank 0", rank)
     steps, start = 0, time.monotonic()
     while True:
-        step = receiver.receive_step()
+        step = receiver.receive()
         if step is None:
             break
         if step.copies:

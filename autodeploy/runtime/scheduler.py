@@ -120,6 +120,7 @@ class Scheduler:
         self.pool.free(seq.pages)
         seq.pages = []
         seq.prefix_ids = []
+        seq.snapshot_at = None  # a boundary of the pages it held
 
     def _sibling_computing_prompt(self, seq: Sequence) -> bool:
         """Whether another running sequence of ``seq``'s request (``n > 1``) has yet to compute the
@@ -152,7 +153,6 @@ class Scheduler:
         waits holding nothing, and matches again when admitted)."""
         self._release_pages(seq)
         seq.num_computed = 0
-        seq.snapshot_at = None
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.slot is not None:
@@ -168,7 +168,6 @@ class Scheduler:
         self._release_pages(seq)
         self._release_slot(seq)
         seq.num_computed = 0
-        seq.snapshot_at = None
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -228,17 +228,13 @@ class ReceivedStep(NamedTuple):
 
 
 class StepReceiver:
-    """The other ranks' end: ``receive()`` is the next step's inputs, or None when rank 0 says stop
-    (``receive_step()`` with the state copies that go before it)."""
+    """The other ranks' end: ``receive()`` is the next step (its inputs and the state copies that
+    go before it), or None when rank 0 says stop."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
 
-    def receive(self) -> Optional[SequenceInfo]:
-        step = self.receive_step()
-        return step.info if step is not None else None
-
-    def receive_step(self) -> Optional[ReceivedStep]:
+    def receive(self) -> Optional[ReceivedStep]:
         while True:
             header_t = torch.empty(HEADER_LEN, dtype=torch.long, device=self.device)
             try:

@@ -158,7 +158,7 @@ def _dying_follower_job(rank: int) -> Dict[str, Any]:
 
         receiver = StepReceiver(torch.device("cpu"))
         for _ in range(2):
-            _graph(*_cache().graph_args(receiver.receive()))
+            _graph(*_cache().graph_args(receiver.receive().info))
         os._exit(3)  # dies without a word between steps
     sender = StepSender(torch.device("cpu"))
     heard: List[str] = []
@@ -201,7 +201,7 @@ def _hanging_follower_job(rank: int) -> Dict[str, Any]:
 
         receiver = StepReceiver(torch.device("cpu"))
         for _ in range(2):
-            _graph(*_cache().graph_args(receiver.receive()))
+            _graph(*_cache().graph_args(receiver.receive().info))
         time.sleep(4 * process_group.timeout_s())  # alive, but answers nothing
         os._exit(4)
     sender = StepSender(torch.device("cpu"))
