@@ -132,7 +132,8 @@ class LLM:
         if self.is_driver:
             raise ConfigError("follow() is for the ranks other than 0; this process runs the engine (llm.is_driver)")
         from .runtime.follower import follow
-        from .runtime.state_snapshots import StateReplica, snapshot_capacity
+        from .cache.limits import snapshot_capacity
+        from .runtime.state_snapshots import StateReplica
 
         cache = self.build.cache
         # rank 0 keeps state snapshots for prefix caching (Engine): this rank repeats its copies

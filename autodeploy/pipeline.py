@@ -116,6 +116,7 @@ def build_graph(
         page_size=config.page_size,
         auto_batch_size=config.max_batch_size is None,
         auto_seq_len=config.max_seq_len is None,
+        state_snapshots=config.prefix_state_snapshots if config.enable_prefix_caching else 0,
         world_size=config.world_size,
         rank=rank,
     )

@@ -71,7 +71,8 @@ class DeployConfig(BaseModel):
     prefix_state_snapshots: Optional[int] = Field(
         default=None, ge=0,
         description="Prefix caching for models with state caches: how many copies of a sequence's state at a page "
-        "boundary are kept (each one running state's size, least recently used dropped first). A copy is taken "
+        "boundary are kept (each one running state's size, taken out of the cache memory budget of resize_kv_cache; "
+        "least recently used dropped first). A copy is taken "
         "where two prompts were seen to part (the second request sharing a system prompt computes it again and "
         "leaves one; later ones start from it) and at an n > 1 request's last whole prompt page. Unset: "
         "min(16, max_batch_size); 0: prefix caching off for such models. No effect on models without state caches.",

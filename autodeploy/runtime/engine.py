@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional
 import torch
 
 from ..cache.interface import CachedSequenceInterface
+from ..cache.limits import snapshot_capacity
 from ..utils.logging import get_logger
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .model_runner import ModelRunner, StepLogits
@@ -26,7 +27,7 @@ from .sampler import prompt_token_logprobs, sample, token_logprobs
 from .sampling_params import InvalidRequestError
 from .scheduler import ScheduledStep, Scheduler
 from .sequence import Sequence
-from .state_snapshots import StateSnapshots, snapshot_capacity
+from .state_snapshots import StateSnapshots
 
 if TYPE_CHECKING:
     from .step_broadcast import StepSender

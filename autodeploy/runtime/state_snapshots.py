@@ -26,7 +26,7 @@ on both sides, and no step runs in between).
 """
 
 from collections import OrderedDict
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple
 
 import torch
 
@@ -34,15 +34,6 @@ from ..cache.interface import CachedSequenceInterface
 
 
 SAVE, RESTORE = 0, 1
-# Snapshots kept when the user sets no number: enough for a few shared system prompts and their
-# parting points, in at most the memory of 16 running states.
-DEFAULT_STATE_SNAPSHOTS = 16
-
-
-def snapshot_capacity(setting: Optional[int], max_batch_size: int) -> int:
-    """How many snapshots a store keeps: ``prefix_state_snapshots``, or unset
-    ``min(DEFAULT_STATE_SNAPSHOTS, max_batch_size)`` (every rank of a group computes the same)."""
-    return setting if setting is not None else min(DEFAULT_STATE_SNAPSHOTS, max_batch_size)
 
 
 def _allocate_rows(cache: CachedSequenceInterface, capacity: int) -> Dict[str, torch.Tensor]:
@@ -133,7 +124,7 @@ class StateSnapshots:
 
 class StateReplica:
     """A rank other than 0: its own shard's snapshot rows (as many as rank 0's store,
-    ``snapshot_capacity``), copied as rank 0's store says."""
+    ``cache.limits.snapshot_capacity``), copied as rank 0's store says."""
 
     def __init__(self, cache: CachedSequenceInterface, capacity: int):
         self.cache = cache

@@ -149,6 +149,10 @@ class PipelineContext:
     # The user left max_seq_len unset: it is the model's own limit, which resize_kv_cache may lower
     # to what the page pool can hold (a user's value is never lowered: too large is an error).
     auto_seq_len: bool = False
+    # State copies the runtime keeps beside the running slots of a model with state caches
+    # (prefix caching; ``cache.limits.snapshot_capacity``: None its default, 0 none), set by
+    # ``autodeploy.pipeline``; resize_kv_cache takes their memory out of the cache budget.
+    state_snapshots: Optional[int] = 0
     # The cache interface (``autodeploy.cache.CachedSequenceInterface``) once cache_init made one.
     cache: Any = None
     history: List[TransformRecord] = field(default_factory=list)

@@ -53,3 +53,18 @@ def test_state_caches_follow_the_batch_size_chosen_after_allocation():
     cache.max_batch_size = 9
     assert cache.caches["ssm_state_0"].shape[0] == 10 and cache.caches["conv_state_0"].shape[0] == 10
     assert cache.caches["k_cache_0"] is pages  # the page pool is not touched
+
+
+@pytest.mark.parametrize("snapshots", [None, 0, 3, 16])
+def test_batch_for_states_is_the_largest_batch_whose_slots_spare_and_copies_fit(snapshots):
+    from autodeploy.cache.limits import batch_for_states, snapshot_capacity
+
+    def needed(batch):
+        return batch + 1 + snapshot_capacity(snapshots, batch)
+
+    for num_states in range(1, 80):
+        batch = batch_for_states(num_states, snapshots)
+        if needed(1) > num_states:
+            assert batch == 1  # nothing fits: one sequence at least (the pool's own checks decide)
+            continue
+        assert needed(batch) <= num_states < needed(batch + 1), num_states

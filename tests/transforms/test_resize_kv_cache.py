@@ -249,3 +249,29 @@ def test_peak_bound_leaves_the_graph_values_alone(weights_graph):
     before = {n: n.meta.get("val") for n in gm.graph.nodes}
     assert forward_peak_bound(gm, ctx.cache.graph_args(sizing_step(ctx.cache))) is not None
     assert all(n.meta.get("val") is before[n] for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("prefix_caching, snapshots", [(True, None), (True, 5), (False, None)])
+def test_state_copies_of_prefix_caching_come_out_of_the_budget(prefix_caching, snapshots):
+    """A state model whose states decide the batch cap (Mamba2, a 1 MiB budget, ~20 KiB a
+    state): its slots, the spare and prefix caching's copies of states all fit in the budget,
+    and the cap is the largest that does (without copies it is one state less than the budget)."""
+    from autodeploy.cache.limits import snapshot_capacity
+    from helpers import coverage_checkpoint
+
+    budget = 2**20
+    result = build(coverage_checkpoint("mamba2")[0], up_to=Stage.CACHE_INIT, enable_prefix_caching=prefix_caching,
+                   prefix_state_snapshots=snapshots,
+                   overrides={"resize_kv_cache": {"cpu_max_cache_gb": budget / 2**30}})
+    ctx, cache = result.context, result.context.cache
+    assert ctx.state_snapshots == (snapshots if prefix_caching else 0)
+    per_state = cache.state_bytes_per_sequence()
+
+    def states(batch):  # running slots, the spare, the copies
+        return batch + 1 + (snapshot_capacity(ctx.state_snapshots, batch) if prefix_caching else 0)
+
+    batch = cache.max_batch_size
+    assert cache.state_bytes() == (batch + 1) * per_state
+    assert states(batch) * per_state <= budget < states(batch + 1) * per_state
+    assert batch == {(True, None): budget // per_state - 17, (True, 5): budget // per_state - 6,
+                     (False, None): budget // per_state - 1}[(prefix_caching, snapshots)]

@@ -5,7 +5,9 @@ Before: the sizing pool from ``initialize_cache``. After: a pool of
 ``free_mem_ratio * (free - forward_peak)`` (on CPU at most ``cpu_max_cache_gb``), the forward
 peak is measured by running one step of ``max_num_tokens`` tokens (CUDA: allocator peak and
 ``mem_get_info``; CPU: peak RSS and ``MemAvailable``), and ``useful`` is what ``max_batch_size``
-sequences of ``max_seq_len`` tokens can ever hold. A pool fixed by
+sequences of ``max_seq_len`` tokens can ever hold. The budget also pays for the state caches: a
+slot for each of ``max_batch_size`` sequences, the spare, and the copies prefix caching keeps of
+states at page boundaries (``PipelineContext.state_snapshots``). A pool fixed by
 ``initialize_cache.num_pages`` is kept; the forward still runs as a check.
 
 On CPU the forward is a prefill of ``max_num_tokens`` tokens (2-3 s of ``small``'s build), and
@@ -34,7 +36,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ...cache.sequence_info import build_sequence_info
 from ...utils.logging import get_logger
 from ...utils.memory import free_memory_bytes, measure_peak
-from ...cache.limits import MAX_BATCH_SIZE_CAP, UNSIZED_STATE_BUDGET, auto_batch_size
+from ...cache.limits import (MAX_BATCH_SIZE_CAP, UNSIZED_STATE_BUDGET, auto_batch_size, batch_for_states,
+                             snapshot_capacity)
 from ...utils.errors import ConfigError
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 
@@ -111,10 +114,10 @@ class ResizeKVCache(BaseTransform):
         cache.allocate(pages)
         choose_batch_size(ctx, cache, state_budget)
         logger.info(
-            "KV cache resized to %d pages (%.1f MiB, %d tokens of %d bytes; state caches %.1f MiB; token buffers "
+            "KV cache resized to %d pages (%.1f MiB, %d tokens of %d bytes; state caches %.1f MiB%s; token buffers "
             "%.1f MiB): free %.0f MiB, forward peak %s%.1f MiB%s, budget %.0f MiB, max_batch_size %d, max_seq_len %d",
             pages, cache.paged_bytes() / 2**20, pages * cache.page_size, cache.bytes_per_token(),
-            cache.state_bytes() / 2**20,
+            cache.state_bytes() / 2**20, _copies_note(plan["copies"], cache),
             cache.buffer_bytes() / 2**20,
             free / 2**20, "" if measured else "<= ", forward_peak / 2**20, "" if measured else
             " (bound from the graph's shapes: the budget is the cap either way, so the forward was not run)",
@@ -156,15 +159,18 @@ def _plan(cfg: ResizeKVCacheConfig, ctx: PipelineContext, cache, free: int, forw
     budget = int(cfg.free_mem_ratio * max(0, free - forward_peak))
     if cache.device.type == "cpu" and cfg.cpu_max_cache_gb is not None:
         budget = min(budget, int(cfg.cpu_max_cache_gb * 2**30))
-    # state slots come out of the same budget: one per sequence that may run, and the spare
+    # state slots come out of the same budget: one per sequence that may run, the spare, and the
+    # copies prefix caching keeps of them (ctx.state_snapshots)
     state_budget = max(0, budget - cache.min_pages * cache.bytes_per_page())
     batch_bound = MAX_BATCH_SIZE_CAP if ctx.auto_batch_size else cache.max_batch_size
-    if ctx.auto_batch_size and cache.state_names:
-        batch_bound = min(batch_bound, max(1, state_budget // cache.state_bytes_per_sequence() - 1))
-    page_budget = max(0, budget - (batch_bound + 1) * cache.state_bytes_per_sequence())
+    per_state = cache.state_bytes_per_sequence()
+    if ctx.auto_batch_size and per_state:
+        batch_bound = min(batch_bound, batch_for_states(state_budget // per_state, ctx.state_snapshots))
+    copies = snapshot_capacity(ctx.state_snapshots, batch_bound) if per_state else 0
+    page_budget = max(0, budget - (batch_bound + 1 + copies) * per_state)
     affordable = page_budget // max(1, cache.bytes_per_page())
     return dict(budget=budget, state_budget=state_budget, batch_bound=batch_bound, page_budget=page_budget,
-                affordable=affordable)
+                affordable=affordable, copies=copies)
 
 
 # The bound is this many times the bytes of every value the graph computes: none of them is freed
@@ -212,7 +218,7 @@ def choose_batch_size(ctx: PipelineContext, cache, state_budget: Optional[int] =
     """An unset max_batch_size becomes what the pool (and the state budget) holds
     (``autodeploy.cache.limits``)."""
     if ctx.auto_batch_size:
-        cache.max_batch_size = ctx.max_batch_size = auto_batch_size(cache, state_budget)
+        cache.max_batch_size = ctx.max_batch_size = auto_batch_size(cache, state_budget, ctx.state_snapshots)
 
 
 def _fit_max_seq_len(ctx: PipelineContext, cache, affordable_pages: int, budget: int, available: int) -> None:
@@ -239,6 +245,12 @@ def _fit_max_seq_len(ctx: PipelineContext, cache, affordable_pages: int, budget:
         f"one sequence of max_seq_len={cache.max_seq_len} tokens needs {_size(per_seq)} of cache, more than the "
         f"{_size(available)} of free memory; lower max_seq_len to at most {max(fits, 0)}"
     )
+
+
+def _copies_note(copies: int, cache) -> str:
+    if not copies:
+        return ""
+    return f" and {_size(copies * cache.state_bytes_per_sequence())} kept for {copies} state copies (prefix caching)"
 
 
 def _size(num_bytes: float) -> str:
