@@ -91,6 +91,15 @@ class StateSnapshots:
     def __contains__(self, entry_id: int) -> bool:
         return entry_id in self._row_of
 
+    def entry_ids(self) -> List[int]:
+        """The entry ids with a copy, least recently used first."""
+        return list(self._row_of)
+
+    def copy_of(self, entry_id: int) -> Dict[str, torch.Tensor]:
+        """The copy of the state after the page of ``entry_id``: each state cache's row (views)."""
+        row = self._row_of[entry_id]
+        return {name: rows[row] for name, rows in self._rows.items()}
+
     def save(self, entry_id: int, slot: int) -> None:
         """Copy the state in ``slot`` (a sequence exactly after the page of ``entry_id``)."""
         if entry_id in self._row_of:

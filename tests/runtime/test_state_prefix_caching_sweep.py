@@ -10,9 +10,13 @@ reads (a state outside the state caches, a slot read before the copy) would chan
 
 Measured 2026-11-29 (AVX2 EPYC): the log-probabilities are within 1.7e-6 of HF's; with the
 restore skipped (the third prompt resumes from the unrelated prompt's state) 19 types fail,
-by up to 2.6e-2 (zamba2). For bamba, cohere_compass_text, granitemoehybrid, lfm2, lfm2_moe and
-zamba the tiny random checkpoints hardly feel the state at that point (the skipped restore
-changes their log-probabilities by under 2e-5), so for them this checks only that resuming runs.
+by up to 2.6e-2 (zamba2). For bamba, granitemoehybrid, lfm2, lfm2_moe and zamba the tiny random
+checkpoints hardly feel the state at that point (the skipped restore changes their
+log-probabilities by under 2e-5), so for them the tokens only check that resuming runs. What
+bites for every type is the state itself: the copy (every state cache's row) equals the state a
+fresh engine holds after a prefill of the 20-token head alone (with the copy taken from the
+wrong slot all of those five fail it). cohere_compass_text's only state is its M-RoPE position
+delta, which is 0 for text: it has nothing to resume, and its rows are compared all the same.
 """
 
 import random
@@ -41,7 +45,7 @@ def _hf_check(path: str, prompt: list, tokens: list, logprobs: list) -> None:
     assert torch.allclose(torch.tensor(logprobs), want, atol=1e-5), (logprobs, want.tolist())
 
 
-@pytest.mark.slow  # 25 builds and HF references: ~10 min on 2 cores
+@pytest.mark.slow  # 50 builds and 25 HF references: 134 s with -n 2 on 2 cores, ~4 min on one
 @pytest.mark.parametrize("model_type", STATE_TYPES)
 def test_a_restored_state_gives_hf_tokens_and_logprobs(model_type):
     path, vocab = coverage_checkpoint(model_type)
@@ -55,5 +59,23 @@ def test_a_restored_state_gives_hf_tokens_and_logprobs(model_type):
     outs = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0] for p in prompts]  # one by one
     store = llm.engine.snapshots
     assert (llm.engine.scheduler.prefix_hit_tokens, store.num_saved, store.num_restored) == (20, 1, 1)
+    _check_copy_is_the_state_after(path, head[:20], store)
     for prompt, out in zip(prompts, outs):
         _hf_check(path, prompt, list(out.token_ids), [step[t] for step, t in zip(out.logprobs, out.token_ids)])
+
+
+def _check_copy_is_the_state_after(path: str, prefix: list, store) -> None:
+    """The one copy in ``store`` equals each state cache's slot in an engine without prefix caching
+    that ran ``prefix`` alone (one prefill chunk; the token it samples is never run)."""
+    (entry,) = store.entry_ids()
+    copy = {name: t.clone() for name, t in store.copy_of(entry).items()}
+    fresh = LLM(path, dtype="float32", max_seq_len=64, max_batch_size=4, page_size=4, max_num_tokens=64,
+                enable_prefix_caching=False)
+    fresh.generate([{"prompt_token_ids": prefix}], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    slot = 0  # the lowest free slot: the one sequence ran there
+    assert sorted(copy) == sorted(fresh.engine.cache.state_names)
+    wanted = {name: fresh.engine.cache.caches[name][slot] for name in copy}
+    if any(not name.startswith("mrope_delta") for name in copy):  # an M-RoPE delta is 0 for text
+        assert any(bool(w.ne(0).any()) for w in wanted.values()), "the fresh engine's states are all zero"
+    for name, saved in copy.items():
+        assert torch.allclose(saved, wanted[name], rtol=1e-4, atol=1e-6), (name, (saved - wanted[name]).abs().max())
