@@ -227,4 +227,6 @@ class AsyncEngine:
         )
         self.metrics.set_preemptions(self._engine.num_preemptions)
         scheduler = self._engine.scheduler
-        self.metrics.set_prefix_cache(scheduler.prefix_query_tokens, scheduler.prefix_hit_tokens)
+        store = self._engine.snapshots
+        self.metrics.set_prefix_cache(scheduler.prefix_query_tokens, scheduler.prefix_hit_tokens,
+                                      store.num_saved if store else 0, store.num_restored if store else 0)

@@ -39,7 +39,8 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.preemptions = 0
-        self.prefix_cache = {"queried": 0, "hit": 0}  # tokens (PagePool prefix caching)
+        # tokens (PagePool prefix caching), and the state copies of a state-cache model's
+        self.prefix_cache = {"queried": 0, "hit": 0, "state_saved": 0, "state_restored": 0}
         self.gauges = {"running": 0, "waiting": 0, "pages_used": 0, "pages_free": 0}
         self.ttft = _Histogram(_LATENCY_BUCKETS)
         self.itl = _Histogram(_LATENCY_BUCKETS)
@@ -64,10 +65,12 @@ class Metrics:
         with self._lock:
             self.preemptions = total
 
-    def set_prefix_cache(self, queried: int, hit: int) -> None:
-        """The scheduler's prefix-caching token counts (its one source), copied after each step."""
+    def set_prefix_cache(self, queried: int, hit: int, state_saved: int = 0, state_restored: int = 0) -> None:
+        """The scheduler's prefix-caching token counts and the state snapshot store's copies (their
+        one source), copied after each step."""
         with self._lock:
-            self.prefix_cache = {"queried": queried, "hit": hit}
+            self.prefix_cache = {"queried": queried, "hit": hit, "state_saved": state_saved,
+                                 "state_restored": state_restored}
 
     def observe_ttft(self, seconds: float) -> None:
         with self._lock:
@@ -115,6 +118,11 @@ class Metrics:
                 "# HELP autodeploy_prefix_cache_hit_tokens_total Of those, tokens read from cached pages, not computed.",
                 "# TYPE autodeploy_prefix_cache_hit_tokens_total counter",
                 f"autodeploy_prefix_cache_hit_tokens_total {self.prefix_cache['hit']}",
+                "# HELP autodeploy_prefix_cache_state_copies_total Models with state caches: copies of a state at a "
+                "page boundary, saved (kept for later prompts) and restored (a sequence resumed from one).",
+                "# TYPE autodeploy_prefix_cache_state_copies_total counter",
+                f'autodeploy_prefix_cache_state_copies_total{{op="saved"}} {self.prefix_cache["state_saved"]}',
+                f'autodeploy_prefix_cache_state_copies_total{{op="restored"}} {self.prefix_cache["state_restored"]}',
                 "# HELP autodeploy_time_to_first_token_seconds Arrival to first generated token.",
                 "# TYPE autodeploy_time_to_first_token_seconds histogram",
                 *self.ttft.render("autodeploy_time_to_first_token_seconds"),

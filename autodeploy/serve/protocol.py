@@ -96,6 +96,8 @@ class _Common(_Strict):
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, List[str]]] = None
     seed: Optional[int] = None
+    # vLLM's extension: keep generating past an end-of-sequence token, up to max_tokens (benchmarks)
+    ignore_eos: bool = False
     # Not implemented: accepted only at their neutral values (the schema says so; check_supported
     # gives the 400 that names them)
     presence_penalty: Optional[float] = Field(default=None, json_schema_extra=_UNSUPPORTED_NUMBER)

@@ -65,6 +65,7 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max
             n=req.n,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            ignore_eos=req.ignore_eos,
         )
     except InvalidRequestError as exc:
         raise APIError(400, str(exc)) from None
