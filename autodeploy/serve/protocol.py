@@ -1,8 +1,10 @@
 """OpenAI request bodies, validated, and the error shape every failure is reported in.
 
-Parameters the engine does not implement (penalties, logit bias, suffix, tools, best_of > n)
-are rejected with a 400 naming the parameter rather than silently ignored: a client that asks
-for them would otherwise get answers it did not ask for.
+Parameters the engine does not implement (penalties, logit bias, suffix, tools, best_of > n,
+and vLLM's sampling extensions other than ``ignore_eos`` and ``stop_token_ids``: repetition
+penalty, min_p, guided decoding, ...) are rejected with a 400 naming the parameter rather than
+silently ignored: a client that asks for them would otherwise get answers it did not ask for.
+Other unknown fields are accepted and ignored (clients send vendor extras).
 
 Types are strict, as OpenAI's are: ``"stream": "yes"``, ``"echo": 0`` or ``"prompt": [true]``
 are 400s, not coerced (a float field still takes an integer). Text that cannot be encoded (a
@@ -10,6 +12,7 @@ lone UTF-16 surrogate, which JSON's ``\ud800`` escapes can carry) is a 400 namin
 before anything tries to tokenize it or echo it back.
 """
 
+import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -65,6 +68,19 @@ class _Strict(BaseModel):
 
 
 _UNSUPPORTED_NUMBER = {"enum": [0, None], "description": "Not supported: only 0 or null."}
+# vLLM's sampling extensions this server does not implement, with the values that change nothing:
+# any other value is a 400 naming it (ignored, the client would get answers it did not ask for)
+# (null is neutral for all of them)
+_UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
+    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
+    "length_penalty": (1,), "include_stop_str_in_output": (False,), "bad_words": ([],), "allowed_token_ids": (),
+    "truncate_prompt_tokens": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (),
+}
+
+
+def _neutral(value: Any, neutral: tuple) -> bool:
+    return value is None or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
 
 
 class StreamOptions(_Strict):
@@ -96,8 +112,10 @@ class _Common(_Strict):
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, List[str]]] = None
     seed: Optional[int] = None
-    # vLLM's extension: keep generating past an end-of-sequence token, up to max_tokens (benchmarks)
+    # vLLM's extensions: keep generating past an end-of-sequence token, up to max_tokens
+    # (benchmarks); token ids that end the output like EOS does (the token is counted, its text kept)
     ignore_eos: bool = False
+    stop_token_ids: Optional[List[int]] = Field(default=None, max_length=64)
     # Not implemented: accepted only at their neutral values (the schema says so; check_supported
     # gives the 400 that names them)
     presence_penalty: Optional[float] = Field(default=None, json_schema_extra=_UNSUPPORTED_NUMBER)
@@ -127,6 +145,11 @@ class _Common(_Strict):
                 raise APIError(400, f"'{name}' is not supported by this server; omit it or set it to 0", name)
         if self.logit_bias:
             raise APIError(400, "'logit_bias' is not supported by this server", "logit_bias")
+        for name, value in (self.model_extra or {}).items():
+            neutral = _UNSUPPORTED_EXTRAS.get(name)
+            if neutral is not None and not _neutral(value, neutral):
+                raise APIError(400, f"'{name}' (a vLLM extension) is not supported by this server; omit it"
+                               + (f" or set it to {json.dumps(neutral[0])}" if neutral else ""), name)
 
 
 class CompletionRequest(_Common):

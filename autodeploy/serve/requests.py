@@ -66,6 +66,7 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             ignore_eos=req.ignore_eos,
+            stop_token_ids=req.stop_token_ids,
         )
     except InvalidRequestError as exc:
         raise APIError(400, str(exc)) from None

@@ -35,6 +35,29 @@ def _sampling_kwargs(temperature, seed):
     return kw
 
 
+# ---- vLLM's sampling extensions ------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_token_ids_end_the_output_as_llm_generate_does(server, llm, stream):
+    """``stop_token_ids``: the output ends at (and with) the first of them, as the Python API's
+    ``SamplingParams.stop_token_ids`` does (it was accepted and ignored before)."""
+    tokens = _ref(llm, PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0).token_ids
+    k = next(i for i in range(2, MAX_TOKENS) if tokens[i] not in tokens[:i])
+    ref = _ref(llm, PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[tokens[k]])
+    assert (len(ref.token_ids), ref.finish_reason) == (k + 1, "stop")
+    body = {"model": SERVED_NAME, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stop_token_ids": [tokens[k]], "stream": stream, "stream_options": {"include_usage": True} if stream else None}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    if stream:
+        events = json_events(sse_events(r.text.splitlines()))
+        text = "".join(c["text"] for e in events for c in e["choices"])
+        finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+        usage = events[-1]["usage"]
+    else:
+        out = r.json()
+        text, finish, usage = out["choices"][0]["text"], [out["choices"][0]["finish_reason"]], out["usage"]
+    assert (text, finish, usage["completion_tokens"]) == (ref.text, ["stop"], k + 1)
+
+
 # ---- completions -------------------------------------------------------------------------------
 @pytest.mark.parametrize("temperature,seed", SAMPLING)
 @pytest.mark.parametrize("prompt", PROMPTS)

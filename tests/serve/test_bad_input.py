@@ -174,6 +174,8 @@ def test_prompt_longer_than_context(healthy, llm):
     (CMPL, "frequency_penalty", 0.5), (CHAT, "frequency_penalty", 0.5), (CMPL, "presence_penalty", -1.0),
     (CMPL, "logit_bias", {"50": 10}), (CHAT, "logit_bias", {"50": -100}), (CMPL, "suffix", "tail"),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), (CMPL, "best_of", 3),
+    (CMPL, "repetition_penalty", 1.2), (CHAT, "min_p", 0.1), (CMPL, "min_tokens", 4), (CHAT, "use_beam_search", True),
+    (CMPL, "guided_json", {"type": "object"}), (CHAT, "guided_choice", ["a", "b"]),
 ])
 def test_unsupported_params(healthy, path, field, value):
     body = {"model": SERVED_NAME, "prompt": "hi", "messages": MSGS, "max_tokens": 2, field: value}
@@ -190,7 +192,8 @@ def test_unsupported_params_through_openai_client(healthy):
 
 def test_neutral_values_of_unsupported_params_are_accepted(healthy):
     body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2, "frequency_penalty": 0, "presence_penalty": 0.0,
-            "logit_bias": {}, "suffix": "", "best_of": 1, "user": "u", "vendor_extra": {"a": 1}}
+            "logit_bias": {}, "suffix": "", "best_of": 1, "user": "u", "vendor_extra": {"a": 1},
+            "repetition_penalty": 1.0, "min_p": 0, "min_tokens": 0, "use_beam_search": False, "guided_json": None}
     assert _post(healthy, CMPL, body).status_code == 200
     body = {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 2, "tools": [], "response_format": {"type": "text"}}
     assert _post(healthy, CHAT, body).status_code == 200
