@@ -244,7 +244,9 @@ def _sampling_params(args: argparse.Namespace) -> Any:
 
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+        seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos, min_p=args.min_p,
+        min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
     )
 
 
@@ -357,9 +359,19 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the k most likely tokens (default 0: off)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens less likely than P times the most likely (default 0: off)")
     p.add_argument("--seed", type=int, default=None, metavar="N", help="seed for sampling (default: none)")
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after the EOS token")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no EOS, stop token or stop string ends the output before N tokens (default 0)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide positive / multiply negative logits of tokens seen in prompt or output (default 1: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="subtract F per occurrence in the output, -2..2 (default 0: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="F",
+                   help="subtract F from tokens the output has, -2..2 (default 0: off)")
     p.add_argument("--world-size", type=int, default=None, metavar="N", help=WORLD_SIZE_HELP)
     p.set_defaults(func=cmd_run, accepts_overrides=True)
     _add_serve_parser(sub, common, epilog)

@@ -19,6 +19,7 @@ from ..cache.interface import CachedSequenceInterface
 from ..cache.limits import snapshot_capacity
 from ..utils.logging import get_logger
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .logits_processors import process_logits
 from .model_runner import ModelRunner, StepLogits
 from .outputs import CompletionOutput, RequestOutput
 from .page_pool import PagePool
@@ -249,7 +250,8 @@ class Engine:
         logits = self.runner.run(scheduled)
         self.scheduler.mark_computed(scheduled)
         self._score_prompts(logits)
-        tokens = sample(logits.next_token, [s.params for s in due], [s.generator for s in due]) if due else []
+        tokens = sample(process_logits(logits.next_token, due, self.eos_token_ids), [s.params for s in due],
+                        [s.generator for s in due]) if due else []
         finished = self._postprocess(due, tokens, logits.next_token)
         self.stats.account(scheduled, time.perf_counter() - start, len(due))
         return finished
@@ -294,7 +296,7 @@ class Engine:
             reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
             reason = "length"
-        if detok is not None and params.stop_strings:
+        if detok is not None and params.stop_strings and seq.num_output_tokens >= params.min_tokens:
             if reason is not None:  # text held back for the next token comes out now: check it too
                 new_chars += len(detok.flush())
             cut = StopStringMatcher.for_params(params).find(detok.text, new_chars)

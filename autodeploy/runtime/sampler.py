@@ -1,4 +1,5 @@
-"""Turn next-token logits into tokens: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Turn next-token logits into tokens: greedy, temperature, min-p, top-k, top-p, per-request seeds
+(penalties come before, in ``logits_processors``)."""
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -7,7 +8,11 @@ import torch
 from .sampling_params import SamplingParams
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """min-p, top-k, then top-p (vLLM's order) on one row of temperature-scaled logits."""
+    if min_p > 0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -32,7 +37,7 @@ def sample(
     for i, (p, gen) in enumerate(zip(params, generators)):
         if p.greedy:
             continue
-        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+        row = _filter(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = torch.softmax(row, dim=-1)
         if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
             continue  # a degenerate distribution (overflowing logits): its argmax, never a failure

@@ -18,6 +18,10 @@ class InvalidRequestError(AutoDeployError, ValueError):
         self.code = code
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """``temperature=0`` (or below 1e-5) is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
@@ -27,7 +31,15 @@ class SamplingParams:
     and the run.
 
     ``stop`` strings end the output (the text is cut before them); ``stop_token_ids`` and the
-    model's EOS token end it too unless ``ignore_eos``. ``seed`` makes sampling reproducible per
+    model's EOS token end it too unless ``ignore_eos``; none of them before ``min_tokens`` tokens
+    (EOS and ``stop_token_ids`` cannot be sampled until then). Penalties, applied to the logits
+    before the temperature (``logits_processors``): ``repetition_penalty`` (vLLM's and HF's: a
+    token seen in the prompt or the output has its logit divided by it when positive, multiplied
+    when negative; 1 is off), ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: subtract
+    the penalty times the token's count in the output, and once more if it occurs at all; 0 is
+    off). ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after the
+    temperature, before top-k / top-p). Log-probabilities are always those of the model's own
+    distribution, before any of these. ``seed`` makes sampling reproducible per
     request. ``n`` completions per prompt; ``logprobs`` returns the chosen token's log
     probability and that many top alternatives per step; ``prompt_logprobs`` (vLLM's name) returns
     each prompt token's log probability given the tokens before it, and that many top
@@ -46,16 +58,25 @@ class SamplingParams:
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
     n: int = 1
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     return_hidden_states: bool = False
     stop_strings: List[str] = field(init=False, default_factory=list, repr=False)
+    # whether ``logits_processors`` changes this request's logits before sampling (read every step)
+    adjusts_logits: bool = field(init=False, default=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_strings", [self.stop] if isinstance(self.stop, str) else list(self.stop or []))
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         self.validate()
+        object.__setattr__(self, "adjusts_logits", self.repetition_penalty != 1 or self.frequency_penalty != 0
+                           or self.presence_penalty != 0 or self.min_tokens > 0)
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -85,6 +106,17 @@ class SamplingParams:
             raise bad("stop must be a non-empty string or a list of them")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not _number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not _number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise bad(f"{name} must be in [-2, 2] (0 is off), got {getattr(self, name)!r}")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad(f"min_p must be in [0, 1] (0 is off), got {self.min_p!r}")
         if not isinstance(self.return_hidden_states, bool):
             raise bad(f"return_hidden_states must be True or False, got {self.return_hidden_states!r}")
 

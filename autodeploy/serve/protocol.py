@@ -1,8 +1,8 @@
 """OpenAI request bodies, validated, and the error shape every failure is reported in.
 
-Parameters the engine does not implement (penalties, logit bias, suffix, tools, best_of > n,
-and vLLM's sampling extensions other than ``ignore_eos`` and ``stop_token_ids``: repetition
-penalty, min_p, guided decoding, ...) are rejected with a 400 naming the parameter rather than
+Parameters the engine does not implement (logit bias, suffix, tools, best_of > n, and vLLM's
+sampling extensions other than ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
+``repetition_penalty`` and ``min_p``: beam search, guided decoding, ...) are rejected with a 400 naming the parameter rather than
 silently ignored: a client that asks for them would otherwise get answers it did not ask for.
 Other unknown fields are accepted and ignored (clients send vendor extras).
 
@@ -15,7 +15,7 @@ before anything tries to tokenize it or echo it back.
 import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (never sent to anyone)
@@ -67,13 +67,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-_UNSUPPORTED_NUMBER = {"enum": [0, None], "description": "Not supported: only 0 or null."}
 # vLLM's sampling extensions this server does not implement, with the values that change nothing:
 # any other value is a 400 naming it (ignored, the client would get answers it did not ask for)
 # (null is neutral for all of them)
 _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
-    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
-    "length_penalty": (1,), "include_stop_str_in_output": (False,), "bad_words": ([],), "allowed_token_ids": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,), "bad_words": ([],), "allowed_token_ids": (),
     "truncate_prompt_tokens": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "structured_outputs": (),
 }
@@ -115,11 +113,16 @@ class _Common(_Strict):
     # vLLM's extensions: keep generating past an end-of-sequence token, up to max_tokens
     # (benchmarks); token ids that end the output like EOS does (the token is counted, its text kept)
     ignore_eos: bool = False
-    stop_token_ids: Optional[List[int]] = Field(default=None, max_length=64)
+    stop_token_ids: Optional[List[NonNegativeInt]] = Field(default=None, max_length=64)
+    # penalties (OpenAI's two, vLLM's repetition penalty), vLLM's min_p and min_tokens: as
+    # ``SamplingParams`` defines them (unset: off)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: Optional[int] = Field(default=None, ge=0)
     # Not implemented: accepted only at their neutral values (the schema says so; check_supported
     # gives the 400 that names them)
-    presence_penalty: Optional[float] = Field(default=None, json_schema_extra=_UNSUPPORTED_NUMBER)
-    frequency_penalty: Optional[float] = Field(default=None, json_schema_extra=_UNSUPPORTED_NUMBER)
     logit_bias: Optional[Dict[str, float]] = Field(default=None, json_schema_extra={
         "maxProperties": 0, "description": "Not supported: only {} or null."})
     user: Optional[str] = None
@@ -140,9 +143,6 @@ class _Common(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"'{name}' is not supported by this server; omit it or set it to 0", name)
         if self.logit_bias:
             raise APIError(400, "'logit_bias' is not supported by this server", "logit_bias")
         for name, value in (self.model_extra or {}).items():

@@ -67,6 +67,11 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max
             prompt_logprobs=prompt_logprobs,
             ignore_eos=req.ignore_eos,
             stop_token_ids=req.stop_token_ids,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0,
+            min_tokens=req.min_tokens or 0,
         )
     except InvalidRequestError as exc:
         raise APIError(400, str(exc)) from None

@@ -111,6 +111,10 @@ def test_run_rejects_bad_sampling_flags():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "autodeploy: error: invalid sampling parameter: top_p must be in (0, 1], got 2.0"]
+    proc = run_cli("run", "--model", "tiny-llama", "--repetition-penalty", "0")
+    assert proc.returncode == 2 and "repetition_penalty must be > 0" in proc.stderr
+    proc = run_cli("run", "--model", "tiny-llama", "--max-tokens", "4", "--min-tokens", "5")
+    assert proc.returncode == 2 and "min_tokens (5) must not exceed max_tokens (4)" in proc.stderr
     missing = run_cli("run", "--model", "tiny-llama", "--prompts-file", "/no/such/file")
     assert missing.returncode == 2 and "cannot read prompts file" in missing.stderr
 

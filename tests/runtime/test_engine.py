@@ -203,6 +203,9 @@ def test_bad_requests_raise_and_leave_running_requests_alone(llm, ref):
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(n=0), "n must"), (dict(logprobs=21), "logprobs"), (dict(stop=""), "stop"),
     (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(seed=1.5), "seed"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(max_tokens=4, min_tokens=5), "must not exceed max_tokens"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(frequency_penalty=2.5), "frequency_penalty"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"), (dict(min_p=1.5), "min_p"),
 ])
 def test_sampling_params_validate_on_construction(value, match):
     with pytest.raises(InvalidRequestError, match=match):
@@ -234,6 +237,22 @@ def test_stop_token_id_ends_the_output_with_it(llm, ref):
     assert out.token_ids == tokens[: k + 1]
     assert out.token_ids[-1] == tokens[k]
     assert out.finish_reason == "stop"
+
+
+def test_min_tokens_holds_stop_strings_and_stop_token_ids_off_until_then(llm, ref):
+    """A stop string met early ends nothing before ``min_tokens`` tokens (the text goes on as
+    before), and a stop token id cannot even be sampled until then (vLLM's min_tokens)."""
+    tok = llm.tokenizer
+    tokens = ref[PROMPTS[2]]
+    early = tok.decode(tokens[:2], skip_special_tokens=True).strip()
+    assert early, "the first two greedy tokens decode to nothing: choose another prompt"
+    (plain,) = llm.generate([PROMPTS[2]], greedy(stop=[early]))
+    assert plain.finish_reason == "stop" and len(plain.token_ids) < 6
+    (held,) = llm.generate([PROMPTS[2]], greedy(stop=[early], min_tokens=6))
+    assert held.token_ids == tokens[:len(held.token_ids)] and len(held.token_ids) >= 6
+    (held,) = llm.generate([PROMPTS[2]], greedy(stop_token_ids=[tokens[1]], min_tokens=NEW))
+    assert held.finish_reason == "length" and len(held.token_ids) == NEW
+    assert held.token_ids[0] == tokens[0] and held.token_ids[1] != tokens[1] and tokens[1] not in held.token_ids
 
 
 def test_stop_string_cuts_the_text_before_it(llm, ref):

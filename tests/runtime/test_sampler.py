@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from autodeploy.runtime.sampler import _filter_top_k_top_p, sample, token_logprobs
+from autodeploy.runtime.sampler import _filter, sample, token_logprobs
 from autodeploy.runtime.sampling_params import SamplingParams
 
 # A known distribution, deliberately not in sorted order so the top-p sort is exercised:
@@ -55,7 +55,7 @@ def test_top_k_1_is_argmax_even_at_high_temperature():
 
 def test_tiny_top_p_keeps_only_the_most_likely_token():
     logits = torch.randn(200, generator=_gen(5))
-    filtered = _filter_top_k_top_p(logits, 0, 1e-6)
+    filtered = _filter(logits, 0, 1e-6, 0.0)
     assert _kept(filtered) == {int(logits.argmax())}
     params = SamplingParams(temperature=50.0, top_p=1e-6)
     assert set(_draw(logits, params, seed=0, num=200)) == {int(logits.argmax())}
@@ -73,7 +73,7 @@ def test_tiny_top_p_keeps_only_the_most_likely_token():
     ],
 )
 def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
-    filtered = _filter_top_k_top_p(LOGITS, 0, top_p)
+    filtered = _filter(LOGITS, 0, top_p, 0.0)
     assert _kept(filtered) == kept
     # kept logits are unchanged (renormalisation happens in the softmax)
     for i in kept:
@@ -83,14 +83,14 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
 @pytest.mark.parametrize("top_k, kept", [(1, {3}), (2, {3, 0}), (4, {3, 0, 4, 1}), (5, {0, 1, 2, 3, 4}), (0, {0, 1, 2, 3, 4}),
                                          (-1, {0, 1, 2, 3, 4})])
 def test_top_k_keeps_the_k_largest(top_k, kept):
-    assert _kept(_filter_top_k_top_p(LOGITS, top_k, 1.0)) == kept
+    assert _kept(_filter(LOGITS, top_k, 1.0, 0.0)) == kept
 
 
 def test_top_p_applies_to_the_renormalised_top_k_distribution():
     # alone, top_p=0.8 keeps {3, 0, 4}; after top_k=3 the masses are .5/.9, .25/.9, .15/.9 =
     # .556, .278, .167, and .556 + .278 = .833 already reaches 0.8
-    assert _kept(_filter_top_k_top_p(LOGITS, 0, 0.8)) == {3, 0, 4}
-    assert _kept(_filter_top_k_top_p(LOGITS, 3, 0.8)) == {3, 0}
+    assert _kept(_filter(LOGITS, 0, 0.8, 0.0)) == {3, 0, 4}
+    assert _kept(_filter(LOGITS, 3, 0.8, 0.0)) == {3, 0}
 
 
 def test_sampling_never_returns_a_filtered_token():
@@ -164,3 +164,38 @@ def test_token_logprobs_zero_top_and_half_precision():
     out = token_logprobs(logits, token=0, top=0)
     assert len(out) == 1 and out[0][0] == 0
     assert out[0][1] == pytest.approx(float(torch.log_softmax(logits.float(), -1)[0]), abs=1e-6)
+
+
+@pytest.mark.parametrize("min_p, kept", [(0.4, {3, 0}), (0.1, {3, 0, 4, 1}), (0.0, {0, 1, 2, 3, 4})])
+def test_min_p_keeps_tokens_at_least_that_share_of_the_most_likely(min_p, kept):
+    # shares of the top probability 0.5: 1, .5, .3, .14, .06
+    assert _kept(_filter(LOGITS, 0, 1.0, min_p)) == kept
+    assert set(_draw(LOGITS, SamplingParams(temperature=1.0, min_p=min_p), seed=4, num=400)) == kept
+
+
+def test_penalties_on_hand_made_logits():
+    """repetition_penalty divides positive and multiplies negative logits of every token seen (prompt
+    or output); frequency and presence penalties count the output only; min_tokens bans EOS and
+    stop_token_ids until that many tokens are out."""
+    from autodeploy.runtime.logits_processors import process_logits
+    from autodeploy.runtime.sequence import Sequence
+
+    def seq(output, **params):
+        s = Sequence("r", 0, [0, 1], SamplingParams(max_tokens=8, **params), arrival=0)
+        for t in output:
+            s.append_token(t)
+        return s
+
+    logits = torch.tensor([[2.0, -2.0, 4.0, 1.0, -1.0, 3.0]])
+    out = process_logits(logits, [seq([2, 2, 4], repetition_penalty=2.0)], set())
+    assert out[0].tolist() == [1.0, -4.0, 2.0, 1.0, -2.0, 3.0]
+    out = process_logits(logits, [seq([2, 2, 4], frequency_penalty=0.5, presence_penalty=0.25)], set())
+    assert out[0].tolist() == [2.0, -2.0, 4.0 - 1.0 - 0.25, 1.0, -1.0 - 0.5 - 0.25, 3.0]
+    out = process_logits(logits, [seq([2], min_tokens=2, stop_token_ids=[3])], {5})
+    assert out[0].tolist() == [2.0, -2.0, 4.0, float("-inf"), -1.0, float("-inf")]
+    out = process_logits(logits, [seq([2, 3], min_tokens=2, stop_token_ids=[3])], {5})
+    assert out[0].tolist() == logits[0].tolist()  # two tokens out: nothing banned any more
+    out = process_logits(logits, [seq([2], min_tokens=2, ignore_eos=True)], {5})
+    assert out[0].tolist() == logits[0].tolist()  # EOS does not end it anyway
+    plain = seq([2])
+    assert process_logits(logits, [plain], {5}) is logits  # no request asks: the logits as they are

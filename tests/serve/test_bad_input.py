@@ -110,10 +110,18 @@ def test_unknown_route_404(healthy):
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", -1), ("max_tokens", 0), ("top_p", 2), ("top_p", 0), ("temperature", -1), ("temperature", 2.5),
     ("n", 0), ("n", 17), ("top_k", -2), ("stop", ""), ("stop", ["a"] * 9), ("stop", [""]),
+    ("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0), ("min_p", 1.5),
+    ("min_tokens", -1), ("stop_token_ids", [5, -1]),
 ])
 def test_out_of_range(healthy, path, field, value):
     body = {"model": SERVED_NAME, "prompt": "hi", "messages": MSGS, "max_tokens": 2, field: value}
-    assert_error(_post(healthy, path, body), 400, param=field)
+    assert_error(_post(healthy, path, body), 400, param=field + (".1" if field == "stop_token_ids" else ""))
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_min_tokens_above_max_tokens(healthy, path):
+    body = {"model": SERVED_NAME, "prompt": "hi", "messages": MSGS, "max_tokens": 2, "min_tokens": 3}
+    assert_error(_post(healthy, path, body), 400, contains="min_tokens (3) must not exceed max_tokens (2)")
 
 
 @pytest.mark.parametrize("body,param", [
@@ -171,11 +179,10 @@ def test_prompt_longer_than_context(healthy, llm):
 
 # ---- unsupported parameters --------------------------------------------------------------------
 @pytest.mark.parametrize("path,field,value", [
-    (CMPL, "frequency_penalty", 0.5), (CHAT, "frequency_penalty", 0.5), (CMPL, "presence_penalty", -1.0),
     (CMPL, "logit_bias", {"50": 10}), (CHAT, "logit_bias", {"50": -100}), (CMPL, "suffix", "tail"),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), (CMPL, "best_of", 3),
-    (CMPL, "repetition_penalty", 1.2), (CHAT, "min_p", 0.1), (CMPL, "min_tokens", 4), (CHAT, "use_beam_search", True),
-    (CMPL, "guided_json", {"type": "object"}), (CHAT, "guided_choice", ["a", "b"]),
+    (CHAT, "use_beam_search", True), (CMPL, "length_penalty", 0.5), (CMPL, "guided_json", {"type": "object"}),
+    (CHAT, "guided_choice", ["a", "b"]), (CMPL, "bad_words", ["x"]),
 ])
 def test_unsupported_params(healthy, path, field, value):
     body = {"model": SERVED_NAME, "prompt": "hi", "messages": MSGS, "max_tokens": 2, field: value}
@@ -185,15 +192,15 @@ def test_unsupported_params(healthy, path, field, value):
 
 def test_unsupported_params_through_openai_client(healthy):
     with pytest.raises(openai.BadRequestError) as exc:
-        healthy.client().completions.create(model=SERVED_NAME, prompt="hi", max_tokens=2, frequency_penalty=0.5)
+        healthy.client().completions.create(model=SERVED_NAME, prompt="hi", max_tokens=2, logit_bias={"50": 10})
     assert exc.value.status_code == 400
-    assert exc.value.body["param"] == "frequency_penalty"
+    assert exc.value.body["param"] == "logit_bias"
 
 
 def test_neutral_values_of_unsupported_params_are_accepted(healthy):
     body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2, "frequency_penalty": 0, "presence_penalty": 0.0,
             "logit_bias": {}, "suffix": "", "best_of": 1, "user": "u", "vendor_extra": {"a": 1},
-            "repetition_penalty": 1.0, "min_p": 0, "min_tokens": 0, "use_beam_search": False, "guided_json": None}
+            "use_beam_search": False, "length_penalty": 1, "guided_json": None}
     assert _post(healthy, CMPL, body).status_code == 200
     body = {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 2, "tools": [], "response_format": {"type": "text"}}
     assert _post(healthy, CHAT, body).status_code == 200

@@ -1,0 +1,74 @@
+"""Penalties and ``min_tokens`` against HF transformers on the same checkpoint (the tiny-llama
+preset): greedy tokens with ``repetition_penalty`` (HF's ``RepetitionPenaltyLogitsProcessor``) and
+``min_tokens`` (HF's ``min_new_tokens``) equal ``generate``'s; ``frequency_penalty`` and
+``presence_penalty``, which HF does not have, equal OpenAI's formula applied to HF's logits step
+by step. Each case first checks that the setting changes the plain greedy answer, so that the
+comparison cannot pass with the setting ignored."""
+
+import pytest
+import torch
+
+from autodeploy import LLM, SamplingParams
+from autodeploy.models.presets import preset_dir
+from helpers import hf_model
+
+PROMPTS = ["The for statement", "Exceptions are raised when", "A class definition defines a class object"]
+EOS_PROMPT = PROMPTS[2]  # the preset's greedy answer ends with EOS a few tokens in
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-llama", max_seq_len=64, max_batch_size=4, max_num_tokens=64, page_size=4)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model(preset_dir("tiny-llama"))
+
+
+def _ids(llm, prompt):
+    return llm.tokenizer(prompt)["input_ids"]
+
+
+def _ours(llm, prompts, **params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=NEW, temperature=0,
+                                                                                   **params))
+    return [list(o.token_ids) for o in outs]
+
+
+def _hf_generate(hf, prompt, **kw):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def test_repetition_penalty_gives_hf_greedy_tokens(llm, hf):
+    prompts = [_ids(llm, p) for p in PROMPTS]
+    ours = _ours(llm, prompts, repetition_penalty=1.8)
+    assert ours != _ours(llm, prompts)  # the penalty changes the answers
+    assert ours == [_hf_generate(hf, p, repetition_penalty=1.8) for p in prompts]
+
+
+def test_min_tokens_gives_hf_min_new_tokens(llm, hf):
+    prompt = _ids(llm, EOS_PROMPT)
+    (plain,) = _ours(llm, [prompt])
+    assert len(plain) < 10  # ends with EOS before 10 tokens ...
+    (ours,) = _ours(llm, [prompt], min_tokens=10)
+    assert len(ours) >= 10  # ... which min_tokens forbids
+    assert ours == _hf_generate(hf, prompt, min_new_tokens=10)
+
+
+@pytest.mark.parametrize("freq, pres", [(0.9, 0.0), (0.0, 1.5), (-0.5, 1.0)])
+def test_frequency_and_presence_penalties_follow_openai_on_hf_logits(llm, hf, freq, pres):
+    prompts = [_ids(llm, p) for p in PROMPTS]
+    ours = _ours(llm, prompts, frequency_penalty=freq, presence_penalty=pres, ignore_eos=True)
+    assert ours != _ours(llm, prompts, ignore_eos=True)
+    for prompt, tokens in zip(prompts, ours):
+        out = []
+        for _ in range(NEW):
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + out])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
+            out.append(int((logits - freq * counts - pres * (counts > 0).float()).argmax()))
+        assert tokens == out
