@@ -8,6 +8,7 @@ with vLLM's semantics (``SamplingParams`` documents each):
   ``l > 0`` and ``l * r`` otherwise, so ``r > 1`` makes repeats less likely either way;
 * ``frequency_penalty`` ``f`` and ``presence_penalty`` ``p`` (OpenAI's): ``l - f * c - p * (c > 0)``
   with ``c`` the token's count in the output so far (the prompt does not count);
+* ``logit_bias`` (OpenAI's): each listed token's bias added to its logit (-100 all but bans it);
 * ``min_tokens``: until that many tokens are out, the EOS tokens (unless ``ignore_eos``) and
   ``stop_token_ids`` cannot be sampled.
 
@@ -47,6 +48,10 @@ def _process_row(row: torch.Tensor, seq: Sequence, eos_token_ids: AbstractSet[in
     if params.frequency_penalty != 0 or params.presence_penalty != 0:
         counts = torch.bincount(_ids(seq.output_token_ids, vocab, row.device), minlength=vocab).to(row.dtype)
         row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(row.dtype)
+    if params.logit_bias:
+        ids = list(params.logit_bias)
+        bias = torch.tensor([params.logit_bias[t] for t in ids], dtype=row.dtype, device=row.device)
+        row = row.index_add(0, torch.tensor(ids, dtype=torch.long, device=row.device), bias)
     if seq.num_output_tokens < params.min_tokens:
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         row = row.index_fill(0, _ids(sorted(banned), vocab, row.device), float("-inf"))

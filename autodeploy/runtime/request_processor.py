@@ -169,6 +169,9 @@ class RequestProcessor:
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.stop_strings:
             self.tokenizer.require("a stop string")
+        if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size}); got "
+                                      f"{max(params.logit_bias)}")
         if params.return_hidden_states and not self.hidden_state_layers:
             raise InvalidRequestError(
                 "return_hidden_states: this deployment captures no hidden states; build it with the layers to capture, "

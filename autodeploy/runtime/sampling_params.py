@@ -1,7 +1,7 @@
 """``SamplingParams``: how one request is decoded (vLLM's conventions)."""
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 from ..utils.errors import AutoDeployError
 
@@ -37,7 +37,7 @@ class SamplingParams:
     token seen in the prompt or the output has its logit divided by it when positive, multiplied
     when negative; 1 is off), ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: subtract
     the penalty times the token's count in the output, and once more if it occurs at all; 0 is
-    off). ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after the
+    off); ``logit_bias`` (OpenAI's: token id -> a bias in [-100, 100] added to its logit). ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after the
     temperature, before top-k / top-p). Log-probabilities are always those of the model's own
     distribution, before any of these. ``seed`` makes sampling reproducible per
     request. ``n`` completions per prompt; ``logprobs`` returns the chosen token's log
@@ -63,6 +63,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_p: float = 0.0
+    logit_bias: Optional[Dict[int, float]] = None
     n: int = 1
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
@@ -76,7 +77,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         self.validate()
         object.__setattr__(self, "adjusts_logits", self.repetition_penalty != 1 or self.frequency_penalty != 0
-                           or self.presence_penalty != 0 or self.min_tokens > 0)
+                           or self.presence_penalty != 0 or self.min_tokens > 0 or bool(self.logit_bias))
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -117,6 +118,12 @@ class SamplingParams:
                 raise bad(f"{name} must be in [-2, 2] (0 is off), got {getattr(self, name)!r}")
         if not _number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad(f"min_p must be in [0, 1] (0 is off), got {self.min_p!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logit_bias):
+                raise bad("logit_bias must map token ids (integers >= 0) to biases")
+            if any(not _number(b) or not -100 <= b <= 100 for b in self.logit_bias.values()):
+                raise bad("logit_bias values must be numbers in [-100, 100]")
         if not isinstance(self.return_hidden_states, bool):
             raise bad(f"return_hidden_states must be True or False, got {self.return_hidden_states!r}")
 

@@ -1,6 +1,6 @@
 """OpenAI request bodies, validated, and the error shape every failure is reported in.
 
-Parameters the engine does not implement (logit bias, suffix, tools, best_of > n, and vLLM's
+Parameters the engine does not implement (suffix, tools, best_of > n, and vLLM's
 sampling extensions other than ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
 ``repetition_penalty`` and ``min_p``: beam search, guided decoding, ...) are rejected with a 400 naming the parameter rather than
 silently ignored: a client that asks for them would otherwise get answers it did not ask for.
@@ -121,11 +121,19 @@ class _Common(_Strict):
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     min_tokens: Optional[int] = Field(default=None, ge=0)
-    # Not implemented: accepted only at their neutral values (the schema says so; check_supported
-    # gives the 400 that names them)
-    logit_bias: Optional[Dict[str, float]] = Field(default=None, json_schema_extra={
-        "maxProperties": 0, "description": "Not supported: only {} or null."})
+    # OpenAI's: token id (a JSON key, so a string) -> a bias added to its logit
+    logit_bias: Optional[Dict[str, float]] = Field(default=None, max_length=300)
     user: Optional[str] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: Optional[Dict[str, float]]) -> Optional[Dict[str, float]]:
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys are token ids (decimal integers as strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -143,8 +151,6 @@ class _Common(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise APIError(400, "'logit_bias' is not supported by this server", "logit_bias")
         for name, value in (self.model_extra or {}).items():
             neutral = _UNSUPPORTED_EXTRAS.get(name)
             if neutral is not None and not _neutral(value, neutral):

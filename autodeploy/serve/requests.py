@@ -72,6 +72,7 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_p=req.min_p or 0.0,
             min_tokens=req.min_tokens or 0,
+            logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None,
         )
     except InvalidRequestError as exc:
         raise APIError(400, str(exc)) from None

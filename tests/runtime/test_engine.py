@@ -206,6 +206,7 @@ def test_bad_requests_raise_and_leave_running_requests_alone(llm, ref):
     (dict(min_tokens=-1), "min_tokens"), (dict(max_tokens=4, min_tokens=5), "must not exceed max_tokens"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(frequency_penalty=2.5), "frequency_penalty"),
     (dict(presence_penalty=float("nan")), "presence_penalty"), (dict(min_p=1.5), "min_p"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias must map token ids"), (dict(logit_bias={3: 101}), "logit_bias values"),
 ])
 def test_sampling_params_validate_on_construction(value, match):
     with pytest.raises(InvalidRequestError, match=match):

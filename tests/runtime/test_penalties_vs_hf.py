@@ -1,6 +1,7 @@
-"""Penalties and ``min_tokens`` against HF transformers on the same checkpoint (the tiny-llama
-preset): greedy tokens with ``repetition_penalty`` (HF's ``RepetitionPenaltyLogitsProcessor``) and
-``min_tokens`` (HF's ``min_new_tokens``) equal ``generate``'s; ``frequency_penalty`` and
+"""Penalties, ``logit_bias`` and ``min_tokens`` against HF transformers on the same checkpoint (the tiny-llama
+preset): greedy tokens with ``repetition_penalty`` (HF's ``RepetitionPenaltyLogitsProcessor``),
+``logit_bias`` (HF's ``sequence_bias`` of one-token sequences) and ``min_tokens`` (HF's
+``min_new_tokens``) equal ``generate``'s; ``frequency_penalty`` and
 ``presence_penalty``, which HF does not have, equal OpenAI's formula applied to HF's logits step
 by step. Each case first checks that the setting changes the plain greedy answer, so that the
 comparison cannot pass with the setting ignored."""
@@ -72,3 +73,13 @@ def test_frequency_and_presence_penalties_follow_openai_on_hf_logits(llm, hf, fr
             counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
             out.append(int((logits - freq * counts - pres * (counts > 0).float()).argmax()))
         assert tokens == out
+
+
+def test_logit_bias_gives_hf_sequence_bias_tokens(llm, hf):
+    prompts = [_ids(llm, p) for p in PROMPTS]
+    plain = _ours(llm, prompts, ignore_eos=True)
+    bias = {plain[0][3]: 3.0, plain[1][2]: -4.0, 77: 2.5}
+    ours = _ours(llm, prompts, logit_bias=bias, ignore_eos=True)
+    assert ours != plain
+    hf_bias = {(t,): b for t, b in bias.items()}
+    assert ours == [_hf_generate(hf, p, sequence_bias=hf_bias, eos_token_id=None) for p in prompts]

@@ -197,5 +197,7 @@ def test_penalties_on_hand_made_logits():
     assert out[0].tolist() == logits[0].tolist()  # two tokens out: nothing banned any more
     out = process_logits(logits, [seq([2], min_tokens=2, ignore_eos=True)], {5})
     assert out[0].tolist() == logits[0].tolist()  # EOS does not end it anyway
+    out = process_logits(logits, [seq([2], logit_bias={0: -100, 4: 1.5})], set())
+    assert out[0].tolist() == [-98.0, -2.0, 4.0, 1.0, 0.5, 3.0]
     plain = seq([2])
     assert process_logits(logits, [plain], {5}) is logits  # no request asks: the logits as they are

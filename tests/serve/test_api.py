@@ -60,14 +60,15 @@ def test_stop_token_ids_end_the_output_as_llm_generate_does(server, llm, stream)
 
 @pytest.mark.parametrize("extra", [
     dict(frequency_penalty=-2.0), dict(presence_penalty=-2.0), dict(repetition_penalty=0.5),
-    dict(min_tokens=MAX_TOKENS, temperature=0.8, seed=7, min_p=0.2),
-], ids=["frequency", "presence", "repetition", "min-tokens-min-p-seeded"])
+    dict(min_tokens=MAX_TOKENS, temperature=0.8, seed=7, min_p=0.2), dict(logit_bias={"77": 100, "5": -100}),
+], ids=["frequency", "presence", "repetition", "min-tokens-min-p-seeded", "logit-bias"])
 def test_penalties_min_p_and_min_tokens_as_llm_generate(server, llm, extra):
     """The penalties, ``min_p`` and ``min_tokens`` reach the engine: the server's answer is the
     Python API's with the same parameters (and, greedy, not the answer without them: negative
     penalties, which favour repeats, change these 10 tokens where positive ones need a repeat)."""
     kw = {"temperature": 0.0, **extra}
-    ref = _ref(llm, PROMPTS[1], max_tokens=MAX_TOKENS, **kw)
+    api = {**kw, "logit_bias": {int(t): b for t, b in kw["logit_bias"].items()}} if "logit_bias" in kw else kw
+    ref = _ref(llm, PROMPTS[1], max_tokens=MAX_TOKENS, **api)
     if kw["temperature"] == 0:
         assert ref.token_ids != _ref(llm, PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0).token_ids
     out = server.client().completions.create(model=SERVED_NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,

@@ -111,7 +111,8 @@ def test_unknown_route_404(healthy):
     ("max_tokens", -1), ("max_tokens", 0), ("top_p", 2), ("top_p", 0), ("temperature", -1), ("temperature", 2.5),
     ("n", 0), ("n", 17), ("top_k", -2), ("stop", ""), ("stop", ["a"] * 9), ("stop", [""]),
     ("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0), ("min_p", 1.5),
-    ("min_tokens", -1), ("stop_token_ids", [5, -1]),
+    ("min_tokens", -1), ("stop_token_ids", [5, -1]), ("logit_bias", {"5": 101}), ("logit_bias", {"x5": 1}),
+    ("logit_bias", {"\u00b2": 1}),
 ])
 def test_out_of_range(healthy, path, field, value):
     body = {"model": SERVED_NAME, "prompt": "hi", "messages": MSGS, "max_tokens": 2, field: value}
@@ -122,6 +123,12 @@ def test_out_of_range(healthy, path, field, value):
 def test_min_tokens_above_max_tokens(healthy, path):
     body = {"model": SERVED_NAME, "prompt": "hi", "messages": MSGS, "max_tokens": 2, "min_tokens": 3}
     assert_error(_post(healthy, path, body), 400, contains="min_tokens (3) must not exceed max_tokens (2)")
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_logit_bias_outside_the_vocabulary(healthy, path):
+    body = {"model": SERVED_NAME, "prompt": "hi", "messages": MSGS, "max_tokens": 2, "logit_bias": {"100000": 1}}
+    assert_error(_post(healthy, path, body), 400, contains="logit_bias token ids must be in [0, ")
 
 
 @pytest.mark.parametrize("body,param", [
@@ -179,7 +186,7 @@ def test_prompt_longer_than_context(healthy, llm):
 
 # ---- unsupported parameters --------------------------------------------------------------------
 @pytest.mark.parametrize("path,field,value", [
-    (CMPL, "logit_bias", {"50": 10}), (CHAT, "logit_bias", {"50": -100}), (CMPL, "suffix", "tail"),
+    (CMPL, "suffix", "tail"),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), (CMPL, "best_of", 3),
     (CHAT, "use_beam_search", True), (CMPL, "length_penalty", 0.5), (CMPL, "guided_json", {"type": "object"}),
     (CHAT, "guided_choice", ["a", "b"]), (CMPL, "bad_words", ["x"]),
@@ -192,9 +199,9 @@ def test_unsupported_params(healthy, path, field, value):
 
 def test_unsupported_params_through_openai_client(healthy):
     with pytest.raises(openai.BadRequestError) as exc:
-        healthy.client().completions.create(model=SERVED_NAME, prompt="hi", max_tokens=2, logit_bias={"50": 10})
+        healthy.client().completions.create(model=SERVED_NAME, prompt="hi", max_tokens=2, suffix="tail")
     assert exc.value.status_code == 400
-    assert exc.value.body["param"] == "logit_bias"
+    assert exc.value.body["param"] == "suffix"
 
 
 def test_neutral_values_of_unsupported_params_are_accepted(healthy):
