@@ -16,7 +16,7 @@ Only the rows of requests that ask for one of these are touched (``SamplingParam
 a batch without any returns its logits as they are.
 """
 
-from typing import AbstractSet, List, Sequence as Seq
+from typing import AbstractSet, List, Sequence as Seq, Tuple
 
 import torch
 
@@ -24,35 +24,61 @@ from .sequence import Sequence
 
 
 def process_logits(logits: torch.Tensor, sequences: Seq[Sequence], eos_token_ids: AbstractSet[int]) -> torch.Tensor:
-    """``logits`` ([B, V]) with each row changed as its sequence's parameters say."""
+    """``logits`` ([B, V]) with each row changed as its sequence's parameters say (a new tensor
+    when any is: the caller's raw logits still give the log-probabilities)."""
     rows = [i for i, seq in enumerate(sequences) if seq.params.adjusts_logits]
     if not rows:
         return logits
-    logits = logits.float().clone()
-    for i in rows:
-        logits[i] = _process_row(logits[i], sequences[i], eos_token_ids)
-    return logits
+    picked = [sequences[i] for i in rows]
+    sub = _Batch(picked, logits.shape[-1], logits.device).apply(logits[rows].float(), eos_token_ids)
+    return logits.float().index_copy(0, torch.tensor(rows, device=logits.device), sub)
 
 
-def _ids(tokens: List[int], vocab: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([t for t in tokens if 0 <= t < vocab], dtype=torch.long, device=device)
+class _Batch:
+    """The rows to change, as flat (row, token) index lists: one scatter per kind for the batch."""
+
+    def __init__(self, sequences: List[Sequence], vocab: int, device: torch.device):
+        self.sequences, self.vocab, self.device = sequences, vocab, device
+
+    def _pairs(self, tokens_of) -> Tuple[torch.Tensor, torch.Tensor]:
+        rows: List[int] = []
+        tokens: List[int] = []
+        for r, seq in enumerate(self.sequences):
+            ids = [t for t in tokens_of(seq) if 0 <= t < self.vocab]
+            rows += [r] * len(ids)
+            tokens += ids
+        return (torch.tensor(rows, dtype=torch.long, device=self.device),
+                torch.tensor(tokens, dtype=torch.long, device=self.device))
+
+    def _column(self, value_of) -> torch.Tensor:
+        return torch.tensor([float(value_of(seq.params)) for seq in self.sequences], device=self.device)[:, None]
+
+    def apply(self, sub: torch.Tensor, eos_token_ids: AbstractSet[int]) -> torch.Tensor:
+        params = [seq.params for seq in self.sequences]
+        if any(p.repetition_penalty != 1 for p in params):
+            seen = torch.zeros_like(sub, dtype=torch.bool)
+            seen[self._pairs(lambda s: s.token_ids if s.params.repetition_penalty != 1 else ())] = True
+            penalty = self._column(lambda p: p.repetition_penalty)
+            sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+        if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
+            counts = torch.zeros_like(sub)
+            index = self._pairs(lambda s: s.output_token_ids)
+            counts.index_put_(index, torch.ones(index[0].shape[0], dtype=sub.dtype, device=sub.device), accumulate=True)
+            sub = (sub - self._column(lambda p: p.frequency_penalty) * counts
+                   - self._column(lambda p: p.presence_penalty) * (counts > 0).to(sub.dtype))
+        if any(p.logit_bias for p in params):
+            index = self._pairs(lambda s: list(s.params.logit_bias or ()))
+            bias = [b for seq in self.sequences for t, b in (seq.params.logit_bias or {}).items() if t < self.vocab]
+            sub = sub.index_put(index, torch.tensor(bias, dtype=sub.dtype, device=sub.device), accumulate=True)
+        if any(seq.num_output_tokens < seq.params.min_tokens for seq in self.sequences):
+            index = self._pairs(lambda s: _banned(s, eos_token_ids))
+            sub = sub.index_put(index, torch.tensor(float("-inf"), dtype=sub.dtype, device=sub.device))
+        return sub
 
 
-def _process_row(row: torch.Tensor, seq: Sequence, eos_token_ids: AbstractSet[int]) -> torch.Tensor:
-    params, vocab = seq.params, row.shape[0]
-    if params.repetition_penalty != 1:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
-        seen[_ids(seq.token_ids, vocab, row.device)] = True
-        penalized = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
-        row = torch.where(seen, penalized, row)
-    if params.frequency_penalty != 0 or params.presence_penalty != 0:
-        counts = torch.bincount(_ids(seq.output_token_ids, vocab, row.device), minlength=vocab).to(row.dtype)
-        row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(row.dtype)
-    if params.logit_bias:
-        ids = list(params.logit_bias)
-        bias = torch.tensor([params.logit_bias[t] for t in ids], dtype=row.dtype, device=row.device)
-        row = row.index_add(0, torch.tensor(ids, dtype=torch.long, device=row.device), bias)
-    if seq.num_output_tokens < params.min_tokens:
-        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        row = row.index_fill(0, _ids(sorted(banned), vocab, row.device), float("-inf"))
-    return row
+def _banned(seq: Sequence, eos_token_ids: AbstractSet[int]) -> List[int]:
+    """The tokens ``min_tokens`` keeps from being sampled now: EOS (unless ignored) and the stop ids."""
+    params = seq.params
+    if seq.num_output_tokens >= params.min_tokens:
+        return []
+    return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids)))

@@ -201,3 +201,24 @@ def test_penalties_on_hand_made_logits():
     assert out[0].tolist() == [-98.0, -2.0, 4.0, 1.0, 0.5, 3.0]
     plain = seq([2])
     assert process_logits(logits, [plain], {5}) is logits  # no request asks: the logits as they are
+
+
+def test_penalties_of_a_mixed_batch_are_each_rows_own():
+    """Rows with different settings (and one with none) in one batch: each row is what it is alone."""
+    from autodeploy.runtime.logits_processors import process_logits
+    from autodeploy.runtime.sequence import Sequence
+
+    settings = [dict(repetition_penalty=1.7, frequency_penalty=0.4), dict(), dict(min_tokens=5, stop_token_ids=[7]),
+                dict(presence_penalty=-1.0, logit_bias={3: 2.0, 9: -5.0}), dict(repetition_penalty=0.6, min_tokens=1)]
+    gen = _gen(9)
+    seqs = []
+    for i, kw in enumerate(settings):
+        s = Sequence("r", i, torch.randint(0, 40, (6,), generator=gen).tolist(), SamplingParams(max_tokens=8, **kw), 0)
+        for t in torch.randint(0, 40, (i,), generator=gen).tolist():
+            s.append_token(t)
+        seqs.append(s)
+    logits = torch.randn(len(seqs), 40, generator=gen)
+    batch = process_logits(logits, seqs, {2})
+    for i, seq in enumerate(seqs):
+        assert torch.equal(batch[i], process_logits(logits[i:i + 1], [seq], {2})[0]), i
+    assert torch.equal(batch[1], logits[1]) and not torch.equal(batch[0], logits[0])
