@@ -6,6 +6,8 @@
 #   2. that shape propagation keeps the graph symbolic on CUDA and skips no transform
 #      (scripts/gpu_shape_prop_diag.py; its cause, torch 2.11's C++ matmul, was found and fixed on CPU);
 #   3. the HF + torch.compile row of the `large` table (RESULTS.md "On a GPU");
+#   5. prefix caching's state copies under captured graphs and the logits processors on CUDA
+#      (tests/gpu/test_state_and_sampling_gpu.py, written and run on CPU with DEVICE=cpu);
 #   4. prefill at 2048 tokens against HF eager again (was 0.85x before the eager steps of
 #      torch-cudagraph took the direct kernels and one host read per attention call).
 # Run `scripts/gpu_wheels.sh` here first (the device call carries .whl/), then, through the device
@@ -18,8 +20,9 @@ export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
-timeout 200 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/gpu/test_mlir_triton_gpu.py \
+timeout 230 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/gpu/test_mlir_triton_gpu.py \
     tests/gpu/test_fp8_cuda.py "tests/gpu/test_multi_stream_gpu.py::test_pipeline_on_gpu_with_the_transforms_on" \
+    tests/gpu/test_state_and_sampling_gpu.py \
     > "$OUT/tests.log" 2>&1
 tail -25 "$OUT/tests.log"
 timeout 90 python3 scripts/gpu_shape_prop_diag.py > "$OUT/diag.log" 2>&1
