@@ -6,10 +6,10 @@
 #   2. that shape propagation keeps the graph symbolic on CUDA and skips no transform
 #      (scripts/gpu_shape_prop_diag.py; its cause, torch 2.11's C++ matmul, was found and fixed on CPU);
 #   3. the HF + torch.compile row of the `large` table (RESULTS.md "On a GPU");
-#   5. prefix caching's state copies under captured graphs and the logits processors on CUDA
-#      (tests/gpu/test_state_and_sampling_gpu.py, written and run on CPU with DEVICE=cpu);
 #   4. prefill at 2048 tokens against HF eager again (was 0.85x before the eager steps of
 #      torch-cudagraph took the direct kernels and one host read per attention call).
+#   5. prefix caching's state copies under captured graphs and the logits processors on CUDA
+#      (tests/gpu/test_state_and_sampling_gpu.py, written and run on CPU with DEVICE=cpu);
 # Run `scripts/gpu_wheels.sh` here first (the device call carries .whl/), then, through the device
 # tool: `bash scripts/gpu_session.sh` with carry [".whl"] and timeout_s 600. Logs land in $OUT.
 set -uo pipefail
