@@ -111,12 +111,19 @@ def test_run_rejects_bad_sampling_flags():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "autodeploy: error: invalid sampling parameter: top_p must be in (0, 1], got 2.0"]
-    proc = run_cli("run", "--model", "tiny-llama", "--repetition-penalty", "0")
-    assert proc.returncode == 2 and "repetition_penalty must be > 0" in proc.stderr
-    proc = run_cli("run", "--model", "tiny-llama", "--max-tokens", "4", "--min-tokens", "5")
-    assert proc.returncode == 2 and "min_tokens (5) must not exceed max_tokens (4)" in proc.stderr
     missing = run_cli("run", "--model", "tiny-llama", "--prompts-file", "/no/such/file")
     assert missing.returncode == 2 and "cannot read prompts file" in missing.stderr
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+    (["--max-tokens", "4", "--min-tokens", "5"], "min_tokens (5) must not exceed max_tokens (4)"),
+    (["--frequency-penalty", "3"], "frequency_penalty must be in [-2, 2]"), (["--min-p", "-1"], "min_p must be in"),
+])
+def test_run_rejects_bad_penalty_flags_before_building(capsys, flags, error):
+    """(In process: the flags are checked before the model is built.)"""
+    assert main(["run", "--model", "tiny-llama", *flags]) == 2
+    assert error in capsys.readouterr().err
 
 
 # ---- transforms: order, descriptions, why a transform is off, export patches ---------------------
