@@ -37,11 +37,12 @@ class SamplingParams:
     token seen in the prompt or the output has its logit divided by it when positive, multiplied
     when negative; 1 is off), ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: subtract
     the penalty times the token's count in the output, and once more if it occurs at all; 0 is
-    off); ``logit_bias`` (OpenAI's: token id -> a bias in [-100, 100] added to its logit). ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after the
+    off); ``logit_bias`` (OpenAI's: token id -> a bias in [-100, 100] added to its logit).
+    ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after the
     temperature, before top-k / top-p). Log-probabilities are always those of the model's own
-    distribution, before any of these. ``seed`` makes sampling reproducible per
-    request. ``n`` completions per prompt; ``logprobs`` returns the chosen token's log
-    probability and that many top alternatives per step; ``prompt_logprobs`` (vLLM's name) returns
+    distribution, before any of these. ``seed`` makes sampling reproducible per request. ``n``
+    completions per prompt; ``logprobs`` returns the chosen token's log probability and that many
+    top alternatives per step; ``prompt_logprobs`` (vLLM's name) returns
     each prompt token's log probability given the tokens before it, and that many top
     alternatives (``RequestOutput.prompt_logprobs``; the first token has none). ``max_tokens=0``
     scores the prompt without generating (it needs ``prompt_logprobs``). ``return_hidden_states`` returns the

@@ -39,7 +39,7 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.preemptions = 0
-        # tokens (PagePool prefix caching), and the state copies of a state-cache model's
+        # prefix caching: tokens queried and hit (PagePool), and a state-cache model's state copies
         self.prefix_cache = {"queried": 0, "hit": 0, "state_saved": 0, "state_restored": 0}
         self.gauges = {"running": 0, "waiting": 0, "pages_used": 0, "pages_free": 0}
         self.ttft = _Histogram(_LATENCY_BUCKETS)

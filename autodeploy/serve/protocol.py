@@ -1,10 +1,10 @@
 """OpenAI request bodies, validated, and the error shape every failure is reported in.
 
-Parameters the engine does not implement (suffix, tools, best_of > n, and vLLM's
-sampling extensions other than ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
-``repetition_penalty`` and ``min_p``: beam search, guided decoding, ...) are rejected with a 400 naming the parameter rather than
-silently ignored: a client that asks for them would otherwise get answers it did not ask for.
-Other unknown fields are accepted and ignored (clients send vendor extras).
+Parameters the engine does not implement (suffix, tools, best_of > n, and vLLM's sampling
+extensions other than ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``
+and ``min_p``: beam search, guided decoding, ...) are rejected with a 400 naming the parameter
+rather than silently ignored: a client that asks for them would otherwise get answers it did not
+ask for. Other unknown fields are accepted and ignored (clients send vendor extras).
 
 Types are strict, as OpenAI's are: ``"stream": "yes"``, ``"echo": 0`` or ``"prompt": [true]``
 are 400s, not coerced (a float field still takes an integer). Text that cannot be encoded (a
@@ -67,13 +67,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-# vLLM's sampling extensions this server does not implement, with the values that change nothing:
-# any other value is a 400 naming it (ignored, the client would get answers it did not ask for)
-# (null is neutral for all of them)
+# vLLM's sampling extensions this server does not implement, with the values that change nothing
+# (null too, for all of them): any other value is a 400 naming it (ignored, the client would get
+# answers it did not ask for)
 _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
-    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,), "bad_words": ([],), "allowed_token_ids": (),
-    "truncate_prompt_tokens": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
+    "bad_words": ([],), "allowed_token_ids": (), "truncate_prompt_tokens": (), "guided_json": (),
+    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
 
 
