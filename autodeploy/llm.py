@@ -179,12 +179,15 @@ class LLM:
         return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """Sampling defaults from the checkpoint's ``generation_config.json``."""
+        """Sampling defaults from the checkpoint's ``generation_config.json``, as HF's ``generate``
+        reads them: the repetition penalty whether or not it samples, the sampling settings only
+        with ``do_sample``."""
         gc = self.generation_config
-        kwargs: Dict[str, Any] = {"max_tokens": int(gc.get("max_new_tokens") or 16)}
+        kwargs: Dict[str, Any] = {"max_tokens": int(gc.get("max_new_tokens") or 16),
+                                  "repetition_penalty": float(gc.get("repetition_penalty") or 1.0)}
         if gc.get("do_sample"):
             kwargs.update(temperature=float(gc.get("temperature", 1.0)), top_k=int(gc.get("top_k") or 0),
-                          top_p=float(gc.get("top_p", 1.0)))
+                          top_p=float(gc.get("top_p", 1.0)), min_p=float(gc.get("min_p") or 0.0))
         else:
             kwargs["temperature"] = 0.0
         return SamplingParams(**kwargs)

@@ -341,16 +341,22 @@ class StopStringMatcher:
         return bool(self.stop_strings)
 
     def find(self, text: str, new_chars: int) -> Optional[int]:
+        match = self.find_match(text, new_chars)
+        return match[0] if match is not None else None
+
+    def find_match(self, text: str, new_chars: int) -> Optional[Tuple[int, int]]:
+        """``(start, end)`` of the stop string ``find`` cuts at (the first listed among those
+        starting there), or ``None``."""
         if new_chars <= 0 or not self.stop_strings:
             return None
         n = len(text)
         new_start = n - min(new_chars, n)
-        best: Optional[int] = None
+        best: Optional[Tuple[int, int]] = None
         for stop in self.stop_strings:
             # an occurrence ending in the new characters starts at or after this
             i = text.find(stop, max(0, new_start - len(stop) + 1))
-            if i != -1 and (best is None or i < best):
-                best = i
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, i + len(stop))
         return best
 
 

@@ -299,9 +299,9 @@ class Engine:
         if detok is not None and params.stop_strings and seq.num_output_tokens >= params.min_tokens:
             if reason is not None:  # text held back for the next token comes out now: check it too
                 new_chars += len(detok.flush())
-            cut = StopStringMatcher.for_params(params).find(detok.text, new_chars)
-            if cut is not None:
-                seq.cut_text = detok.text[:cut]
+            match = StopStringMatcher.for_params(params).find_match(detok.text, new_chars)
+            if match is not None:
+                seq.cut_text = detok.text[:match[1] if params.include_stop_str_in_output else match[0]]
                 reason = "stop"
         if reason is None:
             return

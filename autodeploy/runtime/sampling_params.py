@@ -30,7 +30,8 @@ class SamplingParams:
     changed copy, validated again), so a request's parameters cannot change between the check
     and the run.
 
-    ``stop`` strings end the output (the text is cut before them); ``stop_token_ids`` and the
+    ``stop`` strings end the output (the text is cut before them, or after with
+    ``include_stop_str_in_output``, vLLM's name); ``stop_token_ids`` and the
     model's EOS token end it too unless ``ignore_eos``; none of them before ``min_tokens`` tokens
     (EOS and ``stop_token_ids`` cannot be sampled until then). Penalties, applied to the logits
     before the temperature (``logits_processors``): ``repetition_penalty`` (vLLM's and HF's: a
@@ -59,6 +60,7 @@ class SamplingParams:
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     min_tokens: int = 0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -125,6 +127,8 @@ class SamplingParams:
                 raise bad("logit_bias must map token ids (integers >= 0) to biases")
             if any(not _number(b) or not -100 <= b <= 100 for b in self.logit_bias.values()):
                 raise bad("logit_bias values must be numbers in [-100, 100]")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad(f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}")
         if not isinstance(self.return_hidden_states, bool):
             raise bad(f"return_hidden_states must be True or False, got {self.return_hidden_states!r}")
 

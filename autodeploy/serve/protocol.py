@@ -1,8 +1,8 @@
 """OpenAI request bodies, validated, and the error shape every failure is reported in.
 
 Parameters the engine does not implement (suffix, tools, best_of > n, and vLLM's sampling
-extensions other than ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``
-and ``min_p``: beam search, guided decoding, ...) are rejected with a 400 naming the parameter
+extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``min_tokens``, ``repetition_penalty`` and ``min_p``: beam search, guided decoding, ...) are rejected with a 400 naming the parameter
 rather than silently ignored: a client that asks for them would otherwise get answers it did not
 ask for. Other unknown fields are accepted and ignored (clients send vendor extras).
 
@@ -71,8 +71,7 @@ class _Strict(BaseModel):
 # (null too, for all of them): any other value is a 400 naming it (ignored, the client would get
 # answers it did not ask for)
 _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
-    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
-    "bad_words": ([],), "allowed_token_ids": (), "truncate_prompt_tokens": (), "guided_json": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (), "truncate_prompt_tokens": (), "guided_json": (),
     "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
 
@@ -113,6 +112,7 @@ class _Common(_Strict):
     # vLLM's extensions: keep generating past an end-of-sequence token, up to max_tokens
     # (benchmarks); token ids that end the output like EOS does (the token is counted, its text kept)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # the output text ends with the stop string it met
     stop_token_ids: Optional[List[NonNegativeInt]] = Field(default=None, max_length=64)
     # penalties (OpenAI's two, vLLM's repetition penalty), vLLM's min_p and min_tokens: as
     # ``SamplingParams`` defines them (unset: off)

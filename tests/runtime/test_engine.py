@@ -206,6 +206,7 @@ def test_bad_requests_raise_and_leave_running_requests_alone(llm, ref):
     (dict(min_tokens=-1), "min_tokens"), (dict(max_tokens=4, min_tokens=5), "must not exceed max_tokens"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(frequency_penalty=2.5), "frequency_penalty"),
     (dict(presence_penalty=float("nan")), "presence_penalty"), (dict(min_p=1.5), "min_p"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
     (dict(logit_bias={-1: 1.0}), "logit_bias must map token ids"), (dict(logit_bias={3: 101}), "logit_bias values"),
 ])
 def test_sampling_params_validate_on_construction(value, match):
@@ -254,6 +255,15 @@ def test_min_tokens_holds_stop_strings_and_stop_token_ids_off_until_then(llm, re
     (held,) = llm.generate([PROMPTS[2]], greedy(stop_token_ids=[tokens[1]], min_tokens=NEW))
     assert held.finish_reason == "length" and len(held.token_ids) == NEW
     assert held.token_ids[0] == tokens[0] and held.token_ids[1] != tokens[1] and tokens[1] not in held.token_ids
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(llm, ref):
+    tok = llm.tokenizer
+    full = tok.decode(ref[PROMPTS[2]], skip_special_tokens=True)
+    start = next(i for i in range(4, len(full) - 3) if full[i:i + 3].isascii() and full[i:i + 3].isalpha())
+    stop = full[start:start + 3]
+    (out,) = llm.generate([PROMPTS[2]], greedy(stop=["\x00never", stop], include_stop_str_in_output=True))
+    assert (out.finish_reason, out.text) == ("stop", full[:full.find(stop) + len(stop)])
 
 
 def test_stop_string_cuts_the_text_before_it(llm, ref):
@@ -439,6 +449,19 @@ def test_default_sampling_params_come_from_generation_config(llm):
     assert out.token_ids == explicit.token_ids and len(out.token_ids) == 16
     (again,) = llm.generate(PROMPTS[0])
     assert again.token_ids == out.token_ids
+
+
+def test_default_repetition_penalty_comes_from_generation_config(llm):
+    """As HF's generate: a generation_config.json repetition_penalty applies, greedy or not."""
+    llm.generation_config["repetition_penalty"] = 1.8
+    try:
+        assert llm.get_default_sampling_params().repetition_penalty == 1.8
+        (out,) = llm.generate(PROMPTS[0])
+    finally:
+        del llm.generation_config["repetition_penalty"]
+    (explicit,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.8))
+    (plain,) = llm.generate(PROMPTS[0])
+    assert out.token_ids == explicit.token_ids != plain.token_ids
 
 
 def test_chat_applies_the_template(llm):

@@ -58,6 +58,23 @@ def test_stop_token_ids_end_the_output_as_llm_generate_does(server, llm, stream)
     assert (text, finish, usage["completion_tokens"]) == (ref.text, ["stop"], k + 1)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_as_llm_generate(server, llm, stream):
+    full = _ref(llm, PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0).text
+    start = next(i for i in range(2, len(full) - 2) if full[i:i + 2].isascii() and full[i:i + 2].strip())
+    stop = full[start:start + 2]
+    ref = _ref(llm, PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop], include_stop_str_in_output=True)
+    assert ref.text.endswith(stop) and ref.finish_reason == "stop"
+    body = {"model": SERVED_NAME, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "stop": [stop],
+            "include_stop_str_in_output": True, "stream": stream}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    if stream:
+        text = "".join(c["text"] for e in json_events(sse_events(r.text.splitlines())) for c in e["choices"])
+    else:
+        text = r.json()["choices"][0]["text"]
+    assert text == ref.text
+
+
 @pytest.mark.parametrize("extra", [
     dict(frequency_penalty=-2.0), dict(presence_penalty=-2.0), dict(repetition_penalty=0.5),
     dict(min_tokens=MAX_TOKENS, temperature=0.8, seed=7, min_p=0.2), dict(logit_bias={"77": 100, "5": -100}),
