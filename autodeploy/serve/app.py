@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API on top of ``AsyncEngine``: ``create_app`` wires it together.
 
 ``POST /v1/completions`` (``completions``), ``POST /v1/chat/completions`` (``chat``), both with
-``stream`` (``streaming``); here: ``GET /v1/models``, ``GET /health``, ``GET /metrics``, the
+``stream`` (``streaming``), vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``); here: ``GET /v1/models``, ``GET /health``, ``GET /metrics``, the
 middlewares (``middleware``) and the exception handlers. Every error is a JSON body in
 OpenAI's shape with a 4xx status for bad input; nothing a client sends can stop the server.
 """
@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..utils.logging import get_logger
-from . import chat, completions, openapi
+from . import chat, completions, openapi, tokenize
 from .middleware import BodyLimit, Guard, error_response
 from .protocol import CLIENT_CLOSED, APIError
 from .state import ServerState
@@ -80,5 +80,6 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.include_router(completions.router(state))
     app.include_router(chat.router(state))
+    app.include_router(tokenize.router(state))
     openapi.install(app, state.model_name)
     return app

@@ -55,15 +55,19 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+# outside /v1 but the model's too (vLLM's paths): the same key, shutdown and size rules
+GUARDED_PATHS = ("/tokenize", "/detokenize")
+
+
 class Guard:
-    """ASGI middleware for /v1: API key, shutdown, announced body size."""
+    """ASGI middleware for /v1 (and ``GUARDED_PATHS``): API key, shutdown, announced body size."""
 
     def __init__(self, app: Any, state: ServerState):
         self.app = app
         self.state = state
 
     async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in GUARDED_PATHS):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         error = None

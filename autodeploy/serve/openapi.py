@@ -218,6 +218,11 @@ def api_responses(ok: Type[BaseModel], chunk: Type[BaseModel]) -> Dict[int | str
     return {200: success, **{status: _error(text) for status, text in _ERRORS.items()}}
 
 
+def post_responses(ok: Type[BaseModel]) -> Dict[int | str, Dict[str, Any]]:
+    """The ``responses`` of a guarded POST operation that answers with JSON only: ``ok`` and the API errors."""
+    return {200: {"model": ok, "description": "OK"}, **{status: _error(text) for status, text in _ERRORS.items()}}
+
+
 def get_responses(ok: Type[BaseModel], *, guarded: bool) -> Dict[int | str, Dict[str, Any]]:
     """The ``responses`` of a GET operation (``guarded``: under /v1, so the API key and shutdown apply)."""
     responses: Dict[int | str, Dict[str, Any]] = {200: {"model": ok, "description": "OK"}}
@@ -242,6 +247,8 @@ def _examples(model_name: str) -> Dict[str, Dict[str, Any]]:
         "/v1/completions": {"model": model_name, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0},
         "/v1/chat/completions": {"model": model_name, "messages": [{"role": "user", "content": "Hello"}],
                                  "max_tokens": 8, "temperature": 0},
+        "/tokenize": {"model": model_name, "prompt": "Once upon a time"},
+        "/detokenize": {"model": model_name, "tokens": [1, 2, 3]},
     }
 
 

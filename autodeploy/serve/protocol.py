@@ -67,6 +67,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+class _Body(_Strict):
+    """A request body: text that cannot be encoded anywhere in it is a 400 naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        """One walk over the whole body (here, not in the nested models, which would walk their
+        parts again)."""
+        bad = unencodable_text(data)
+        if bad is not None:
+            # raised as such (not a ValueError) so that the 400 names the field, nested or not
+            raise APIError(400, f"'{bad}' holds text that is not valid Unicode (a lone UTF-16 surrogate); "
+                                "send well-formed UTF-8 text", bad.split(".")[0])
+        return data
+
+
 # vLLM's sampling extensions this server does not implement, with the values that change nothing
 # (null too, for all of them): any other value is a 400 naming it (ignored, the client would get
 # answers it did not ask for)
@@ -84,21 +100,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(_Strict):
+class _Common(_Body):
     """Fields both endpoints share. Unknown fields are accepted and ignored (clients send
     vendor extras); known-but-unsupported ones are rejected in ``check_supported``."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _encodable(cls, data: Any) -> Any:
-        """One walk over the whole body (here, not in the nested models, which would walk their
-        parts again)."""
-        bad = unencodable_text(data)
-        if bad is not None:
-            # raised as such (not a ValueError) so that the 400 names the field, nested or not
-            raise APIError(400, f"'{bad}' holds text that is not valid Unicode (a lone UTF-16 surrogate); "
-                                "send well-formed UTF-8 text", bad.split(".")[0])
-        return data
 
     model: str
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)

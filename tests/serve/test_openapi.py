@@ -49,7 +49,11 @@ def test_schema_is_published(server):
     schema = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
     ops = {(path, method) for path, item in schema["paths"].items() for method in item}
     assert ops == {("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
-                   ("/health", "get"), ("/metrics", "get")}
+                   ("/health", "get"), ("/metrics", "get"), ("/tokenize", "post"), ("/detokenize", "post")}
+    for path in ("/tokenize", "/detokenize"):
+        op = schema["paths"][path]["post"]
+        assert set(op["responses"]) == {"200", "400", "401", "404", "413", "503"}
+        assert op["requestBody"]["content"]["application/json"]["example"]["model"] == SERVED_NAME
     for path in ("/v1/completions", "/v1/chat/completions"):
         op = schema["paths"][path]["post"]
         assert set(op["responses"]) == {"200", "400", "401", "404", "413", "503"}  # no FastAPI 422
