@@ -19,6 +19,7 @@ from .protocol import APIError, ChatMessage, _Body
 from .requests import check_model
 from .state import ServerState
 
+
 class TokenizePromptRequest(_Body):
     model: str
     prompt: str
