@@ -330,6 +330,13 @@ def test_api_key_required(aux_server, headers):
         assert err["type"] == "authentication_error"
 
 
+@pytest.mark.parametrize("path, body", [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})])
+def test_api_key_guards_tokenize_and_detokenize(aux_server, path, body):
+    body = {"model": aux_server.model, **body}
+    assert_error(_post(aux_server, path, body), 401, code="invalid_api_key")
+    assert _post(aux_server, path, body, headers={"authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
 def test_api_key_accepted(aux_server):
     client = aux_server.client()
     assert [m.id for m in client.models.list().data] == [MODEL]

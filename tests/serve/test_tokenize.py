@@ -1,12 +1,13 @@
 """vLLM's ``POST /tokenize`` and ``/detokenize`` on the real server: the ids are those a
 completion (text prompt) or a chat completion (messages) of the same input runs on, checked
 through the usage the completion reports and the in-process tokenizer; errors are 400s and 404s
-in OpenAI's shape; the API key guards them as it guards /v1."""
+in OpenAI's shape (the API key guards them as it guards /v1: ``test_bad_input``, beside the
+other API-key tests, whose server this file would otherwise start a second time)."""
 
 import httpx
 import pytest
 
-from serve_utils import API_KEY, MAX_SEQ_LEN, SERVED_NAME
+from serve_utils import MAX_SEQ_LEN, SERVED_NAME
 from test_bad_input import assert_error
 
 TEXT = "The quick brown fox"
@@ -52,9 +53,3 @@ def test_detokenize_gives_the_text_back(server, llm):
 ])
 def test_bad_tokenize_requests(healthy, path, body, status, param):
     assert_error(_post(healthy, path, body), status, param=param)
-
-
-def test_the_api_key_guards_them(aux_server):
-    body = {"model": aux_server.model, "prompt": "hi"}
-    assert_error(_post(aux_server, "/tokenize", body), 401)
-    assert _post(aux_server, "/tokenize", body, headers={"authorization": f"Bearer {API_KEY}"}).status_code == 200
