@@ -367,7 +367,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--min-tokens", type=int, default=0, metavar="N",
                    help="no EOS, stop token or stop string ends the output before N tokens (default 0)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
-                   help="divide positive / multiply negative logits of tokens seen in prompt or output (default 1: off)")
+                   help="divide positive / multiply negative logits of tokens in prompt or output (default 1: off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
                    help="subtract F per occurrence in the output, -2..2 (default 0: off)")
     p.add_argument("--presence-penalty", type=float, default=0.0, metavar="F",

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API on top of ``AsyncEngine``: ``create_app`` wires it together.
 
 ``POST /v1/completions`` (``completions``), ``POST /v1/chat/completions`` (``chat``), both with
-``stream`` (``streaming``), vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``); here: ``GET /v1/models``, ``GET /health``, ``GET /metrics``, the
-middlewares (``middleware``) and the exception handlers. Every error is a JSON body in
+``stream`` (``streaming``), vLLM's ``POST /tokenize`` and ``/detokenize`` (``tokenize``); here:
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, the middlewares (``middleware``) and the
+exception handlers. Every error is a JSON body in
 OpenAI's shape with a 4xx status for bad input; nothing a client sends can stop the server.
 """
 

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..runtime.request_processor import PreparedRequest
 from ..runtime.sampling_params import InvalidRequestError
 from .openapi import ChatCompletionChunk, ChatCompletionResponse, api_responses
-from .protocol import APIError, ChatCompletionRequest
+from .protocol import APIError, ChatCompletionRequest, template_messages
 from .requests import (check_choices, check_model, check_prompt, final_output, prepare_request, resolve_max_tokens,
                        to_sampling_params, unless_disconnected, usage)
 from .state import ServerState
@@ -43,9 +43,8 @@ def router(state: ServerState) -> APIRouter:
         req.check_supported()
         check_choices(state, 1, req.n)
         processor = state.engine.processor
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
         try:
-            prompt = processor.chat_prompt(messages)
+            prompt = processor.chat_prompt(template_messages(req.messages))
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), "messages") from None
         checked = check_prompt(processor, prompt, "messages")

@@ -2,9 +2,10 @@
 
 Parameters the engine does not implement (suffix, tools, best_of > n, and vLLM's sampling
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``min_tokens``, ``repetition_penalty`` and ``min_p``: beam search, guided decoding, ...) are rejected with a 400 naming the parameter
-rather than silently ignored: a client that asks for them would otherwise get answers it did not
-ask for. Other unknown fields are accepted and ignored (clients send vendor extras).
+``min_tokens``, ``repetition_penalty`` and ``min_p``: beam search, guided decoding, ...) are
+rejected with a 400 naming the parameter rather than silently ignored: a client that asks for
+them would otherwise get answers it did not ask for. Other unknown fields are accepted and
+ignored (clients send vendor extras).
 
 Types are strict, as OpenAI's are: ``"stream": "yes"``, ``"echo": 0`` or ``"prompt": [true]``
 are 400s, not coerced (a float field still takes an integer). Text that cannot be encoded (a
@@ -87,8 +88,9 @@ class _Body(_Strict):
 # (null too, for all of them): any other value is a 400 naming it (ignored, the client would get
 # answers it did not ask for)
 _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
-    "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (), "truncate_prompt_tokens": (), "guided_json": (),
-    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
+    "truncate_prompt_tokens": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (),
 }
 
 
@@ -215,6 +217,12 @@ class ChatMessage(_Strict):
                 raise APIError(400, f"message content of type '{part.type}' is not supported (text only)", "messages")
             parts.append(part.text)
         return "".join(parts)
+
+
+def template_messages(messages: List[ChatMessage]) -> List[Dict[str, str]]:
+    """The messages as a chat template takes them: text content, OpenAI's ``developer`` role as
+    ``system`` (the role templates know)."""
+    return [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in messages]
 
 
 class ChatCompletionRequest(_Common):

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Discriminator, Field, NonNegativeInt, Tag
 
 from ..runtime.sampling_params import InvalidRequestError
 from .openapi import post_responses
-from .protocol import APIError, ChatMessage, _Body
+from .protocol import APIError, ChatMessage, _Body, template_messages
 from .requests import check_model
 from .state import ServerState
 
@@ -74,9 +74,8 @@ def router(state: ServerState) -> APIRouter:
             raise APIError(400, "give one of 'prompt' and 'messages', not both", "messages")
         try:
             if isinstance(req, TokenizeChatRequest):
-                messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                            for m in req.messages]
-                ids = processor.chat_prompt(messages, req.add_generation_prompt)["prompt_token_ids"]
+                prompt = processor.chat_prompt(template_messages(req.messages), req.add_generation_prompt)
+                ids = prompt["prompt_token_ids"]
             else:
                 tokenizer = processor.tokenizer.require("tokenizing")
                 ids = tokenizer(req.prompt, add_special_tokens=req.add_special_tokens, verbose=False)["input_ids"]
