@@ -247,7 +247,25 @@ def _sampling_params(args: argparse.Namespace) -> Any:
         seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos, min_p=args.min_p,
         min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
         frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+        guided=_guided(args),
     )
+
+
+def _guided(args: argparse.Namespace) -> Any:
+    """The output constraint of ``run``'s --json-schema / --regex / --choice / --json-object (None: none)."""
+    from .runtime.guided.params import GuidedDecodingParams
+
+    schema = args.json_schema
+    if schema is not None and not schema.lstrip().startswith("{"):
+        try:
+            with open(schema) as f:
+                schema = f.read()
+        except OSError as exc:
+            raise AutoDeployError(f"cannot read JSON Schema file '{schema}': {exc.strerror}") from None
+    given = {k: v for k, v in (("json", schema), ("regex", args.regex), ("choice", args.choice)) if v is not None}
+    if args.json_object:
+        given["json_object"] = True
+    return GuidedDecodingParams(**given) if given else None
 
 
 def _read_prompts(args: argparse.Namespace) -> List[str]:
@@ -372,6 +390,13 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="subtract F per occurrence in the output, -2..2 (default 0: off)")
     p.add_argument("--presence-penalty", type=float, default=0.0, metavar="F",
                    help="subtract F from tokens the output has, -2..2 (default 0: off)")
+    guided = p.add_mutually_exclusive_group()
+    guided.add_argument("--json-schema", metavar="SCHEMA", help="constrain the output to a JSON Schema (its JSON "
+                        "text, or a file holding it)")
+    guided.add_argument("--json-object", action="store_true", help="constrain the output to one JSON object")
+    guided.add_argument("--regex", metavar="PATTERN", help="constrain the output to match a regular expression")
+    guided.add_argument("--choice", action="append", metavar="TEXT",
+                        help="constrain the output to one of these strings (repeatable)")
     p.add_argument("--world-size", type=int, default=None, metavar="N", help=WORLD_SIZE_HELP)
     p.set_defaults(func=cmd_run, accepts_overrides=True)
     _add_serve_parser(sub, common, epilog)

@@ -11,7 +11,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 
@@ -19,6 +19,7 @@ from ..cache.interface import CachedSequenceInterface
 from ..cache.limits import snapshot_capacity
 from ..utils.logging import get_logger
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .guided.guide import Guides
 from .logits_processors import process_logits
 from .model_runner import ModelRunner, StepLogits
 from .outputs import CompletionOutput, RequestOutput
@@ -164,6 +165,7 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._rng = random.Random()
+        self._guides: Optional[Guides] = None  # made for the first guided request (needs the tokenizer)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -182,6 +184,7 @@ class Engine:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         params = request.params
         tokenizer = self.tokenizer.tokenizer if self.tokenizer is not None else None
+        guides = self._guides_for(tokenizer) if params.guided is not None else None
         sequences = []
         for i in range(params.n):
             gen = None
@@ -195,11 +198,21 @@ class Engine:
                            hidden_states=[] if params.return_hidden_states else None)
             if tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+            if guides is not None:
+                seq.guide = guides.start(params.guided)  # type: ignore[arg-type]
             sequences.append(seq)
         self.requests[request_id] = _Request(request_id, request, sequences, on_update)
         for seq in sequences:
             self.scheduler.add(seq)
         return request_id
+
+    def _guides_for(self, tokenizer: Any) -> Guides:
+        if tokenizer is None:
+            raise InvalidRequestError("guided decoding needs the model's tokenizer (to know each token's text), "
+                                      "and this engine has none")
+        if self._guides is None:
+            self._guides = Guides(tokenizer)
+        return self._guides
 
     @property
     def num_running(self) -> int:
@@ -292,8 +305,13 @@ class Engine:
         detok = seq.detokenizer
         new_chars = len(detok.add(token)) if detok is not None else 0
         reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if seq.guide is not None and seq.guide.failed:  # its constraint could not go on (logged)
+            reason = "abort"
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
+        elif seq.guide is not None and seq.guide.advance(token):
+            # the constrained output is done (nothing can follow it), or the constraint failed
+            reason = "abort" if seq.guide.failed else "stop"
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
             reason = "length"
         if detok is not None and params.stop_strings and seq.num_output_tokens >= params.min_tokens:

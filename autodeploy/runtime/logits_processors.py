@@ -10,7 +10,10 @@ with vLLM's semantics (``SamplingParams`` documents each):
   with ``c`` the token's count in the output so far (the prompt does not count);
 * ``logit_bias`` (OpenAI's): each listed token's bias added to its logit (-100 all but bans it);
 * ``min_tokens``: until that many tokens are out, the EOS tokens (unless ``ignore_eos``) and
-  ``stop_token_ids`` cannot be sampled.
+  ``stop_token_ids`` cannot be sampled;
+* ``guided`` (last, so nothing can lift it): only the tokens that keep the output completable
+  under its constraint (``guided.Guide.mask``); EOS and ``stop_token_ids`` only once the output
+  is complete.
 
 Only the rows of requests that ask for one of these are touched (``SamplingParams.adjusts_logits``);
 a batch without any returns its logits as they are.
@@ -73,7 +76,26 @@ class _Batch:
         if any(seq.num_output_tokens < seq.params.min_tokens for seq in self.sequences):
             index = self._pairs(lambda s: _banned(s, eos_token_ids))
             sub = sub.index_put(index, torch.tensor(float("-inf"), dtype=sub.dtype, device=sub.device))
+        if any(seq.guide is not None for seq in self.sequences):
+            sub = self._guide(sub, eos_token_ids)
         return sub
+
+    def _guide(self, sub: torch.Tensor, eos_token_ids: AbstractSet[int]) -> torch.Tensor:
+        """Every token a row's constraint refuses gets -inf; the other rows pass whole."""
+        allowed = torch.ones_like(sub, dtype=torch.bool)
+        for r, seq in enumerate(self.sequences):
+            guide = seq.guide
+            if guide is None:
+                continue
+            row = guide.mask(self.vocab).clone()
+            if guide.failed:  # the sequence is aborted after this step: let it end on EOS where there is one
+                row[:] = not eos_token_ids
+                row[[t for t in eos_token_ids if 0 <= t < self.vocab]] = True
+            elif guide.accepting:  # complete: the stop tokens may end it (min_tokens may still ban them)
+                ends = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(eos_token_ids))
+                row[[t for t in ends if 0 <= t < self.vocab]] = True
+            allowed[r] = row.to(sub.device)
+        return sub.masked_fill(~allowed, float("-inf"))
 
 
 def _banned(seq: Sequence, eos_token_ids: AbstractSet[int]) -> List[int]:

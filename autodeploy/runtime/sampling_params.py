@@ -3,19 +3,11 @@
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Union
 
-from ..utils.errors import AutoDeployError
+from .errors import InvalidRequestError
+from .guided.params import GuidedDecodingParams
 
 
 GREEDY_BELOW = 1e-5
-
-
-class InvalidRequestError(AutoDeployError, ValueError):
-    """A request the engine cannot serve (bad parameter, empty or too-long prompt). ``code`` is a
-    machine-readable reason where one exists (``context_length_exceeded``), as OpenAI's API has."""
-
-    def __init__(self, message: str, code: Optional[str] = None):
-        super().__init__(message)
-        self.code = code
 
 
 def _number(value: object) -> bool:
@@ -49,7 +41,10 @@ class SamplingParams:
     scores the prompt without generating (it needs ``prompt_logprobs``). ``return_hidden_states`` returns the
     hidden states the build captures (``transforms.insert_cached_residual_add.layers``) for every
     token the model ran (``CompletionOutput.hidden_states``); a build that captures none refuses
-    the request.
+    the request. ``guided`` (``GuidedDecodingParams``, or a dict of its fields) constrains the
+    output to a JSON Schema, a JSON object, a regular expression or a list of choices: tokens that
+    cannot continue it are masked out, EOS is allowed only once the output is complete, and the
+    sequence ends (``finish_reason`` "stop") as soon as nothing can follow.
     """
 
     max_tokens: int = 16
@@ -71,6 +66,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     return_hidden_states: bool = False
+    guided: Optional[GuidedDecodingParams] = None
     stop_strings: List[str] = field(init=False, default_factory=list, repr=False)
     # whether ``logits_processors`` changes this request's logits before sampling (read every step)
     adjusts_logits: bool = field(init=False, default=False, repr=False)
@@ -78,9 +74,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_strings", [self.stop] if isinstance(self.stop, str) else list(self.stop or []))
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        if isinstance(self.guided, dict):
+            unknown = sorted(set(self.guided) - {"json", "regex", "choice", "json_object", "whitespace_pattern"})
+            if unknown:
+                raise InvalidRequestError(f"invalid sampling parameter: guided has no field(s) {unknown}; "
+                                          "it takes json, regex, choice, json_object and whitespace_pattern")
+            object.__setattr__(self, "guided", GuidedDecodingParams(**self.guided))
         self.validate()
         object.__setattr__(self, "adjusts_logits", self.repetition_penalty != 1 or self.frequency_penalty != 0
-                           or self.presence_penalty != 0 or self.min_tokens > 0 or bool(self.logit_bias))
+                           or self.presence_penalty != 0 or self.min_tokens > 0 or bool(self.logit_bias)
+                           or self.guided is not None)
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -129,6 +132,8 @@ class SamplingParams:
                 raise bad("logit_bias values must be numbers in [-100, 100]")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad(f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}")
+        if self.guided is not None and not isinstance(self.guided, GuidedDecodingParams):
+            raise bad(f"guided must be a GuidedDecodingParams (or a dict of its fields), got {self.guided!r}")
         if not isinstance(self.return_hidden_states, bool):
             raise bad(f"return_hidden_states must be True or False, got {self.return_hidden_states!r}")
 

@@ -37,6 +37,7 @@ class Sequence:
     # far, ``[tokens, layers, hidden]`` chunks in token order (None: not asked for)
     hidden_states: Optional[List[torch.Tensor]] = None
     num_hidden_rows: int = 0
+    guide: Any = None  # a ``guided.Guide`` when the request constrains its output (SamplingParams.guided)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

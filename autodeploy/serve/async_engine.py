@@ -23,6 +23,7 @@ from typing import AsyncIterator, Dict, Optional, Tuple
 from ..runtime.engine import Engine
 from ..runtime.outputs import RequestOutput
 from ..runtime.request_processor import PreparedRequest, RequestProcessor
+from ..runtime.sampling_params import InvalidRequestError
 from ..utils.errors import RankFailure
 from ..utils.logging import get_logger
 from .metrics import Metrics
@@ -137,6 +138,8 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, ServerShuttingDown):
                     raise item
+                if isinstance(item, InvalidRequestError):
+                    raise item  # the request's fault (e.g. its guided decoding cannot be served): a 400
                 if isinstance(item, BaseException):
                     raise EngineError(str(item)) from item
                 out: RequestOutput = item

@@ -167,7 +167,8 @@ DESCRIPTION = (
     "An OpenAI-compatible API (completions and chat completions, whole or streamed) over an autodeploy "
     "engine. Request types are strict: a wrong JSON type is a 400, not coerced. Parameters the engine does "
     "not implement are rejected with a 400 naming them (suffix, best_of other than n, tools, "
-    "response_format other than text, vLLM's beam search and guided decoding), never ignored. One "
+    "vLLM's beam search and guided_grammar), never ignored. Structured output: response_format json_object "
+    "or json_schema, or vLLM's guided_json, guided_regex, guided_choice, structured_outputs (one per request). One "
     "request may ask for at most --max-choices-per-request choices (prompts x n)."
 )
 

@@ -1,11 +1,16 @@
 """OpenAI request bodies, validated, and the error shape every failure is reported in.
 
+Structured output: OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+``guided_json``, ``guided_regex``, ``guided_choice`` and ``structured_outputs`` (one of them per
+request) become ``GuidedDecodingParams``, compiled here so that a bad schema or pattern is a 400
+naming the field.
+
 Parameters the engine does not implement (suffix, tools, best_of > n, and vLLM's sampling
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``min_tokens``, ``repetition_penalty`` and ``min_p``: beam search, guided decoding, ...) are
-rejected with a 400 naming the parameter rather than silently ignored: a client that asks for
-them would otherwise get answers it did not ask for. Other unknown fields are accepted and
-ignored (clients send vendor extras).
+``min_tokens``, ``repetition_penalty``, ``min_p`` and the guided decoding above: beam search,
+``guided_grammar``, ...) are rejected with a 400 naming the parameter rather than silently
+ignored: a client that asks for them would otherwise get answers it did not ask for. Other
+unknown fields are accepted and ignored (clients send vendor extras).
 
 Types are strict, as OpenAI's are: ``"stream": "yes"``, ``"echo": 0`` or ``"prompt": [true]``
 are 400s, not coerced (a float field still takes an integer). Text that cannot be encoded (a
@@ -14,9 +19,12 @@ before anything tries to tokenize it or echo it back.
 """
 
 import json
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
+
+from ..runtime.guided.params import GuidedDecodingParams
+from ..runtime.sampling_params import InvalidRequestError
 
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (never sent to anyone)
@@ -89,9 +97,9 @@ class _Body(_Strict):
 # answers it did not ask for)
 _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
-    "truncate_prompt_tokens": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (),
+    "truncate_prompt_tokens": (), "guided_grammar": (), "guided_decoding_backend": (),
 }
+_STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
 
 
 def _neutral(value: Any, neutral: tuple) -> bool:
@@ -100,6 +108,20 @@ def _neutral(value: Any, neutral: tuple) -> bool:
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``: the schema the output must follow."""
+
+    name: str = Field(default="response", max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[Union[Dict[str, Any], bool]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = Field(default=None, description="With type 'json_schema'.")
 
 
 class _Common(_Body):
@@ -130,6 +152,17 @@ class _Common(_Body):
     # OpenAI's: token id (a JSON key, so a string) -> a bias added to its logit
     logit_bias: Optional[Dict[str, float]] = Field(default=None, max_length=300)
     user: Optional[str] = None
+    # structured output (at most one of these; ``guided``): OpenAI's, and vLLM's
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[Union[Dict[str, Any], str]] = Field(default=None, description="A JSON Schema (vLLM).")
+    guided_regex: Optional[str] = Field(default=None, description="A regular expression the output matches (vLLM).")
+    guided_choice: Optional[List[str]] = Field(default=None, min_length=1,
+                                               description="The output is one of these strings (vLLM).")
+    structured_outputs: Optional[Dict[str, Any]] = Field(default=None, description=(
+        "vLLM's newer form: one of 'json' (a schema), 'regex', 'choice' or 'json_object'."))
+    guided_whitespace_pattern: Optional[str] = Field(default=None, description=(
+        "With a JSON Schema: the whitespace allowed between JSON tokens, a regular expression (default: at most "
+        "one space)."))
 
     @field_validator("logit_bias")
     @classmethod
@@ -155,6 +188,45 @@ class _Common(_Body):
     def include_usage(self) -> bool:
         """A streamed response ends with a usage chunk only when asked for."""
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def guided(self) -> Optional[GuidedDecodingParams]:
+        """The output constraint the request asks for (None: none); a 400 naming the field when
+        it is malformed, unsupported, or more than one is given."""
+        asked: List[Tuple[str, Dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format of type 'json_schema' needs 'json_schema': {'name': ..., "
+                                    "'schema': {...}}", "response_format")
+            asked.append(("response_format", {"json": fmt.json_schema.schema_}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+            if getattr(self, name) is not None:
+                asked.append((name, {key: getattr(self, name)}))
+        if self.structured_outputs:
+            given = {k: v for k, v in self.structured_outputs.items() if v is not None and v is not False}
+            unknown = sorted(set(given) - set(_STRUCTURED_OUTPUT_KEYS))
+            if unknown:
+                raise APIError(400, f"structured_outputs {unknown} are not supported by this server; it takes one of "
+                               f"{list(_STRUCTURED_OUTPUT_KEYS)}", "structured_outputs")
+            asked += [("structured_outputs", {k: v}) for k, v in given.items()]
+        if len(asked) > 1:
+            raise APIError(400, "a request may constrain its output one way only; got "
+                           + ", ".join(sorted({name for name, _ in asked})), asked[1][0])
+        if not asked:
+            if self.guided_whitespace_pattern is not None:
+                raise APIError(400, "'guided_whitespace_pattern' goes with a JSON Schema", "guided_whitespace_pattern")
+            return None
+        name, fields = asked[0]
+        if self.guided_whitespace_pattern is not None:
+            if "json" not in fields:
+                raise APIError(400, "'guided_whitespace_pattern' goes with a JSON Schema", "guided_whitespace_pattern")
+            fields = {**fields, "whitespace_pattern": self.guided_whitespace_pattern}
+        try:
+            return GuidedDecodingParams(**fields)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), name) from None
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -233,14 +305,10 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20, description="Needs 'logprobs': true when above 0.")
     tools: Optional[List[Any]] = Field(default=None, json_schema_extra={
         "maxItems": 0, "description": "Function calling is not supported: only [] or null."})
-    response_format: Optional[Dict[str, Any]] = Field(default=None, json_schema_extra={
-        "properties": {"type": {"const": "text"}}, "required": ["type"], "description": "Only {'type': 'text'} (or null)."})
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
             raise APIError(400, "'tools' (function calling) is not supported by this server", "tools")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")

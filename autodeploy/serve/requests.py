@@ -74,6 +74,7 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max
             min_p=req.min_p or 0.0,
             min_tokens=req.min_tokens or 0,
             logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None,
+            guided=req.guided(),
         )
     except InvalidRequestError as exc:
         raise APIError(400, str(exc)) from None

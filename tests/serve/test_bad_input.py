@@ -144,7 +144,15 @@ def test_completion_out_of_range(healthy, body, param):
     ({"messages": []}, "messages"), ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object",
+      "patternProperties": {}}}}}, "response_format"),
+    ({"guided_regex": "a(b"}, "guided_regex"), ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": '{"type": '}, "guided_json"), ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+    ({"guided_choice": ["a"], "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs"),
 ])
 def test_chat_out_of_range(healthy, body, param):
     r = _post(healthy, CHAT, {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 2, **body})
@@ -188,8 +196,8 @@ def test_prompt_longer_than_context(healthy, llm):
 @pytest.mark.parametrize("path,field,value", [
     (CMPL, "suffix", "tail"),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), (CMPL, "best_of", 3),
-    (CHAT, "use_beam_search", True), (CMPL, "length_penalty", 0.5), (CMPL, "guided_json", {"type": "object"}),
-    (CHAT, "guided_choice", ["a", "b"]), (CMPL, "bad_words", ["x"]),
+    (CHAT, "use_beam_search", True), (CMPL, "length_penalty", 0.5), (CMPL, "guided_grammar", "root ::= x"),
+    (CMPL, "bad_words", ["x"]),
 ])
 def test_unsupported_params(healthy, path, field, value):
     body = {"model": SERVED_NAME, "prompt": "hi", "messages": MSGS, "max_tokens": 2, field: value}
@@ -207,7 +215,7 @@ def test_unsupported_params_through_openai_client(healthy):
 def test_neutral_values_of_unsupported_params_are_accepted(healthy):
     body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2, "frequency_penalty": 0, "presence_penalty": 0.0,
             "logit_bias": {}, "suffix": "", "best_of": 1, "user": "u", "vendor_extra": {"a": 1},
-            "use_beam_search": False, "length_penalty": 1, "guided_json": None}
+            "use_beam_search": False, "length_penalty": 1, "guided_json": None, "guided_grammar": None}
     assert _post(healthy, CMPL, body).status_code == 200
     body = {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 2, "tools": [], "response_format": {"type": "text"}}
     assert _post(healthy, CHAT, body).status_code == 200

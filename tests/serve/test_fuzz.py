@@ -65,6 +65,10 @@ CHAT = st.fixed_dictionaries({"messages": field(st.lists(MESSAGE, max_size=3))},
     **COMMON, "max_completion_tokens": field(st.integers(-1, 200)), "logprobs": field(st.booleans()),
     "top_logprobs": field(st.integers(-1, 25)), "tools": field(st.lists(JUNK, max_size=2)),
     "response_format": field(st.fixed_dictionaries({"type": field(st.sampled_from(["text", "json_object"]))})),
+    "guided_regex": field(st.text(alphabet="ab()[]*+?|{}^$.\\-,0123456789", max_size=8)),
+    "guided_choice": field(st.lists(st.text(max_size=3), max_size=3)),
+    "guided_json": field(st.one_of(JUNK, st.fixed_dictionaries({"type": field(st.sampled_from(
+        ["object", "string", "integer", "array", "boolean", "null", "number"]))}))),
 })
 
 
