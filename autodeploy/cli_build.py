@@ -321,7 +321,7 @@ def cmd_serve(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .serve.server import bind_socket, check_settings, serve
 
     limits = dict(max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
-                  max_choices_per_request=args.max_choices_per_request)
+                  max_choices_per_request=args.max_choices_per_request, tool_call_parser=args.tool_call_parser)
     check_settings(shutdown_timeout=args.shutdown_timeout, **limits)
     config = config_from_args(args, overrides)
     from .distributed.launcher import driver_process
@@ -415,6 +415,9 @@ def _add_serve_parser(sub: Any, common: argparse.ArgumentParser, epilog: str) ->
     p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask for")
     p.add_argument("--max-choices-per-request", type=int, default=128,
                    help="most sequences one request may ask for, prompts x n (default 128); more is a 400")
+    p.add_argument("--tool-call-parser", default=None, metavar="{hermes,llama3_json}",
+                   help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, Qwen 2.5/3, Hermes and "
+                        "the presets; llama3_json: Llama 3.1/3.2's JSON calls): enables tool_choice 'auto'")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown (default 30; then they are cut with "
                         "a 503 or a final error event)")

@@ -258,15 +258,20 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        tools: Optional[Sequence[Mapping[str, Any]]] = None,
     ) -> List[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        """Apply the tokenizer's chat template to one conversation or a list of them. ``tools``:
+        function definitions (OpenAI's ``{"type": "function", "function": {"name", "description",
+        "parameters"}}``) the template shows the model; the calls it writes are in the text (the
+        server's ``--tool-call-parser`` finds them; ``SamplingParams.guided`` can force them)."""
         if not messages:
             raise InvalidRequestError("chat() needs at least one message")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
-                prompts.append(self.processor.chat_prompt(conversation, add_generation_prompt))  # type: ignore[arg-type]
+                prompts.append(self.processor.chat_prompt(conversation, add_generation_prompt,  # type: ignore[arg-type]
+                                                          tools=tools))
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"conversation {i}: {exc}") from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -20,7 +20,7 @@ from ..utils.paths import cache_root
 
 logger = get_logger(__name__)
 
-PRESET_FORMAT_VERSION = 1
+PRESET_FORMAT_VERSION = 2  # 2: the tokenizer's chat template renders tools and tool calls
 DEFAULT_PRESET = "demo"
 
 

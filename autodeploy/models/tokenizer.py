@@ -15,9 +15,23 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
 # A minimal chat template in the tokenizer, so ``apply_chat_template`` works like a chat model's.
+# With ``tools`` it shows them in a system turn and asks for Hermes-style calls
+# (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, what ``--tool-call-parser hermes``
+# reads); an assistant turn's ``tool_calls`` are written back that way. Without tools and calls it
+# renders exactly as it did before they were added.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|system|>\nYou may call these functions:\n' }}"
+    "{% for tool in tools %}{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}{{ '\n' }}"
+    "{% endfor %}"
+    "{{ 'To call one, write <tool_call>{\"name\": <its name>, \"arguments\": <an object>}</tool_call>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}"
+    "{{ '<|' + message['role'] + '|>\n' + (message['content'] or '') }}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson)"
+    " + '</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{{ '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )

@@ -129,15 +129,19 @@ class RequestProcessor:
             raise InvalidRequestError("the prompt is empty; give at least one character (or token)")
         return list(self.tokenizer.require("a text prompt")(text, verbose=False)["input_ids"])
 
-    def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> Dict[str, Any]:
+    def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    tools: Optional[Sequence[Mapping[str, Any]]] = None) -> Dict[str, Any]:
         """One conversation rendered with the tokenizer's chat template, as a prompt mapping
-        (the template adds the special tokens, so none are added when tokenizing)."""
+        (the template adds the special tokens, so none are added when tokenizing). ``tools``:
+        function definitions (OpenAI's ``{"type": "function", "function": {...}}``) the template
+        shows the model."""
         if not messages:
             raise InvalidRequestError("the conversation has no messages")
         tokenizer = self.tokenizer.require("a chat conversation")
         if getattr(tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("this model's tokenizer has no chat template; send plain prompts instead")
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]}
 
     def decode(self, token_ids: Sequence[int]) -> Optional[str]:

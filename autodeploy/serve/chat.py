@@ -1,11 +1,12 @@
 """``POST /v1/chat/completions``: a conversation in (rendered with the tokenizer's chat
 template), assistant messages out, whole or streamed, with the chat logprobs format
-(``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``).
+(``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``). With ``tools`` the answer's
+calls come back as ``tool_calls`` (``tool_calls`` and ``tool_parsers`` say how).
 """
 
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List
+from typing import Any, AsyncIterator, Dict, List, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -18,6 +19,8 @@ from .requests import (check_choices, check_model, check_prompt, final_output, p
                        to_sampling_params, unless_disconnected, usage)
 from .state import ServerState
 from .streaming import ChoiceDelta, StreamedRequest, stream_sse
+from .tool_calls import ToolRequestError, ToolSettings
+from .tool_parsers import ToolCallParser, merge_calls
 
 
 def chat_logprobs(tokenizer: Any, steps: List[Dict[int, float]], top: int) -> Dict[str, Any]:
@@ -42,9 +45,14 @@ def router(state: ServerState) -> APIRouter:
         check_model(state, req.model)
         req.check_supported()
         check_choices(state, 1, req.n)
+        tools = req.tool_settings()
+        try:
+            tools.check_parser(state.tool_call_parser)
+        except ToolRequestError as exc:
+            raise APIError(400, str(exc), exc.param) from None
         processor = state.engine.processor
         try:
-            prompt = processor.chat_prompt(template_messages(req.messages))
+            prompt = processor.chat_prompt(template_messages(req.messages), tools=tools.template_tools())
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), "messages") from None
         checked = check_prompt(processor, prompt, "messages")
@@ -54,36 +62,52 @@ def router(state: ServerState) -> APIRouter:
         prepared = prepare_request(processor, checked, to_sampling_params(req, max_tokens, top), "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if req.stream:
-            return StreamingResponse(_stream(state, req, rid, prepared), media_type="text/event-stream")
-        return await _complete(state, request, req, rid, prepared)
+            return StreamingResponse(_stream(state, req, tools, rid, prepared), media_type="text/event-stream")
+        return await _complete(state, request, req, tools, rid, prepared)
 
     return api
 
 
-async def _complete(state: ServerState, request: Request, req: ChatCompletionRequest, rid: str,
+async def _complete(state: ServerState, request: Request, req: ChatCompletionRequest, tools: ToolSettings, rid: str,
                     prepared: PreparedRequest) -> JSONResponse:
     ids = prepared.prompt_token_ids
     final = await unless_disconnected(request, final_output(state, rid, prepared))
     choices = []
     for c in final.outputs:
         logprobs = chat_logprobs(state.tokenizer, c.logprobs or [], req.top_logprobs or 0) if req.logprobs else None
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+        message: Dict[str, Any] = {"role": "assistant", "content": c.text}
+        parser = tools.parser(state.tool_call_parser)
+        if parser is not None:
+            content, deltas = parser.feed(c.text, final=True)
+            if deltas:
+                message = {"role": "assistant", "content": content or None, "tool_calls": merge_calls(deltas)}
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": tools.finish_reason(c.finish_reason, parser is not None and parser.calls > 0)})
     completion = sum(len(c.token_ids) for c in final.outputs)
     return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                          "model": state.model_name, "choices": choices, "usage": usage(len(ids), completion)})
 
 
-def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, prepared: PreparedRequest) -> AsyncIterator[str]:
+def _stream(state: ServerState, req: ChatCompletionRequest, tools: ToolSettings, rid: str,
+            prepared: PreparedRequest) -> AsyncIterator[str]:
+    parsers: Dict[int, Optional[ToolCallParser]] = {}  # per choice: its calls are found as its text grows
+
     def choice(d: ChoiceDelta) -> Dict[str, Any]:
+        parser = parsers.setdefault(d.index, tools.parser(state.tool_call_parser))
         if d.opening:  # each choice opens with the assistant's role
             delta: Dict[str, Any] = {"role": "assistant", "content": d.text}
-        else:
+        elif parser is None:
             delta = {"content": d.text} if d.text else {}
+        else:
+            content, calls = parser.feed(d.text, final=d.finish_reason is not None)
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [c.to_dict() for c in calls]
         lps = None
         if req.logprobs and d.logprobs is not None:
             lps = chat_logprobs(state.tokenizer, d.logprobs, req.top_logprobs or 0)
-        return {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
+        finish = tools.finish_reason(d.finish_reason, parser is not None and parser.calls > 0)
+        return {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": finish}
 
     return stream_sse(state, rid, "chat.completion.chunk", [StreamedRequest(rid, prepared, 0, "")], choice,
                       req.include_usage)

@@ -21,6 +21,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 FinishReason = Optional[Literal["stop", "length", "abort"]]
+# "tool_calls": the model ended its turn with calls (tool_choice 'auto' or 'required')
+ChatFinishReason = Optional[Literal["stop", "length", "abort", "tool_calls"]]
 
 
 class ErrorBody(BaseModel):
@@ -82,16 +84,28 @@ class ChatLogprobs(BaseModel):
     content: List[TokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: Optional[str]  # null when the answer is only tool calls
+    tool_calls: Optional[List[ToolCallOut]] = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: Optional[ChatLogprobs]
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
 
 
 class ChatCompletionResponse(BaseModel):
@@ -122,16 +136,31 @@ class CompletionChunk(BaseModel):
     usage: Optional[Usage] = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: Optional[str] = None  # in a call's first piece
+    arguments: str  # more of the arguments' text
+
+
+class ToolCallDeltaOut(BaseModel):
+    """A piece of a call: the first has ``id``, ``type`` and the function's name."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[List[ToolCallDeltaOut]] = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: Optional[ChatLogprobs]
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
 
 
 class ChatCompletionChunk(BaseModel):
@@ -166,9 +195,11 @@ class Health(BaseModel):
 DESCRIPTION = (
     "An OpenAI-compatible API (completions and chat completions, whole or streamed) over an autodeploy "
     "engine. Request types are strict: a wrong JSON type is a 400, not coerced. Parameters the engine does "
-    "not implement are rejected with a 400 naming them (suffix, best_of other than n, tools, "
+    "not implement are rejected with a 400 naming them (suffix, best_of other than n, "
     "vLLM's beam search and guided_grammar), never ignored. Structured output: response_format json_object "
-    "or json_schema, or vLLM's guided_json, guided_regex, guided_choice, structured_outputs (one per request). One "
+    "or json_schema, or vLLM's guided_json, guided_regex, guided_choice, structured_outputs (one per request). "
+    "Function calling: tools with tool_choice 'required' or a named function (the output is constrained to "
+    "calls), 'auto' (with the server's --tool-call-parser) or 'none'. One "
     "request may ask for at most --max-choices-per-request choices (prompts x n)."
 )
 

@@ -5,7 +5,9 @@ Structured output: OpenAI's ``response_format`` (``json_object``, ``json_schema`
 request) become ``GuidedDecodingParams``, compiled here so that a bad schema or pattern is a 400
 naming the field.
 
-Parameters the engine does not implement (suffix, tools, best_of > n, and vLLM's sampling
+Function calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is ``tool_calls``'s.
+
+Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampling
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``min_tokens``, ``repetition_penalty``, ``min_p`` and the guided decoding above: beam search,
 ``guided_grammar``, ...) are rejected with a 400 naming the parameter rather than silently
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validat
 
 from ..runtime.guided.params import GuidedDecodingParams
 from ..runtime.sampling_params import InvalidRequestError
+from .tool_calls import ChatTool, MessageToolCall, ToolChoice, ToolRequestError, ToolSettings, template_tool_calls
 
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (never sent to anyone)
@@ -277,6 +280,9 @@ class ContentPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, List[ContentPart], None] = None
+    tool_calls: Optional[List[MessageToolCall]] = Field(default=None, description="An assistant's calls.")
+    tool_call_id: Optional[str] = Field(default=None, description="A tool message: the call it answers.")
+    name: Optional[str] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -291,10 +297,22 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
 
-def template_messages(messages: List[ChatMessage]) -> List[Dict[str, str]]:
+def template_messages(messages: List[ChatMessage]) -> List[Dict[str, Any]]:
     """The messages as a chat template takes them: text content, OpenAI's ``developer`` role as
-    ``system`` (the role templates know)."""
-    return [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in messages]
+    ``system`` (the role templates know), an assistant's ``tool_calls`` and a tool message's
+    ``tool_call_id`` and ``name`` as HF templates read them."""
+    out: List[Dict[str, Any]] = []
+    for m in messages:
+        entry: Dict[str, Any] = {"role": m.role if m.role != "developer" else "system", "content": m.text()}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise APIError(400, f"'tool_calls' in a '{m.role}' message: only assistant messages make calls",
+                               "messages")
+            entry["tool_calls"] = template_tool_calls(m.tool_calls)
+        if m.role == "tool":
+            entry.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v is not None})
+        out.append(entry)
+    return out
 
 
 class ChatCompletionRequest(_Common):
@@ -303,12 +321,33 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20, description="Needs 'logprobs': true when above 0.")
-    tools: Optional[List[Any]] = Field(default=None, json_schema_extra={
-        "maxItems": 0, "description": "Function calling is not supported: only [] or null."})
+    tools: Optional[List[ChatTool]] = Field(default=None, max_length=128)
+    tool_choice: Optional[ToolChoice] = Field(default=None, description=(
+        "'auto' (the default with tools: needs the server's --tool-call-parser), 'required', 'none', or a named "
+        "function; 'required' and a named function constrain the output to calls."))
+    parallel_tool_calls: Optional[bool] = Field(default=None, description="false: at most one call.")
+
+    def tool_settings(self) -> ToolSettings:
+        try:
+            return ToolSettings(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ToolRequestError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+
+    def guided(self) -> Optional[GuidedDecodingParams]:
+        """A forced tool choice constrains the output to calls; no other constraint may be asked then."""
+        asked = super().guided()
+        fields = self.tool_settings().guided()
+        if fields is None:
+            return asked
+        if asked is not None:
+            raise APIError(400, "a 'tool_choice' of 'required' or a named function constrains the output to tool "
+                                "calls; it cannot be combined with response_format or guided decoding", "tool_choice")
+        try:
+            return GuidedDecodingParams(**fields)
+        except InvalidRequestError as exc:
+            raise APIError(400, f"a tool's parameters: {exc}", "tools") from None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise APIError(400, "'tools' (function calling) is not supported by this server", "tools")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")

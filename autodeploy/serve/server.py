@@ -33,6 +33,7 @@ from ..utils.logging import get_logger
 from .app import create_app
 from .async_engine import AsyncEngine
 from .state import ServerState
+from .tool_parsers import PARSERS
 
 logger = get_logger(__name__)
 
@@ -42,7 +43,8 @@ CUT_GRACE_S = 5.0
 
 
 def check_settings(*, shutdown_timeout: float = 30.0, max_request_bytes: int = 1 << 20,
-                   max_tokens_limit: Optional[int] = None, max_choices_per_request: int = 128) -> None:
+                   max_tokens_limit: Optional[int] = None, max_choices_per_request: int = 128,
+                   tool_call_parser: Optional[str] = None) -> None:
     """The server's own settings, checked in one place: by ``serve`` and, before the model is
     built, by the CLI (a bad flag is reported at once, not after minutes of building)."""
     if shutdown_timeout < 0:
@@ -54,13 +56,16 @@ def check_settings(*, shutdown_timeout: float = 30.0, max_request_bytes: int = 1
         raise ConfigError(f"--max-tokens-limit {max_tokens_limit} must be at least 1; omit it for no limit")
     if max_choices_per_request < 1:
         raise ConfigError(f"--max-choices-per-request {max_choices_per_request} must be at least 1 (default 128)")
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ConfigError(f"--tool-call-parser {tool_call_parser!r} is not one this server has; use one of "
+                          f"{list(PARSERS)} (the format the model writes tool calls in)")
 
 
 def build_state(llm: LLM, *, model_name: Optional[str] = None, api_key: Optional[str] = None,
                 max_request_bytes: int = 1 << 20, max_tokens_limit: Optional[int] = None,
-                max_choices_per_request: int = 128) -> ServerState:
+                max_choices_per_request: int = 128, tool_call_parser: Optional[str] = None) -> ServerState:
     check_settings(max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit,
-                   max_choices_per_request=max_choices_per_request)
+                   max_choices_per_request=max_choices_per_request, tool_call_parser=tool_call_parser)
     if llm.tokenizer is None:
         raise ConfigError(
             "serving needs a tokenizer (the OpenAI API speaks text), but this model has none: "
@@ -71,7 +76,7 @@ def build_state(llm: LLM, *, model_name: Optional[str] = None, api_key: Optional
     return ServerState(
         engine=engine, model_name=model_name or llm.config.model, api_key=api_key,
         max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit,
-        max_choices_per_request=max_choices_per_request,
+        max_choices_per_request=max_choices_per_request, tool_call_parser=tool_call_parser,
     )
 
 

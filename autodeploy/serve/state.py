@@ -22,6 +22,8 @@ class ServerState:
     # prompts x n of one request: each choice is a sequence in the engine, so one request
     # could otherwise queue unbounded work ahead of everyone else
     max_choices_per_request: int = 128
+    # how the model writes tool calls, for tool_choice 'auto' (``tool_parsers.PARSERS``); None: 'auto' is a 400
+    tool_call_parser: Optional[str] = None
     created: int = field(default_factory=lambda: int(time.time()))
     # Set on SIGTERM/SIGINT: new API requests get a 503 while the ones in flight drain.
     shutting_down: bool = False

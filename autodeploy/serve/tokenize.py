@@ -2,13 +2,13 @@
 that count tokens before a request or build prompts as token ids.
 
 ``/tokenize`` takes a ``prompt`` (tokenized as a completion's text prompt is: with the tokenizer's
-special tokens unless ``add_special_tokens`` is false) or chat ``messages`` (rendered with the chat
-template as ``/v1/chat/completions`` renders them), so the ids are exactly those a request with
-the same input runs on. ``/detokenize`` decodes ids (each below the vocabulary size). Both sit
+special tokens unless ``add_special_tokens`` is false) or chat ``messages`` and ``tools`` (rendered
+with the chat template as ``/v1/chat/completions`` renders them), so the ids are exactly those a
+request with the same input runs on. ``/detokenize`` decodes ids (each below the vocabulary size). Both sit
 behind the same API key as ``/v1``.
 """
 
-from typing import Annotated, Any, List, Union
+from typing import Annotated, Any, List, Optional, Union
 
 from fastapi import APIRouter
 from pydantic import BaseModel, Discriminator, Field, NonNegativeInt, Tag
@@ -18,6 +18,7 @@ from .openapi import post_responses
 from .protocol import APIError, ChatMessage, _Body, template_messages
 from .requests import check_model
 from .state import ServerState
+from .tool_calls import ChatTool, template_tools
 
 
 class TokenizePromptRequest(_Body):
@@ -32,6 +33,8 @@ class TokenizeChatRequest(_Body):
     messages: List[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = Field(default=True, description="End with the template's assistant opening, "
                                         "as a chat completion does.")
+    tools: Optional[List[ChatTool]] = Field(default=None, max_length=128, description="Shown by the template, "
+                                            "as in a chat completion with them.")
 
 
 class TokenizeResponse(BaseModel):
@@ -74,7 +77,8 @@ def router(state: ServerState) -> APIRouter:
             raise APIError(400, "give one of 'prompt' and 'messages', not both", "messages")
         try:
             if isinstance(req, TokenizeChatRequest):
-                prompt = processor.chat_prompt(template_messages(req.messages), req.add_generation_prompt)
+                prompt = processor.chat_prompt(template_messages(req.messages), req.add_generation_prompt,
+                                               tools=template_tools(req.tools))
                 ids = prompt["prompt_token_ids"]
             else:
                 tokenizer = processor.tokenizer.require("tokenizing")

@@ -478,6 +478,19 @@ def test_chat_applies_the_template(llm):
     assert len(two) == 2 and two[0].token_ids == out.token_ids[: len(two[0].token_ids)]
 
 
+def test_chat_renders_tools(llm):
+    """``tools`` reach the template (the presets' shows them and asks for Hermes-style calls)."""
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    text = llm.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert '{"name": "f"' in text and "<tool_call>" in text
+    assert llm.processor.chat_prompt(messages, tools=tools)["prompt"] == text
+    n = len(llm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert n > BASE["max_seq_len"]  # this engine's context is too short for tools: LLM.chat says so
+    with pytest.raises(InvalidRequestError, match=f"prompt has {n} tokens"):
+        llm.chat(messages, SamplingParams(max_tokens=1), tools=tools)
+
+
 def test_chat_rejects_an_empty_conversation(llm):
     with pytest.raises(InvalidRequestError, match="no messages"):
         llm.chat([[]])

@@ -83,6 +83,12 @@ def tight_server():
     return _get_server("tight").wait_ready()
 
 
+@pytest.fixture(scope="module")
+def tools_server():
+    """A server with --tool-call-parser hermes and --max_seq_len 512 (room for the tools' text)."""
+    return _get_server("tools").wait_ready()
+
+
 @pytest.fixture(scope="session")
 def llm():
     """The reference: the same preset built in this process through the Python API."""

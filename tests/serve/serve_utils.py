@@ -27,6 +27,7 @@ MAX_TOKENS_LIMIT = 32  # the aux server's --max-tokens-limit
 SHUTDOWN_TIMEOUT = 20.0  # the aux server's --shutdown-timeout
 MAX_CHOICES = 4  # the tight server's --max-choices-per-request (the others keep the default, 128)
 TIGHT_PAGES = 12  # the tight server's KV pool: 192 tokens, one 128-token sequence and a bit
+TOOLS_MAX_SEQ_LEN = 512  # the tools server's --max_seq_len (its later flag wins over MAX_SEQ_LEN)
 START_TIMEOUT = 240.0
 
 # A prompt whose greedy continuation does not hit EOS within 100 tokens (checked in test_api).
@@ -37,8 +38,10 @@ SERVER_ARGS: Dict[str, List[str]] = {
     "aux": ["--api-key", API_KEY, "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
             "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)],
     "tight": ["--transforms.initialize_cache.num_pages", str(TIGHT_PAGES), "--max-choices-per-request", str(MAX_CHOICES)],
+    # function calling: the tools the template shows take ~300 of the preset tokenizer's tokens
+    "tools": ["--max_seq_len", str(TOOLS_MAX_SEQ_LEN), "--tool-call-parser", "hermes"],
 }
-FIXTURE_OF = {"server": "main", "aux_server": "aux", "tight_server": "tight"}
+FIXTURE_OF = {"server": "main", "aux_server": "aux", "tight_server": "tight", "tools_server": "tools"}
 
 
 def free_port() -> int:

@@ -195,7 +195,7 @@ def test_prompt_longer_than_context(healthy, llm):
 # ---- unsupported parameters --------------------------------------------------------------------
 @pytest.mark.parametrize("path,field,value", [
     (CMPL, "suffix", "tail"),
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), (CMPL, "best_of", 3),
+    (CMPL, "best_of", 3),
     (CHAT, "use_beam_search", True), (CMPL, "length_penalty", 0.5), (CMPL, "guided_grammar", "root ::= x"),
     (CMPL, "bad_words", ["x"]),
 ])
@@ -343,6 +343,16 @@ def test_api_key_guards_tokenize_and_detokenize(aux_server, path, body):
     body = {"model": aux_server.model, **body}
     assert_error(_post(aux_server, path, body), 401, code="invalid_api_key")
     assert _post(aux_server, path, body, headers={"authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+def test_tool_choice_auto_needs_a_tool_call_parser(aux_server):
+    """The aux server has no --tool-call-parser: 'auto' (the default with tools) could not find
+    the calls, and says so."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    r = httpx.post(f"{aux_server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": MODEL, "messages": MSGS, "tools": tools, "max_tokens": 2}, timeout=60)
+    err = assert_error(r, 400, param="tool_choice")
+    assert "--tool-call-parser" in err["message"]
 
 
 def test_api_key_accepted(aux_server):

@@ -36,6 +36,22 @@ MESSAGE = st.fixed_dictionaries(
         st.text(max_size=40),
         st.lists(st.fixed_dictionaries({"type": field(st.sampled_from(["text", "image_url"]))},
                                        optional={"text": field(st.text(max_size=20))}), max_size=3)))})
+# function calling: tools with small schemas, some the schema compiler refuses (patternProperties)
+TOOL = st.fixed_dictionaries({"type": field(st.just("function")), "function": field(st.fixed_dictionaries(
+    {"name": field(st.sampled_from(["f", "g", "bad name", ""]))},
+    optional={"parameters": field(st.sampled_from([
+        {"type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"]},
+        {"type": "object", "patternProperties": {"a": {}}}, {"type": "string"}, {}]))}))})
+TOOL_CALL = st.fixed_dictionaries({"type": field(st.just("function")), "function": field(st.fixed_dictionaries(
+    {"name": field(st.text(max_size=4)), "arguments": field(st.sampled_from(['{"x": "a"}', "[1]", "{", ""]))}))},
+    optional={"id": field(st.text(max_size=4))})
+MESSAGE = st.one_of(MESSAGE, st.fixed_dictionaries(
+    {"role": field(st.sampled_from(["assistant", "tool", "user"]))},
+    optional={"content": field(st.one_of(st.none(), st.text(max_size=10))),
+              "tool_calls": field(st.lists(TOOL_CALL, max_size=2)), "tool_call_id": field(st.text(max_size=4))}))
+TOOL_CHOICE = st.one_of(st.sampled_from(["none", "auto", "required"]), st.fixed_dictionaries(
+    {"type": field(st.just("function")), "function": field(st.fixed_dictionaries(
+        {"name": field(st.sampled_from(["f", "g", "h"]))}))}))
 COMMON = {
     "model": st.one_of(st.sampled_from([SERVED_NAME] * 4 + ["tiny-llama", ""]), JUNK),
     "max_tokens": field(st.integers(-2, 200)),
@@ -63,7 +79,8 @@ COMPLETION = st.fixed_dictionaries({"prompt": field(PROMPT)}, optional={
 })
 CHAT = st.fixed_dictionaries({"messages": field(st.lists(MESSAGE, max_size=3))}, optional={
     **COMMON, "max_completion_tokens": field(st.integers(-1, 200)), "logprobs": field(st.booleans()),
-    "top_logprobs": field(st.integers(-1, 25)), "tools": field(st.lists(JUNK, max_size=2)),
+    "top_logprobs": field(st.integers(-1, 25)), "tools": field(st.lists(field(TOOL), max_size=2)),
+    "tool_choice": field(TOOL_CHOICE), "parallel_tool_calls": field(st.booleans()),
     "response_format": field(st.fixed_dictionaries({"type": field(st.sampled_from(["text", "json_object"]))})),
     "guided_regex": field(st.text(alphabet="ab()[]*+?|{}^$.\\-,0123456789", max_size=8)),
     "guided_choice": field(st.lists(st.text(max_size=3), max_size=3)),

@@ -64,8 +64,8 @@ def test_schema_is_published(server):
     components = schema["components"]["schemas"]
     assert "HTTPValidationError" not in components
     # parameters rejected on purpose are visible as such
-    chat = components["ChatCompletionRequest"]["properties"]
-    assert chat["tools"]["maxItems"] == 0
+    assert components["ChatTool"]["properties"]["function"] == {"$ref": "#/components/schemas/FunctionDefinition"}
+    assert "tool_calls" in components["AssistantMessage"]["properties"]
     assert components["CompletionRequest"]["properties"]["suffix"]["maxLength"] == 0
 
 

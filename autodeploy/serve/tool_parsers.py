@@ -1,0 +1,281 @@
+"""Tool calls out of a chat answer's text, whole or as it streams.
+
+A model asked to call a function writes the call in its own format; a parser finds the calls
+and leaves the rest as content. One parser object follows one choice: ``feed`` takes each new
+piece of text and returns the content that can go out now and the tool-call pieces found, so a
+whole answer is one ``feed(text, final=True)`` and a stream is many: the two cannot disagree.
+
+- ``hermes`` (Hermes, Qwen 2.5 / 3 and the presets' template): ``<tool_call>{"name": ...,
+  "arguments": {...}}</tool_call>``, any number, with text around them. A tag whose body is not
+  a JSON object with a string ``name`` stays content, as does an unclosed one.
+- ``llama3_json`` (Llama 3.1 / 3.2 JSON tool calling): the whole answer is ``{"name": ...,
+  "parameters": {...}}`` (``arguments`` also accepted), optionally after ``<|python_tag|>``, several
+  separated by ``;``. An answer that does not parse that way is content, whole.
+- ``NamedCall``: ``tool_choice`` named one function; the output (constrained to its parameters'
+  schema) is the arguments, streamed as they come.
+- ``RequiredCalls``: ``tool_choice: "required"``; the output (constrained to a JSON array of
+  ``{"name", "parameters"}``) gives each call as soon as its element is complete.
+
+Content that is only whitespace beside a call (the newlines templates put around tags) is not
+content; an answer without calls is returned exactly as generated.
+"""
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+PARSERS = ("hermes", "llama3_json")
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of one tool call: the first piece of a call has its ``id`` and ``name``, later
+    ones only more ``arguments`` text (OpenAI's streaming shape)."""
+
+    index: int  # the call's position among the choice's calls
+    arguments: str
+    id: Optional[str] = None
+    name: Optional[str] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        function: Dict[str, Any] = {"arguments": self.arguments}
+        out: Dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out.update(id=self.id, type="function")
+            function = {"name": self.name, **function}
+        out["function"] = function
+        return out
+
+
+Feed = Tuple[str, List[ToolCallDelta]]
+
+
+def merge_calls(deltas: List[ToolCallDelta]) -> List[Dict[str, Any]]:
+    """Whole tool calls (``{"id", "type", "function": {"name", "arguments"}}``) from their pieces."""
+    calls: List[Dict[str, Any]] = []
+    for d in deltas:
+        if d.id is not None:
+            calls.append({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
+        calls[d.index]["function"]["arguments"] += d.arguments
+    return calls
+
+
+class ToolCallParser:
+    """The base: everything is content. ``single``: only the first call is kept
+    (``parallel_tool_calls: false``)."""
+
+    def __init__(self, single: bool = False):
+        self.single = single
+        self.calls = 0  # calls given out
+        self._pending_space = ""  # whitespace held back: content unless a call follows it
+
+    def feed(self, text: str, final: bool = False) -> Feed:
+        return text, []
+
+    # ---- helpers for the parsers ----------------------------------------------------------------
+    def _call(self, name: str, arguments: Any) -> List[ToolCallDelta]:
+        if self.single and self.calls >= 1:
+            return []
+        args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        self.calls += 1
+        return [ToolCallDelta(self.calls - 1, args, new_call_id(), name)]
+
+    def _content(self, text: str, call_follows: bool = False, final: bool = False) -> str:
+        """Content to send now. Trailing whitespace is held back until it is known what follows
+        it: more text (then it is sent), a call (dropped), or the end of an answer that made a
+        call (dropped). Without calls, what is sent joins to exactly the generated text."""
+        text = self._pending_space + text
+        self._pending_space = ""
+        if call_follows:
+            return text.rstrip()
+        if final:
+            return "" if self.calls and not text.strip() else text
+        kept = text.rstrip()
+        self._pending_space = text[len(kept):]
+        return kept
+
+
+class HermesParser(ToolCallParser):
+    """A call's tag ends at the first closing tag, even one inside a JSON string of its body
+    (which then is not a call: content), as other Hermes parsers read it: a stream cannot take
+    back what it sent."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self, single: bool = False):
+        super().__init__(single)
+        self._buffer = ""  # text not decided yet: a partial opening tag, or an open call's body
+
+    def feed(self, text: str, final: bool = False) -> Feed:
+        self._buffer += text
+        content: List[str] = []
+        deltas: List[ToolCallDelta] = []
+        while True:
+            start = self._buffer.find(self.OPEN)
+            end = self._buffer.find(self.CLOSE, start + len(self.OPEN)) if start >= 0 else -1
+            if end < 0:
+                break
+            call = _named_object(self._buffer[start + len(self.OPEN):end], ("arguments",))
+            if call is None:  # not a call after all: the tag and its body are content
+                content.append(self._content(self._buffer[:end + len(self.CLOSE)]))
+            else:
+                content.append(self._content(self._buffer[:start], call_follows=True))
+                deltas += self._call(*call)
+            self._buffer = self._buffer[end + len(self.CLOSE):]
+        start = self._buffer.find(self.OPEN)
+        if final:
+            content.append(self._content(self._buffer, final=True))
+            self._buffer = ""
+        else:  # send what is decided; keep an open call, or what could still become its tag
+            keep = len(self._buffer) - start if start >= 0 else _partial_suffix(self._buffer, self.OPEN)
+            content.append(self._content(self._buffer[:len(self._buffer) - keep]))
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+        return "".join(content), deltas
+
+
+class Llama3JsonParser(ToolCallParser):
+    """Calls are the whole answer: it is held from its first ``{`` (or the python tag) to the end."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self, single: bool = False):
+        super().__init__(single)
+        self._text = ""
+        self._holding: Optional[bool] = None  # None: undecided (only whitespace so far)
+
+    def feed(self, text: str, final: bool = False) -> Feed:
+        self._text += text
+        if self._holding is None:
+            head = self._text.lstrip()
+            if head.startswith("{") or head.startswith(self.TAG):
+                self._holding = True
+            elif head and not self.TAG.startswith(head):
+                self._holding = False
+            elif not final:  # only whitespace, or the beginning of the python tag, so far
+                return "", []
+        if not self._holding or not final:
+            out, self._text = ("", self._text) if self._holding else (self._text, "")
+            return out, []
+        calls = _llama3_calls(self._text.strip())
+        if calls is None:  # not calls after all: the whole answer is content
+            return self._text, []
+        deltas: List[ToolCallDelta] = []
+        for name, arguments in calls:
+            deltas += self._call(name, arguments)
+        return "", deltas
+
+
+class NamedCall(ToolCallParser):
+    """The whole output is the arguments of one named function, streamed as they come."""
+
+    def __init__(self, name: str):
+        super().__init__(single=True)
+        self.name = name
+
+    def feed(self, text: str, final: bool = False) -> Feed:
+        if self.calls == 0:
+            return "", self._call(self.name, text)
+        return "", [ToolCallDelta(0, text)] if text else []
+
+
+class RequiredCalls(ToolCallParser):
+    """The output is a JSON array of ``{"name", "parameters"}``: each call is given as soon as its
+    element is complete; whatever does not parse when the output ends (cut by ``max_tokens``)
+    is content."""
+
+    def __init__(self, single: bool = False):
+        super().__init__(single)
+        self._text = ""
+        self._pos = 0  # where the next element (or the array's opening) starts
+        self._opened = False
+
+    def feed(self, text: str, final: bool = False) -> Feed:
+        self._text += text
+        deltas: List[ToolCallDelta] = []
+        decoder = json.JSONDecoder()
+        while True:
+            rest = self._text[self._pos:]
+            skip = len(rest) - len(rest.lstrip())
+            rest = rest[skip:]
+            if not self._opened:
+                if not rest.startswith("["):
+                    break
+                self._opened, self._pos = True, self._pos + skip + 1
+                continue
+            if rest[:1] in (",", "]"):
+                self._pos += skip + 1
+                continue
+            try:
+                element, used = decoder.raw_decode(rest)
+            except ValueError:
+                break
+            if not (isinstance(element, dict) and isinstance(element.get("name"), str)):
+                break
+            self._pos += skip + used
+            deltas += self._call(element["name"], element.get("parameters", {}))
+        content = ""
+        if final and self._text[self._pos:].strip() not in ("", "]"):
+            content = self._text if not self.calls else self._text[self._pos:]
+        return content, deltas
+
+
+def make_parser(kind: str, single: bool = False) -> ToolCallParser:
+    """A parser for one choice of an answer under ``tool_choice: "auto"``."""
+    if kind == "hermes":
+        return HermesParser(single)
+    if kind == "llama3_json":
+        return Llama3JsonParser(single)
+    raise ValueError(f"unknown tool-call parser {kind!r}; one of {list(PARSERS)}")
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def _named_object(text: str, argument_keys: Tuple[str, ...]) -> Optional[Tuple[str, Any]]:
+    """``(name, arguments)`` when ``text`` is a JSON object with a string ``name`` and its
+    arguments (an object, or absent: none) under one of ``argument_keys``; else None."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    for key in argument_keys:
+        if key in obj:
+            return (obj["name"], obj[key]) if isinstance(obj[key], dict) else None
+    return obj["name"], {}
+
+
+def _llama3_calls(text: str) -> Optional[List[Tuple[str, Any]]]:
+    if text.startswith(Llama3JsonParser.TAG):
+        text = text[len(Llama3JsonParser.TAG):].lstrip()
+    decoder = json.JSONDecoder()
+    calls: List[Tuple[str, Any]] = []
+    pos = 0
+    while pos < len(text):
+        try:
+            obj, used = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        call = _named_object(json.dumps(obj), ("parameters", "arguments"))
+        if call is None:
+            return None
+        calls.append(call)
+        pos = used
+        rest = text[pos:].lstrip()
+        if rest.startswith(";"):
+            rest = rest[1:].lstrip()
+        elif rest:
+            return None
+        pos = len(text) - len(rest)
+    return calls or None

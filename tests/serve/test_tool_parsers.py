@@ -1,0 +1,133 @@
+"""The tool-call parsers alone: what is a call and what stays content, for every format, and a
+stream fed in pieces of any size gives exactly what the whole text gives."""
+
+import json
+
+import pytest
+
+from autodeploy.serve.tool_parsers import (HermesParser, Llama3JsonParser, NamedCall, RequiredCalls, ToolCallDelta,
+                                           make_parser, merge_calls)
+
+
+def _whole(parser, text):
+    content, deltas = parser.feed(text, final=True)
+    return content, _plain(merge_calls(deltas))
+
+
+def _plain(calls):
+    assert len({c["id"] for c in calls}) == len(calls)
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def _streamed(parser, text, step):
+    content, deltas = "", []
+    pieces = [text[i:i + step] for i in range(0, len(text), step)] or [""]
+    for i, piece in enumerate(pieces):
+        c, d = parser.feed(piece, final=i == len(pieces) - 1)
+        content += c
+        deltas += d
+    return content, _plain(merge_calls(deltas))
+
+
+CALL_F = '{"name": "f", "arguments": {"a": 1}}'
+HERMES = [
+    # (text, content, calls)
+    ("plain answer  \n", "plain answer  \n", []),
+    ("", "", []),
+    (f"<tool_call>{CALL_F}</tool_call>", "", [("f", '{"a": 1}')]),
+    (f"Let me see.\n<tool_call>\n{CALL_F}\n</tool_call>\n<tool_call>{{\"name\": \"g\"}}</tool_call>\n",
+     "Let me see.", [("f", '{"a": 1}'), ("g", "{}")]),
+    (f"<tool_call>{CALL_F}</tool_call> and then text", " and then text", [("f", '{"a": 1}')]),
+    ("a <tool_call>not json</tool_call> b", "a <tool_call>not json</tool_call> b", []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     []),  # arguments not an object
+    (f"x <tool_call>{CALL_F}", f"x <tool_call>{CALL_F}", []),  # never closed
+    ("ends with <tool_c", "ends with <tool_c", []),
+    ('{"name": "f", "arguments": {}}', '{"name": "f", "arguments": {}}', []),  # no tag
+    ('<tool_call>{"name": "\\u00e9t\\u00e9", "arguments": {"t": "\\u00e9"}}</tool_call>', "",
+     [("été", '{"t": "é"}')]),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", HERMES)
+@pytest.mark.parametrize("step", [0, 1, 2, 7])  # 0: whole
+def test_hermes(text, content, calls, step):
+    got = _whole(HermesParser(), text) if step == 0 else _streamed(HermesParser(), text, step)
+    assert got == (content, calls)
+
+
+LLAMA3 = [
+    ('{"name": "f", "parameters": {"a": 1}}', "", [("f", '{"a": 1}')]),
+    ('  <|python_tag|>{"name": "f", "arguments": {}}; {"name": "g", "parameters": {"b": "x"}}', "",
+     [("f", "{}"), ("g", '{"b": "x"}')]),
+    (" hello {", " hello {", []),
+    ("<|python", "<|python", []),
+    ('{"name": 1}', '{"name": 1}', []),
+    ('{"name": "f", "parameters": {}} trailing', '{"name": "f", "parameters": {}} trailing', []),
+    ('{"name": "f", "parameters": {', '{"name": "f", "parameters": {', []),  # cut off
+    ("   ", "   ", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", LLAMA3)
+@pytest.mark.parametrize("step", [0, 1, 3])
+def test_llama3_json(text, content, calls, step):
+    got = _whole(Llama3JsonParser(), text) if step == 0 else _streamed(Llama3JsonParser(), text, step)
+    assert got == (content, calls)
+
+
+REQUIRED = [
+    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', "", [("f", '{"a": 1}'), ("g", "{}")]),
+    ('[ {"name": "f", "parameters": {"a": [1, 2]}} ]', "", [("f", '{"a": [1, 2]}')]),
+    # cut by max_tokens: the complete calls, the rest as content
+    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "para', ' {"name": "g", "para', [("f", '{"a": 1}')]),
+    ('[{"name": "f", "para', '[{"name": "f", "para', []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", REQUIRED)
+@pytest.mark.parametrize("step", [0, 1, 5])
+def test_required_calls(text, content, calls, step):
+    got = _whole(RequiredCalls(), text) if step == 0 else _streamed(RequiredCalls(), text, step)
+    assert got == (content, calls)
+
+
+def test_required_calls_come_as_soon_as_their_element_closes():
+    parser = RequiredCalls()
+    assert parser.feed('[{"name": "f", "parameters": {"a"') == ("", [])
+    content, deltas = parser.feed(': 1}}, {"name"')
+    assert content == "" and [(d.name, d.arguments) for d in deltas] == [("f", '{"a": 1}')]
+
+
+def test_named_call_streams_its_arguments():
+    parser = NamedCall("f")
+    first = parser.feed('{"a"')
+    assert first == ("", [ToolCallDelta(0, '{"a"', first[1][0].id, "f")]) and first[1][0].id.startswith("call_")
+    assert parser.feed(": 1}", final=True) == ("", [ToolCallDelta(0, ": 1}")])
+    assert first[1][0].to_dict() == {"index": 0, "id": first[1][0].id, "type": "function",
+                                     "function": {"name": "f", "arguments": '{"a"'}}
+    assert ToolCallDelta(0, "x").to_dict() == {"index": 0, "function": {"arguments": "x"}}
+
+
+@pytest.mark.parametrize("kind", ["hermes", "llama3_json"])
+def test_single_keeps_the_first_call(kind):
+    text = {"hermes": f"<tool_call>{CALL_F}</tool_call><tool_call>{{\"name\": \"g\"}}</tool_call>",
+            "llama3_json": '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}'}[kind]
+    assert _whole(make_parser(kind, single=True), text) == ("", [("f", '{"a": 1}')])
+    assert len(_whole(make_parser(kind), text)[1]) == 2
+
+
+def test_required_single_keeps_the_first_call():
+    text = '[{"name": "f", "parameters": {}}, {"name": "g", "parameters": {}}]'
+    assert _whole(RequiredCalls(single=True), text) == ("", [("f", "{}")])
+
+
+def test_unknown_parser():
+    with pytest.raises(ValueError, match="hermes"):
+        make_parser("pythonic")
+
+
+def test_arguments_keep_non_ascii_text():
+    _, calls = _whole(HermesParser(), '<tool_call>{"name": "f", "arguments": {"city": "Zürich"}}</tool_call>')
+    assert calls == [("f", '{"city": "Zürich"}')] and json.loads(calls[0][1]) == {"city": "Zürich"}
