@@ -169,6 +169,8 @@ class RegexAutomaton:
     reachable, and is a table lookup once a transition has been seen (the first time it is a
     subset-construction step, guarded by a lock so threads may share an automaton)."""
 
+    int_states = True  # states are 0, 1, 2, ...: its masks can come from a transition table (dense_masks)
+
     def __init__(self, pattern: str, max_states: int = MAX_DFA_STATES) -> None:
         if max_states < 1:
             raise ValueError(f"max_states must be >= 1, got {max_states}")

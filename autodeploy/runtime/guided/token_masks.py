@@ -13,6 +13,12 @@ Where a state steps to itself on most bytes (the inside of a string), the tokens
 such bytes are allowed without a walk: one ``[tokens, 256]`` bool reduction finds them, and only
 the rest are walked.
 
+An automaton with small integer states (``int_states``: a regular expression's DFA, so every JSON
+Schema, choice and regex constraint) gets its masks from ``dense_masks`` instead: all tokens
+stepped at once in tensor operations over a transition table, which does not grow with how much
+of the vocabulary a state allows. The walk stays for the JSON-object recognizer, whose states are
+stacks.
+
 Automata (``RegexAutomaton``, ``JsonObjectAutomaton``) share this interface: ``initial``,
 ``step(state, byte) -> state or None`` (None: no continuation can complete the output; a state
 returned is always still completable), ``accepting(state)`` and, optionally, ``mask_key(state)``.
@@ -20,10 +26,11 @@ returned is always still completable), ``accepting(state)`` and, optionally, ``m
 
 from bisect import bisect_left
 from collections import OrderedDict
-from typing import Any, Hashable, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .dense_masks import DfaTable, TokenColumns, bitset
 from .vocab import TokenVocab
 
 # masks kept per constraint: a mask is one byte per vocabulary entry (128 KiB for a 128k vocabulary)
@@ -46,15 +53,7 @@ class _SortedTokens:
         pairs = sorted((b, i) for i, b in enumerate(tokens) if b)
         self.bytes: List[bytes] = [b for b, _ in pairs]
         self.ids: List[int] = [i for _, i in pairs]
-        self.holds = torch.tensor([_bitset(set(b)) for b in self.bytes], dtype=torch.int64).reshape(-1, 4)
-
-
-def _bitset(byte_values: Iterable[int]) -> List[int]:
-    """A set of bytes as four signed 64-bit words (bit ``b % 64`` of word ``b // 64``)."""
-    words = [0, 0, 0, 0]
-    for byte in byte_values:
-        words[byte >> 6] |= 1 << (byte & 63)
-    return [w - (1 << 64) if w >= 1 << 63 else w for w in words]
+        self.holds = torch.tensor([bitset(set(b)) for b in self.bytes], dtype=torch.int64).reshape(-1, 4)
 
 
 def _self_loop_tokens(automaton: Any, state: Hashable, tokens: _SortedTokens) -> Optional[List[bool]]:
@@ -63,7 +62,7 @@ def _self_loop_tokens(automaton: Any, state: Hashable, tokens: _SortedTokens) ->
     leaves = [byte for byte in range(256) if automaton.step(state, byte) != state]
     if len(leaves) == 256:
         return None
-    return ((tokens.holds & torch.tensor(_bitset(leaves), dtype=torch.int64)) == 0).all(dim=1).tolist()
+    return ((tokens.holds & torch.tensor(bitset(leaves), dtype=torch.int64)) == 0).all(dim=1).tolist()
 
 
 def allowed_tokens(automaton: Any, state: Hashable, tokens: _SortedTokens) -> List[int]:
@@ -106,12 +105,22 @@ def allowed_tokens(automaton: Any, state: Hashable, tokens: _SortedTokens) -> Li
 class TokenMasks:
     """The masks of one automaton over one vocabulary."""
 
-    def __init__(self, automaton: Any, vocab: TokenVocab, cache_size: int = MASK_CACHE_SIZE):
+    def __init__(self, automaton: Any, vocab: TokenVocab, cache_size: int = MASK_CACHE_SIZE, dense: bool = True):
+        """``dense``: use ``dense_masks`` where the automaton allows it (False: always walk)."""
         self.automaton = automaton
         self.tokens, self.tokens_first = vocab.tokens, vocab.first
-        self._sorted = _SortedTokens(vocab.tokens)
         # the first output token: a SentencePiece decoder strips its leading space
-        self._sorted_first = self._sorted if vocab.first is vocab.tokens else _SortedTokens(vocab.first)
+        same = vocab.first is vocab.tokens
+        self._table: Optional[DfaTable] = None
+        if dense and getattr(automaton, "int_states", False):
+            self._table = DfaTable(automaton)
+            self._columns = vocab.derived("columns", lambda: TokenColumns(vocab.tokens))
+            self._columns_first = self._columns if same else vocab.derived(
+                "columns_first", lambda: TokenColumns(vocab.first))
+        else:
+            self._sorted = vocab.derived("sorted", lambda: _SortedTokens(vocab.tokens))
+            self._sorted_first = self._sorted if same else vocab.derived(
+                "sorted_first", lambda: _SortedTokens(vocab.first))
         self._cache: "OrderedDict[Tuple[bool, int, Hashable], torch.Tensor]" = OrderedDict()
         self._cache_size = cache_size
         self.num_built = 0  # masks computed (not read from the cache): for tests and logs
@@ -126,11 +135,13 @@ class TokenMasks:
         if hit is not None:
             self._cache.move_to_end(key)
             return hit
-        ids = allowed_tokens(self.automaton, state, self._sorted_first if first else self._sorted)
+        if self._table is not None:
+            ids = self._table.allowed(state, self._columns_first if first else self._columns)
+        else:
+            ids = torch.tensor(allowed_tokens(self.automaton, state, self._sorted_first if first else self._sorted),
+                               dtype=torch.long)
         mask = torch.zeros(width, dtype=torch.bool)
-        ids = [i for i in ids if i < width]
-        if ids:
-            mask[torch.tensor(ids, dtype=torch.long)] = True
+        mask[ids[ids < width]] = True
         self._cache[key] = mask
         self.num_built += 1
         if len(self._cache) > self._cache_size:

@@ -15,7 +15,7 @@ them; the engine allows EOS separately once the output is complete.
 import json
 import re
 import weakref
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from .errors import GuidedDecodingError
 
@@ -59,6 +59,14 @@ class TokenVocab:
 
     def __init__(self, tokens: List[Optional[bytes]], first: List[Optional[bytes]]):
         self.tokens, self.first = tokens, first
+        self._derived: Dict[str, Any] = {}
+
+    def derived(self, key: str, build: Callable[[], Any]) -> Any:
+        """What ``build`` makes of this vocabulary (the token orders the mask builders use), made
+        once and shared by every constraint."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     def __len__(self) -> int:
         return len(self.tokens)

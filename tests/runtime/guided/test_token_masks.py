@@ -2,7 +2,7 @@
 (byte-level BPE, SentencePiece with byte fallback, Llama 2's layout, a Unigram without byte
 fallback): the bytes of a text's tokens are the bytes of its decode, and the mask of a state is
 exactly the set of tokens whose bytes the automaton can consume from it (checked token by token,
-without the sorted walk)."""
+without the sorted walk or the tensor steps of either builder)."""
 
 import importlib.util
 import os
@@ -12,6 +12,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from autodeploy.runtime.guided import dense_masks
 from autodeploy.runtime.guided.errors import GuidedDecodingError
 from autodeploy.runtime.guided.json_automaton import JsonObjectAutomaton
 from autodeploy.runtime.guided.params import GuidedDecodingParams
@@ -100,12 +101,24 @@ def _states(automaton, vocab, rng, count):
 
 
 @pytest.mark.parametrize("kind", ["bpe512", "sp_llama2"])
-@pytest.mark.parametrize("guided", [dict(json_object=True), dict(regex=r"(yes|no|[0-9]{1,3}( apples)?)"),
-                                    dict(choice=["alpha", "beta gamma", "{x}"])])
-def test_masks_are_exactly_the_tokens_the_automaton_can_consume(toks, kind, guided):
+@pytest.mark.parametrize("guided, dense", [
+    (dict(json_object=True), False),  # (a stack automaton: always the walk)
+    (dict(regex=r"(yes|no|[0-9]{1,3}( apples)?)"), True), (dict(regex=r"(yes|no|[0-9]{1,3}( apples)?)"), False),
+    (dict(choice=["alpha", "beta gamma", "{x}"]), True), (dict(choice=["alpha", "beta gamma", "{x}"]), False),
+    (dict(regex=r'"([^"\\]|\\["\\n])*"'), True),  # a string: most tokens allowed inside it
+    (dict(regex=r'"([^"\\]|\\["\\n])*"'), False),
+    # the dense builder's two halves alone: tensor steps to the last byte, and Python from the first
+    (dict(regex=r'"([^"\\]|\\["\\n])*"'), "tensor"), (dict(regex=r'"([^"\\]|\\["\\n])*"'), "python"),
+    (dict(choice=["alpha", "beta gamma", "{x}"]), "tensor"), (dict(choice=["alpha", "beta gamma", "{x}"]), "python"),
+])
+def test_masks_are_exactly_the_tokens_the_automaton_can_consume(toks, kind, guided, dense, monkeypatch):
+    if isinstance(dense, str):
+        monkeypatch.setattr(dense_masks, "PYTHON_TAIL", 0 if dense == "tensor" else 10**9)
+        dense = True
     vocab = TokenVocab.from_tokenizer(toks[kind].tok)
     automaton = GuidedDecodingParams(**guided).automaton()
-    masks = TokenMasks(automaton, vocab)
+    masks = TokenMasks(automaton, vocab, dense=dense)
+    assert (masks._table is not None) == dense  # the builder asked for is the one tested
     width = len(vocab) + 7  # a model vocabulary wider than the tokenizer's
     rng = random.Random(0)
     for state in _states(automaton, vocab, rng, 12):
@@ -129,3 +142,21 @@ def test_masks_are_cached_by_the_automaton_key(toks):
     built = masks.num_built
     assert masks.mask(b, False, len(vocab)) is masks.mask(a, False, len(vocab))
     assert masks.num_built == built
+
+
+@pytest.mark.parametrize("mode", ["walk", "dense", "tensor", "python"])
+def test_long_tokens_are_stepped_to_their_last_byte(mode, monkeypatch):
+    """A made-up vocabulary of long tokens that differ late (the trained ones have few): every
+    builder steps each token to its last byte, whatever the order of its tokens."""
+    if mode in ("tensor", "python"):
+        monkeypatch.setattr(dense_masks, "PYTHON_TAIL", 0 if mode == "tensor" else 10**9)
+    rng = random.Random(1)
+    tokens = sorted({"".join(rng.choice('ab"') for _ in range(rng.randint(1, 40))).encode() for _ in range(400)})
+    rng.shuffle(tokens)
+    vocab = TokenVocab([None] + tokens, [None] + tokens)
+    for regex in (r'"(a|b)*"', r'a{3,30}"?b*', r'(ab)*"?'):
+        automaton = GuidedDecodingParams(regex=regex).automaton()
+        masks = TokenMasks(automaton, vocab, dense=mode != "walk")
+        for state in _states(automaton, vocab, rng, 6):
+            mask = masks.mask(state, False, len(vocab))
+            assert set(mask.nonzero()[:, 0].tolist()) == _brute_force(automaton, state, vocab.tokens), regex
