@@ -26,6 +26,7 @@ import atexit
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from .config import load_deploy_config
+from .config.chat_template import read_chat_template
 from .pipeline import BuildResult, build_graph
 from .runtime.engine import Engine
 from .runtime.outputs import RequestOutput
@@ -63,7 +64,7 @@ class LLM:
         if cache is None or not cache.caches:
             raise ConfigError("the pipeline made no KV cache; keep insert_cached_attention and initialize_cache enabled")
         factory = self.build.factory
-        self.tokenizer_handle = TokenizerHandle(factory.tokenizer, skip=self.config.skip_tokenizer_init)
+        self.tokenizer_handle = TokenizerHandle(self._load_tokenizer, skip=self.config.skip_tokenizer_init)
         self.generation_config = factory.generation_config()
         self.processor = RequestProcessor(self.tokenizer_handle, max_seq_len=cache.max_seq_len,
                                           vocab_size=factory.vocab_size, hidden_state_layers=self.hidden_state_layers)
@@ -95,6 +96,16 @@ class LLM:
                                   num_pages=pages, max_batch_size=sequences,
                                   prefix_caching=self.config.enable_prefix_caching,
                                   state_snapshots=self.config.prefix_state_snapshots)
+
+    def _load_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer, with ``chat_template`` in place of its own template if set."""
+        tokenizer = self.build.factory.tokenizer()
+        if self.config.chat_template is not None:
+            try:
+                tokenizer.chat_template = read_chat_template(self.config.chat_template)
+            except ValueError as exc:  # (checked with the config; the file went away since)
+                raise ConfigError(f"chat_template: {exc}") from None
+        return tokenizer
 
     # ---- tensor parallelism --------------------------------------------------------------------
     @property

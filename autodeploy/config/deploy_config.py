@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..utils.errors import ConfigError
 from ..utils.logging import get_logger
+from .chat_template import read_chat_template
 from .checks import check_settings, check_shortcut_value
 from .merge import deep_merge, load_yaml_file, parse_dotted_overrides
 
@@ -82,6 +83,12 @@ class DeployConfig(BaseModel):
         description="Never load a tokenizer: prompts must be token ids and outputs carry token ids only "
         "(text is empty). Without it the tokenizer is still loaded only when first needed.",
     )
+    chat_template: Optional[str] = Field(
+        default=None,
+        description="A Jinja chat template used instead of the tokenizer's own (vLLM's --chat-template): its text, "
+        "or the path of a file holding it. For a tokenizer without one, or to change how conversations and tools "
+        "are rendered (llm.chat, the server's /v1/chat/completions and /tokenize).",
+    )
     attn_backend: Optional[str] = Field(
         default=None,
         description="Shortcut for transforms.insert_cached_attention.backend (sdpa by default); setting both "
@@ -117,6 +124,13 @@ class DeployConfig(BaseModel):
     transforms: Dict[str, Optional[Dict[str, Any]]] = Field(
         default_factory=dict, description="The transform pipeline: {key: {field: value}}."
     )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            read_chat_template(value)  # kept as given; read where the tokenizer is loaded
+        return value
 
     @field_validator("device")
     @classmethod

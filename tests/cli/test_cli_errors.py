@@ -162,6 +162,8 @@ PRE_BUILD_CASES = {
     "kv_cache_dtype_unknown": (["run", "--kv-cache-dtype", "fp4"],
                                ["--kv-cache-dtype: Input should be 'auto' or 'fp8'"]),
     "max_batch_size_zero": (["run", "--max_batch_size", "0"], ["--max_batch_size: Input should be greater than"]),
+    "chat_template_missing": (["serve", "--chat_template", "no-such.jinja"],
+                              ["--chat_template:", "'no-such.jinja' is neither a file nor Jinja template text"]),
 }
 if not torch.cuda.is_available():
     PRE_BUILD_CASES["cuda_without_gpu"] = (["run", "--device", "cuda"],

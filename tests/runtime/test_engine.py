@@ -16,6 +16,8 @@ import torch
 from autodeploy import LLM, SamplingParams
 from autodeploy.transform.graph_utils import count_op
 from autodeploy.runtime.sampling_params import InvalidRequestError
+from autodeploy.config.chat_template import read_chat_template
+from autodeploy.utils.errors import ConfigError
 
 BASE = dict(max_seq_len=64, max_batch_size=4, max_num_tokens=64, page_size=4)
 PROMPTS = [
@@ -489,6 +491,28 @@ def test_chat_renders_tools(llm):
     assert n > BASE["max_seq_len"]  # this engine's context is too short for tools: LLM.chat says so
     with pytest.raises(InvalidRequestError, match=f"prompt has {n} tokens"):
         llm.chat(messages, SamplingParams(max_tokens=1), tools=tools)
+
+
+def test_chat_template_replaces_the_tokenizers(tmp_path):
+    """``chat_template`` (text or a file) is what ``chat`` renders with; the tokenizer's own is
+    not used."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>>"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    messages = [{"role": "user", "content": "hi"}]
+    other = LLM("tiny-llama", **BASE, chat_template=str(path))
+    (out,) = other.chat(messages, SamplingParams(max_tokens=1, temperature=0))
+    assert out.prompt == "[user] hi\n>>"
+    assert read_chat_template(template) == read_chat_template(str(path)) == template
+
+
+@pytest.mark.parametrize("given, message", [
+    ("/no/such/template.jinja", "neither a file nor Jinja template text"),
+    ("{% for m in messages %}", "not a valid Jinja template"),
+])
+def test_a_bad_chat_template_is_a_config_error(given, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM("tiny-llama", **BASE, chat_template=given)
 
 
 def test_chat_rejects_an_empty_conversation(llm):
