@@ -100,11 +100,6 @@ class ToolSettings:
             raise ToolRequestError(f"'tool_choice' names '{self.choice.function.name}', which is not one of the "
                                    f"tools {names}", "tool_choice")
 
-    @property
-    def forced(self) -> bool:
-        """The output is constrained to calls (no other output constraint may be asked for)."""
-        return self.choice == "required" or isinstance(self.choice, NamedToolChoice)
-
     def template_tools(self) -> Optional[List[Dict[str, Any]]]:
         return template_tools(self.tools)
 
