@@ -270,19 +270,25 @@ class LLM:
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
         tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[Mapping[str, Any]] = None,
     ) -> List[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them. ``tools``:
-        function definitions (OpenAI's ``{"type": "function", "function": {"name", "description",
-        "parameters"}}``) the template shows the model; the calls it writes are in the text (the
-        server's ``--tool-call-parser`` finds them; ``SamplingParams.guided`` can force them)."""
+        """Apply the chat template (the tokenizer's, or the ``chat_template`` setting) to one
+        conversation or a list of them. ``tools``: function definitions (OpenAI's ``{"type":
+        "function", "function": {"name", "description", "parameters"}}``) the template shows the
+        model; the calls it writes are in the text (the server's ``--tool-call-parser`` finds them;
+        ``SamplingParams.guided`` can force them). ``continue_final_message`` (with
+        ``add_generation_prompt=False``): the model continues the last, assistant, message.
+        ``chat_template_kwargs``: more template variables (e.g. Qwen 3's ``enable_thinking``)."""
         if not messages:
             raise InvalidRequestError("chat() needs at least one message")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
-                prompts.append(self.processor.chat_prompt(conversation, add_generation_prompt,  # type: ignore[arg-type]
-                                                          tools=tools))
+                prompts.append(self.processor.chat_prompt(  # type: ignore[arg-type]
+                    conversation, add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
+                    template_kwargs=chat_template_kwargs))
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"conversation {i}: {exc}") from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

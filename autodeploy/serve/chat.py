@@ -52,7 +52,8 @@ def router(state: ServerState) -> APIRouter:
             raise APIError(400, str(exc), exc.param) from None
         processor = state.engine.processor
         try:
-            prompt = processor.chat_prompt(template_messages(req.messages), tools=tools.template_tools())
+            prompt = processor.chat_prompt(template_messages(req.messages), tools=tools.template_tools(),
+                                           **req.template_options())
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), "messages") from None
         checked = check_prompt(processor, prompt, "messages")

@@ -101,6 +101,7 @@ class _Body(_Strict):
 _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "truncate_prompt_tokens": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "echo": (False,),  # (chat's: a completion request has its own field)
 }
 _STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
 
@@ -315,7 +316,39 @@ def template_messages(messages: List[ChatMessage]) -> List[Dict[str, Any]]:
     return out
 
 
-class ChatCompletionRequest(_Common):
+# apply_chat_template's own arguments: set by the request's fields, never through chat_template_kwargs
+_RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "add_generation_prompt",
+                             "continue_final_message", "tokenize", "chat_template", "return_dict", "tokenizer_kwargs")
+
+
+class ChatRendering(_Strict):
+    """How a conversation is rendered by the chat template (vLLM's fields of a chat request)."""
+
+    add_generation_prompt: bool = Field(default=True, description="End with the template's assistant opening.")
+    continue_final_message: bool = Field(default=False, description=(
+        "Leave the last (assistant) message open, for the model to continue it; needs add_generation_prompt false."))
+    chat_template_kwargs: Optional[Dict[str, Any]] = Field(default=None, description=(
+        "More variables for the chat template (e.g. Qwen 3's enable_thinking)."))
+    documents: Optional[List[Dict[str, Any]]] = Field(default=None, max_length=64, description=(
+        "Documents for templates that cite them (each a mapping, e.g. title and text)."))
+
+    def template_options(self) -> Dict[str, Any]:
+        """Keyword arguments of ``RequestProcessor.chat_prompt``; a 400 for a request's own
+        ``chat_template`` (a client's template is not run on the server: the server's is
+        ``--chat_template``) or a reserved name in ``chat_template_kwargs``."""
+        if (self.model_extra or {}).get("chat_template") is not None:
+            raise APIError(400, "a request's own 'chat_template' is not accepted; the server renders with its "
+                                "tokenizer's template or the one it was started with (--chat_template)", "chat_template")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & set(_RESERVED_TEMPLATE_KWARGS))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved}: they are the request's own fields",
+                           "chat_template_kwargs")
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, "documents": self.documents,
+                "template_kwargs": self.chat_template_kwargs}
+
+
+class ChatCompletionRequest(_Common, ChatRendering):
     messages: List[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(default=None, ge=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)

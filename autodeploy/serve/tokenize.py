@@ -15,7 +15,7 @@ from pydantic import BaseModel, Discriminator, Field, NonNegativeInt, Tag
 
 from ..runtime.sampling_params import InvalidRequestError
 from .openapi import post_responses
-from .protocol import APIError, ChatMessage, _Body, template_messages
+from .protocol import APIError, ChatMessage, ChatRendering, _Body, template_messages
 from .requests import check_model
 from .state import ServerState
 from .tool_calls import ChatTool, template_tools
@@ -28,11 +28,9 @@ class TokenizePromptRequest(_Body):
                                      "as a completion of that text does.")
 
 
-class TokenizeChatRequest(_Body):
+class TokenizeChatRequest(_Body, ChatRendering):
     model: str
     messages: List[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = Field(default=True, description="End with the template's assistant opening, "
-                                        "as a chat completion does.")
     tools: Optional[List[ChatTool]] = Field(default=None, max_length=128, description="Shown by the template, "
                                             "as in a chat completion with them.")
 
@@ -77,8 +75,8 @@ def router(state: ServerState) -> APIRouter:
             raise APIError(400, "give one of 'prompt' and 'messages', not both", "messages")
         try:
             if isinstance(req, TokenizeChatRequest):
-                prompt = processor.chat_prompt(template_messages(req.messages), req.add_generation_prompt,
-                                               tools=template_tools(req.tools))
+                prompt = processor.chat_prompt(template_messages(req.messages), tools=template_tools(req.tools),
+                                               **req.template_options())
                 ids = prompt["prompt_token_ids"]
             else:
                 tokenizer = processor.tokenizer.require("tokenizing")

@@ -85,7 +85,8 @@ def tight_server():
 
 @pytest.fixture(scope="module")
 def tools_server():
-    """A server with --tool-call-parser hermes and --max_seq_len 512 (room for the tools' text)."""
+    """A server with --tool-call-parser hermes, --max_seq_len 512 (room for the tools' text) and
+    --chat_template (serve_utils.TOOLS_TEMPLATE)."""
     return _get_server("tools").wait_ready()
 
 

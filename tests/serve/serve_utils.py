@@ -12,6 +12,8 @@ from typing import Dict, Iterator, List, Optional
 import httpx
 import openai
 
+from autodeploy.models.tokenizer import CHAT_TEMPLATE
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AUTODEPLOY = os.path.join(os.path.dirname(sys.executable), "autodeploy")
 
@@ -28,6 +30,19 @@ SHUTDOWN_TIMEOUT = 20.0  # the aux server's --shutdown-timeout
 MAX_CHOICES = 4  # the tight server's --max-choices-per-request (the others keep the default, 128)
 TIGHT_PAGES = 12  # the tight server's KV pool: 192 tokens, one 128-token sequence and a bit
 TOOLS_MAX_SEQ_LEN = 512  # the tools server's --max_seq_len (its later flag wins over MAX_SEQ_LEN)
+# The tools server's --chat_template: the presets' own, after a part that reads chat_template_kwargs
+# (``greeting``; "fail" makes the template raise, as templates do on conversations they refuse)
+# and documents.
+TOOLS_TEMPLATE = (
+    "{% if greeting is defined %}{% if greeting == 'fail' %}{{ raise_exception('no such greeting') }}{% endif %}"
+    "{{ greeting + '\n' }}{% endif %}"
+    "{% for d in documents or [] %}{{ '[doc] ' + d['title'] + '\n' }}{% endfor %}" + CHAT_TEMPLATE
+)
+TOOLS_TEMPLATE_PATH = os.path.join(tempfile.gettempdir(), f"autodeploy-tests-{os.getuid()}-tools-template.jinja")
+if not os.path.exists(TOOLS_TEMPLATE_PATH) or open(TOOLS_TEMPLATE_PATH).read() != TOOLS_TEMPLATE:
+    with open(TOOLS_TEMPLATE_PATH + f".{os.getpid()}", "w") as _f:
+        _f.write(TOOLS_TEMPLATE)
+    os.replace(TOOLS_TEMPLATE_PATH + f".{os.getpid()}", TOOLS_TEMPLATE_PATH)
 START_TIMEOUT = 240.0
 
 # A prompt whose greedy continuation does not hit EOS within 100 tokens (checked in test_api).
@@ -39,7 +54,8 @@ SERVER_ARGS: Dict[str, List[str]] = {
             "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)],
     "tight": ["--transforms.initialize_cache.num_pages", str(TIGHT_PAGES), "--max-choices-per-request", str(MAX_CHOICES)],
     # function calling: the tools the template shows take ~300 of the preset tokenizer's tokens
-    "tools": ["--max_seq_len", str(TOOLS_MAX_SEQ_LEN), "--tool-call-parser", "hermes"],
+    "tools": ["--max_seq_len", str(TOOLS_MAX_SEQ_LEN), "--tool-call-parser", "hermes", "--chat_template",
+              TOOLS_TEMPLATE_PATH],
 }
 FIXTURE_OF = {"server": "main", "aux_server": "aux", "tight_server": "tight", "tools_server": "tools"}
 

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from autodeploy.models.presets import preset_dir
 
-from serve_utils import MODEL, json_events, sse_events
+from serve_utils import MODEL, TOOLS_TEMPLATE, json_events, sse_events
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The forecast for a city.",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
@@ -36,7 +36,10 @@ REQUIRED = {"type": "array", "minItems": 1, "items": {"anyOf": [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(preset_dir(MODEL))
+    """The checkpoint's tokenizer with the template the tools server was given."""
+    tok = AutoTokenizer.from_pretrained(preset_dir(MODEL))
+    tok.chat_template = TOOLS_TEMPLATE
+    return tok
 
 
 def _chat(server, **fields):

@@ -1,0 +1,77 @@
+"""How a chat request is rendered, on a server started with ``--chat_template`` (the tools
+server; ``serve_utils.TOOLS_TEMPLATE``): the setting's template is the one used, and vLLM's
+``chat_template_kwargs``, ``documents``, ``add_generation_prompt`` and ``continue_final_message``
+reach it, for ``/tokenize`` and ``/v1/chat/completions`` alike (the ids equal the tokenizer's
+``apply_chat_template`` with the same arguments, computed here). What cannot be rendered is a 400."""
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from autodeploy.models.presets import preset_dir
+
+from serve_utils import MODEL, TOOLS_TEMPLATE
+
+MSGS = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, or"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = AutoTokenizer.from_pretrained(preset_dir(MODEL))
+    tok.chat_template = TOOLS_TEMPLATE
+    return tok
+
+
+def _ids(tokenizer, messages, **kw):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _post(server, path, body):
+    return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=60)
+
+
+CASES = [
+    pytest.param({}, {"add_generation_prompt": True}, id="default"),
+    pytest.param({"chat_template_kwargs": {"greeting": "Hello there"}},
+                 {"add_generation_prompt": True, "greeting": "Hello there"}, id="chat_template_kwargs"),
+    pytest.param({"documents": [{"title": "Colours", "text": "..."}]},
+                 {"add_generation_prompt": True, "documents": [{"title": "Colours", "text": "..."}]}, id="documents"),
+    pytest.param({"add_generation_prompt": False}, {"add_generation_prompt": False}, id="no_generation_prompt"),
+    pytest.param({"add_generation_prompt": False, "continue_final_message": True},
+                 {"add_generation_prompt": False, "continue_final_message": True}, id="continue_final_message"),
+]
+
+
+@pytest.mark.parametrize("fields, kw", CASES)
+def test_tokenize_and_chat_render_as_the_template_does(tools_server, tokenizer, fields, kw):
+    expected = _ids(tokenizer, MSGS, **kw)
+    r = _post(tools_server, "/tokenize", {"messages": MSGS, **fields})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == expected
+    r = _post(tools_server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1, **fields})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(expected)
+    if fields:  # each field changes the prompt (so the test would see it ignored)
+        assert expected != _ids(tokenizer, MSGS, add_generation_prompt=True)
+
+
+def test_the_servers_chat_template_is_used(tools_server, tokenizer):
+    r = _post(tools_server, "/tokenize", {"messages": MSGS[:1], "chat_template_kwargs": {"greeting": "Hi"}})
+    assert tokenizer.decode(r.json()["tokens"]).startswith("Hi\n<|user|>")  # the preset's own has no greeting
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"chat_template_kwargs": {"greeting": "fail"}}, "messages", "no such greeting"),  # the template raises
+    ({"continue_final_message": True}, "messages", "add_generation_prompt"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
+    ({"chat_template": "{{ messages }}"}, "chat_template", "--chat_template"),
+    ({"echo": True}, "echo", "echo"),
+])
+def test_what_cannot_be_rendered_is_a_400(tools_server, fields, param, words):
+    for path in ("/v1/chat/completions", "/tokenize"):
+        if path == "/tokenize" and param == "echo":
+            continue
+        r = _post(tools_server, path, {"messages": MSGS, "max_tokens": 1, **fields})
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == param and words in r.json()["error"]["message"], (path, r.text)
