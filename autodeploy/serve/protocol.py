@@ -10,7 +10,8 @@ Function calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is ``tool
 Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampling
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``min_tokens``, ``repetition_penalty``, ``min_p`` and the guided decoding above: beam search,
-``guided_grammar``, ...) are rejected with a 400 naming the parameter rather than silently
+``guided_grammar``, ``skip_special_tokens: false``, ``prompt_logprobs``, ``priority``,
+``cache_salt``, ...) are rejected with a 400 naming the parameter rather than silently
 ignored: a client that asks for them would otherwise get answers it did not ask for. Other
 unknown fields are accepted and ignored (clients send vendor extras).
 
@@ -102,6 +103,10 @@ _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "truncate_prompt_tokens": (), "guided_grammar": (), "guided_decoding_backend": (),
     "echo": (False,),  # (chat's: a completion request has its own field)
+    # what the output text or the response holds, and scheduling
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,), "prompt_logprobs": (), "logits_processors": (), "priority": (0,),
+    "cache_salt": (), "mm_processor_kwargs": (), "vllm_xargs": (),
 }
 _STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
 

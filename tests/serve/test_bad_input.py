@@ -197,7 +197,8 @@ def test_prompt_longer_than_context(healthy, llm):
     (CMPL, "suffix", "tail"),
     (CMPL, "best_of", 3),
     (CHAT, "use_beam_search", True), (CMPL, "length_penalty", 0.5), (CMPL, "guided_grammar", "root ::= x"),
-    (CMPL, "bad_words", ["x"]),
+    (CMPL, "bad_words", ["x"]), (CMPL, "skip_special_tokens", False), (CHAT, "prompt_logprobs", 1),
+    (CHAT, "priority", 5), (CMPL, "cache_salt", "tenant-a"), (CHAT, "echo", True),
 ])
 def test_unsupported_params(healthy, path, field, value):
     body = {"model": SERVED_NAME, "prompt": "hi", "messages": MSGS, "max_tokens": 2, field: value}
@@ -215,7 +216,8 @@ def test_unsupported_params_through_openai_client(healthy):
 def test_neutral_values_of_unsupported_params_are_accepted(healthy):
     body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2, "frequency_penalty": 0, "presence_penalty": 0.0,
             "logit_bias": {}, "suffix": "", "best_of": 1, "user": "u", "vendor_extra": {"a": 1},
-            "use_beam_search": False, "length_penalty": 1, "guided_json": None, "guided_grammar": None}
+            "use_beam_search": False, "length_penalty": 1, "guided_json": None, "guided_grammar": None,
+            "skip_special_tokens": True, "priority": 0, "cache_salt": None}
     assert _post(healthy, CMPL, body).status_code == 200
     body = {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 2, "tools": [], "response_format": {"type": "text"}}
     assert _post(healthy, CHAT, body).status_code == 200
