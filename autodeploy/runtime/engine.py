@@ -197,7 +197,8 @@ class Engine:
                            prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
                            hidden_states=[] if params.return_hidden_states else None)
             if tokenizer is not None:
-                seq.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+                seq.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+                                                         skip_special_tokens=params.skip_special_tokens)
             if guides is not None:
                 seq.guide = guides.start(params.guided)  # type: ignore[arg-type]
             sequences.append(seq)
@@ -303,11 +304,15 @@ class Engine:
         seq.append_token(token)
         params = seq.params
         detok = seq.detokenizer
-        new_chars = len(detok.add(token)) if detok is not None else 0
+        ends_on_eos = not params.ignore_eos and token in self.eos_token_ids
+        # the EOS that ends the output is not part of its text (vLLM's rule; with skip_special_tokens
+        # its text is empty anyway); a stop_token_ids token keeps its text
+        silent = ends_on_eos and not params.include_stop_str_in_output and token not in params.stop_token_ids
+        new_chars = len(detok.add(token)) if detok is not None and not silent else 0
         reason = None
         if seq.guide is not None and seq.guide.failed:  # its constraint could not go on (logged)
             reason = "abort"
-        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        elif token in params.stop_token_ids or ends_on_eos:
             reason = "stop"
         elif seq.guide is not None and seq.guide.advance(token):
             # the constrained output is done (nothing can follow it), or the constraint failed

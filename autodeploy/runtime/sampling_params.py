@@ -24,7 +24,9 @@ class SamplingParams:
 
     ``stop`` strings end the output (the text is cut before them, or after with
     ``include_stop_str_in_output``, vLLM's name); ``stop_token_ids`` and the
-    model's EOS token end it too unless ``ignore_eos``; none of them before ``min_tokens`` tokens
+    model's EOS token end it too unless ``ignore_eos`` (the EOS that ends it adds no text, unless
+    ``include_stop_str_in_output``); ``skip_special_tokens`` (vLLM's; default True): special
+    tokens add no text; none of them before ``min_tokens`` tokens
     (EOS and ``stop_token_ids`` cannot be sampled until then). Penalties, applied to the logits
     before the temperature (``logits_processors``): ``repetition_penalty`` (vLLM's and HF's: a
     token seen in the prompt or the output has its logit divided by it when positive, multiplied
@@ -56,6 +58,7 @@ class SamplingParams:
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     min_tokens: int = 0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -132,6 +135,8 @@ class SamplingParams:
                 raise bad("logit_bias values must be numbers in [-100, 100]")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad(f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
         if self.guided is not None and not isinstance(self.guided, GuidedDecodingParams):
             raise bad(f"guided must be a GuidedDecodingParams (or a dict of its fields), got {self.guided!r}")
         if not isinstance(self.return_hidden_states, bool):

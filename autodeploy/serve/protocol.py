@@ -9,9 +9,8 @@ Function calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is ``tool
 
 Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampling
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``min_tokens``, ``repetition_penalty``, ``min_p`` and the guided decoding above: beam search,
-``guided_grammar``, ``skip_special_tokens: false``, ``prompt_logprobs``, ``priority``,
-``cache_salt``, ...) are rejected with a 400 naming the parameter rather than silently
+``skip_special_tokens``, ``min_tokens``, ``repetition_penalty``, ``min_p`` and the guided decoding
+above: beam search, ``guided_grammar``, ``prompt_logprobs``, ``priority``, ``cache_salt``, ...) are rejected with a 400 naming the parameter rather than silently
 ignored: a client that asks for them would otherwise get answers it did not ask for. Other
 unknown fields are accepted and ignored (clients send vendor extras).
 
@@ -104,7 +103,7 @@ _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
     "truncate_prompt_tokens": (), "guided_grammar": (), "guided_decoding_backend": (),
     "echo": (False,),  # (chat's: a completion request has its own field)
     # what the output text or the response holds, and scheduling
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,), "prompt_logprobs": (), "logits_processors": (), "priority": (0,),
     "cache_salt": (), "mm_processor_kwargs": (), "vllm_xargs": (),
 }
@@ -150,6 +149,7 @@ class _Common(_Body):
     # (benchmarks); token ids that end the output like EOS does (the token is counted, its text kept)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # the output text ends with the stop string it met
+    skip_special_tokens: bool = True  # false: special tokens are part of the output text
     stop_token_ids: Optional[List[NonNegativeInt]] = Field(default=None, max_length=64)
     # penalties (OpenAI's two, vLLM's repetition penalty), vLLM's min_p and min_tokens: as
     # ``SamplingParams`` defines them (unset: off)
@@ -343,7 +343,8 @@ class ChatRendering(_Strict):
         ``--chat_template``) or a reserved name in ``chat_template_kwargs``."""
         if (self.model_extra or {}).get("chat_template") is not None:
             raise APIError(400, "a request's own 'chat_template' is not accepted; the server renders with its "
-                                "tokenizer's template or the one it was started with (--chat_template)", "chat_template")
+                                "tokenizer's template or the one it was started with (--chat_template)",
+                           "chat_template")
         reserved = sorted(set(self.chat_template_kwargs or {}) & set(_RESERVED_TEMPLATE_KWARGS))
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {reserved}: they are the request's own fields",

@@ -67,6 +67,7 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max
             prompt_logprobs=prompt_logprobs,
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
             stop_token_ids=req.stop_token_ids,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,

@@ -259,6 +259,25 @@ def test_min_tokens_holds_stop_strings_and_stop_token_ids_off_until_then(llm, re
     assert held.token_ids[0] == tokens[0] and held.token_ids[1] != tokens[1] and tokens[1] not in held.token_ids
 
 
+def test_skip_special_tokens_false_keeps_their_text_but_not_the_eos_that_ends(llm, ref):
+    tok = llm.tokenizer
+    tokens = ref[EOS_PROMPT]
+    k = tokens.index(tok.eos_token_id)
+    (ignored,) = llm.generate([EOS_PROMPT], greedy(skip_special_tokens=False))  # (greedy: ignore_eos)
+    assert ignored.token_ids == tokens
+    assert ignored.text == tok.decode(tokens, skip_special_tokens=False) != tok.decode(tokens, skip_special_tokens=True)
+    # ended by EOS: its text is not part of the output (vLLM's rule), unless include_stop_str_in_output
+    (stopped,) = llm.generate([EOS_PROMPT], greedy(ignore_eos=False, skip_special_tokens=False))
+    assert stopped.token_ids == tokens[:k + 1] and stopped.text == tok.decode(tokens[:k], skip_special_tokens=False)
+    (kept,) = llm.generate([EOS_PROMPT], greedy(ignore_eos=False, skip_special_tokens=False,
+                                                include_stop_str_in_output=True))
+    assert kept.text == tok.decode(tokens[:k + 1], skip_special_tokens=False) and kept.text.endswith(tok.eos_token)
+    user = tok.convert_tokens_to_ids("<|user|>")  # a special token in the middle of the output
+    for skip, text in ((False, "<|user|>" * 3), (True, "")):
+        (forced,) = llm.generate(["hi"], greedy(3, logit_bias={user: 100}, skip_special_tokens=skip))
+        assert forced.token_ids == [user] * 3 and forced.text == text
+
+
 def test_include_stop_str_in_output_keeps_the_stop_string(llm, ref):
     tok = llm.tokenizer
     full = tok.decode(ref[PROMPTS[2]], skip_special_tokens=True)

@@ -36,6 +36,21 @@ def _sampling_kwargs(temperature, seed):
 
 
 # ---- vLLM's sampling extensions ------------------------------------------------------------------
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens_as_llm_generate_does(server, llm, skip):
+    """vLLM's ``skip_special_tokens``: false puts special tokens in the text (a 400 before)."""
+    user = llm.tokenizer.convert_tokens_to_ids("<|user|>")
+    kw = dict(max_tokens=3, temperature=0.0, logit_bias={user: 100}, skip_special_tokens=skip)
+    ref = _ref(llm, PROMPTS[0], **kw)
+    body = {"model": SERVED_NAME, "prompt": PROMPTS[0], **kw, "logit_bias": {str(user): 100}}
+    for path, text_of in (("/v1/completions", lambda c: c["text"]), ("/v1/chat/completions",
+                                                                      lambda c: c["message"]["content"])):
+        fields = body if path == "/v1/completions" else {**body, "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(f"{server.url}{path}", json=fields, timeout=60)
+        assert r.status_code == 200, r.text
+        assert text_of(r.json()["choices"][0]) == ref.text == ("" if skip else "<|user|>" * 3)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_token_ids_end_the_output_as_llm_generate_does(server, llm, stream):
     """``stop_token_ids``: the output ends at (and with) the first of them, as the Python API's
