@@ -10,9 +10,10 @@ Function calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is ``tool
 Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampling
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``min_tokens``, ``repetition_penalty``, ``min_p`` and the guided decoding
-above: beam search, ``guided_grammar``, ``prompt_logprobs``, ``priority``, ``cache_salt``, ...) are rejected with a 400 naming the parameter rather than silently
-ignored: a client that asks for them would otherwise get answers it did not ask for. Other
-unknown fields are accepted and ignored (clients send vendor extras).
+above: beam search, ``guided_grammar``, ``prompt_logprobs``, ``priority``, ``cache_salt``, ...)
+are rejected with a 400 naming the parameter rather than silently ignored: a client that asks
+for them would otherwise get answers it did not ask for. Other unknown fields are accepted and
+ignored (clients send vendor extras).
 
 Types are strict, as OpenAI's are: ``"stream": "yes"``, ``"echo": 0`` or ``"prompt": [true]``
 are 400s, not coerced (a float field still takes an integer). Text that cannot be encoded (a
