@@ -9,6 +9,8 @@ with vLLM's semantics (``SamplingParams`` documents each):
 * ``frequency_penalty`` ``f`` and ``presence_penalty`` ``p`` (OpenAI's): ``l - f * c - p * (c > 0)``
   with ``c`` the token's count in the output so far (the prompt does not count);
 * ``logit_bias`` (OpenAI's): each listed token's bias added to its logit (-100 all but bans it);
+* ``bad_words`` / ``bad_words_token_ids``: the token that would complete a banned sequence gets
+  -inf (HF's ``NoBadWordsLogitsProcessor``, over the output only, as vLLM's);
 * ``min_tokens``: until that many tokens are out, the EOS tokens (unless ``ignore_eos``) and
   ``stop_token_ids`` cannot be sampled;
 * ``guided`` (last, so nothing can lift it): only the tokens that keep the output completable
@@ -73,6 +75,9 @@ class _Batch:
             index = self._pairs(lambda s: list(s.params.logit_bias or ()))
             bias = [b for seq in self.sequences for t, b in (seq.params.logit_bias or {}).items() if t < self.vocab]
             sub = sub.index_put(index, torch.tensor(bias, dtype=sub.dtype, device=sub.device), accumulate=True)
+        if any(p.bad_words_token_ids for p in params):
+            index = self._pairs(_bad_word_ends)
+            sub = sub.index_put(index, torch.tensor(float("-inf"), dtype=sub.dtype, device=sub.device))
         if any(seq.num_output_tokens < seq.params.min_tokens for seq in self.sequences):
             index = self._pairs(lambda s: _banned(s, eos_token_ids))
             sub = sub.index_put(index, torch.tensor(float("-inf"), dtype=sub.dtype, device=sub.device))
@@ -96,6 +101,14 @@ class _Batch:
                 row[[t for t in ends if 0 <= t < self.vocab]] = True
             allowed[r] = row.to(sub.device)
         return sub.masked_fill(~allowed, float("-inf"))
+
+
+def _bad_word_ends(seq: Sequence) -> List[int]:
+    """The last tokens of the bad-word sequences whose other tokens end the output so far (the
+    prompt does not count, as in vLLM)."""
+    out = seq.output_token_ids
+    return [ids[-1] for ids in seq.params.bad_words_token_ids or ()
+            if len(ids) - 1 <= len(out) and (len(ids) == 1 or list(out[len(out) - len(ids) + 1:]) == ids[:-1])]
 
 
 def _banned(seq: Sequence, eos_token_ids: AbstractSet[int]) -> List[int]:

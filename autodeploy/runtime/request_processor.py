@@ -10,6 +10,7 @@ files still serves token-id prompts, and a text prompt then gets an error saying
 no tokenizer and what to send instead. ``skip_tokenizer_init`` (vLLM's name) never loads one.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -190,6 +191,9 @@ class RequestProcessor:
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.stop_strings:
             self.tokenizer.require("a stop string")
+        banned = [t for ids in params.bad_words_token_ids or () for t in ids]
+        if banned and self.vocab_size is not None and max(banned) >= self.vocab_size:
+            raise InvalidRequestError(f"bad_words_token_ids must be in [0, {self.vocab_size}); got {max(banned)}")
         if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size}); got "
                                       f"{max(params.logit_bias)}")
@@ -208,10 +212,27 @@ class RequestProcessor:
         return CheckedPrompt(text, self.check_prompt(ids))
 
     def prepare(self, prompt: Union[Prompt, CheckedPrompt], params: SamplingParams) -> PreparedRequest:
-        """The one place a request is checked; the engine trusts what this returns."""
+        """The one place a request is checked; the engine trusts what this returns. ``bad_words``
+        become token sequences here (``bad_words_token_ids``), with the tokenizer."""
         checked = self.check(prompt)
         self.check_params(params)
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=list(params.bad_words_token_ids or [])
+                                         + self.bad_words_token_ids(params.bad_words))
         return PreparedRequest(checked.prompt, checked.prompt_token_ids, params)
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> List[List[int]]:
+        """vLLM's reading of ``bad_words``: each word's tokens at the start of a text, and after a
+        space where that makes a different first token (the word in the middle of a text)."""
+        tokenizer = self.tokenizer.require("bad_words")
+        out: List[List[int]] = []
+        for word in words:
+            alone = tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"]
+            spaced = tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"]
+            out.append(list(alone))
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(list(spaced))
+        return out
 
     def prepare_all(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> List[PreparedRequest]:
         """Every prompt prepared, or ``InvalidRequestError`` naming the first bad one (nothing queued)."""

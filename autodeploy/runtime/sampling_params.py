@@ -33,6 +33,9 @@ class SamplingParams:
     when negative; 1 is off), ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: subtract
     the penalty times the token's count in the output, and once more if it occurs at all; 0 is
     off); ``logit_bias`` (OpenAI's: token id -> a bias in [-100, 100] added to its logit).
+    ``bad_words`` (vLLM's: each word as the tokenizer writes it at the start of a text and after a
+    space) and ``bad_words_token_ids`` (HF's ``bad_words_ids``): a token that would complete one
+    of these sequences, the output so far ending with the rest of it, cannot be sampled.
     ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after the
     temperature, before top-k / top-p). Log-probabilities are always those of the model's own
     distribution, before any of these. ``seed`` makes sampling reproducible per request. ``n``
@@ -59,6 +62,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    bad_words: Optional[List[str]] = None
+    bad_words_token_ids: Optional[List[List[int]]] = None
     min_tokens: int = 0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -86,7 +91,7 @@ class SamplingParams:
         self.validate()
         object.__setattr__(self, "adjusts_logits", self.repetition_penalty != 1 or self.frequency_penalty != 0
                            or self.presence_penalty != 0 or self.min_tokens > 0 or bool(self.logit_bias)
-                           or self.guided is not None)
+                           or self.guided is not None or bool(self.bad_words) or bool(self.bad_words_token_ids))
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -135,6 +140,14 @@ class SamplingParams:
                 raise bad("logit_bias values must be numbers in [-100, 100]")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad(f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or len(self.bad_words) > 256 or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words must be a list of at most 256 non-blank strings")
+        if self.bad_words_token_ids is not None and (
+                not isinstance(self.bad_words_token_ids, list) or len(self.bad_words_token_ids) > 1024 or any(
+                    not isinstance(ids, list) or not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0
+                                                               for t in ids) for ids in self.bad_words_token_ids)):
+            raise bad("bad_words_token_ids must be a list of at most 1024 non-empty lists of token ids (integers >= 0)")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
         if self.guided is not None and not isinstance(self.guided, GuidedDecodingParams):

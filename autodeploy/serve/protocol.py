@@ -9,8 +9,8 @@ Function calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is ``tool
 
 Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampling
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``min_tokens``, ``repetition_penalty``, ``min_p`` and the guided decoding
-above: beam search, ``guided_grammar``, ``prompt_logprobs``, ``priority``, ``cache_salt``, ...)
+``skip_special_tokens``, ``bad_words``, ``min_tokens``, ``repetition_penalty``, ``min_p`` and the
+guided decoding above: beam search, ``guided_grammar``, ``prompt_logprobs``, ``priority``, ``cache_salt``, ...)
 are rejected with a 400 naming the parameter rather than silently ignored: a client that asks
 for them would otherwise get answers it did not ask for. Other unknown fields are accepted and
 ignored (clients send vendor extras).
@@ -100,7 +100,7 @@ class _Body(_Strict):
 # (null too, for all of them): any other value is a 400 naming it (ignored, the client would get
 # answers it did not ask for)
 _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
-    "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "allowed_token_ids": (),
     "truncate_prompt_tokens": (), "guided_grammar": (), "guided_decoding_backend": (),
     "echo": (False,),  # (chat's: a completion request has its own field)
     # what the output text or the response holds, and scheduling
@@ -151,6 +151,8 @@ class _Common(_Body):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # the output text ends with the stop string it met
     skip_special_tokens: bool = True  # false: special tokens are part of the output text
+    bad_words: Optional[List[str]] = Field(default=None, max_length=256, description=(
+        "Words never generated (vLLM's: as the tokenizer writes them at the start of a text and after a space)."))
     stop_token_ids: Optional[List[NonNegativeInt]] = Field(default=None, max_length=64)
     # penalties (OpenAI's two, vLLM's repetition penalty), vLLM's min_p and min_tokens: as
     # ``SamplingParams`` defines them (unset: off)

@@ -68,6 +68,7 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            bad_words=req.bad_words,
             stop_token_ids=req.stop_token_ids,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,

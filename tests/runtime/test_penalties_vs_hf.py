@@ -1,7 +1,7 @@
 """Penalties, ``logit_bias`` and ``min_tokens`` against HF transformers on the same checkpoint (the tiny-llama
 preset): greedy tokens with ``repetition_penalty`` (HF's ``RepetitionPenaltyLogitsProcessor``),
 ``logit_bias`` (HF's ``sequence_bias`` of one-token sequences) and ``min_tokens`` (HF's
-``min_new_tokens``) equal ``generate``'s; ``frequency_penalty`` and
+``min_new_tokens``) and ``bad_words_token_ids`` (HF's ``bad_words_ids``) equal ``generate``'s; ``frequency_penalty`` and
 ``presence_penalty``, which HF does not have, equal OpenAI's formula applied to HF's logits step
 by step. Each case first checks that the setting changes the plain greedy answer, so that the
 comparison cannot pass with the setting ignored."""
@@ -83,3 +83,31 @@ def test_logit_bias_gives_hf_sequence_bias_tokens(llm, hf):
     assert ours != plain
     hf_bias = {(t,): b for t, b in bias.items()}
     assert ours == [_hf_generate(hf, p, sequence_bias=hf_bias, eos_token_id=None) for p in prompts]
+
+
+def test_bad_words_token_ids_give_hf_bad_words_ids_tokens(llm, hf):
+    """One-token sequences are never sampled; a longer one's last token not right after the rest
+    (HF's ``bad_words_ids``; here the banned pair starts inside the output, where HF's check over
+    prompt and output and vLLM's over the output alone agree)."""
+    prompt = _ids(llm, PROMPTS[0])
+    (plain,) = _ours(llm, [prompt], ignore_eos=True)
+    k = next(i for i in range(2, NEW) if plain[i - 1] != prompt[-1] and plain[i] not in plain[:i])
+    for banned in ([[plain[0]]], [[plain[k - 1], plain[k]]], [[plain[1]], [plain[k - 1], plain[k]]]):
+        (ours,) = _ours(llm, [prompt], ignore_eos=True, bad_words_token_ids=banned)
+        assert ours != plain  # the ban changes the answer
+        assert ours == _hf_generate(hf, prompt, bad_words_ids=banned)
+        for ids in banned:  # and the sequence never appears
+            assert all(ours[i:i + len(ids)] != ids for i in range(len(ours)))
+
+
+def test_bad_words_are_banned_as_the_tokenizer_writes_them(llm):
+    prompt = _ids(llm, PROMPTS[0])
+    (plain,) = _ours(llm, [prompt], ignore_eos=True)
+    word = llm.tokenizer.decode(plain[:2]).strip()  # the answer's first word(s)
+    ids = llm.processor.bad_words_token_ids([word])
+    assert ids[0] == llm.tokenizer(word, add_special_tokens=False)["input_ids"]
+    (ours,) = _ours(llm, [prompt], ignore_eos=True, bad_words=[word])
+    assert ours != plain
+    assert ours == _ours(llm, [prompt], ignore_eos=True, bad_words_token_ids=ids)[0]
+    assert all(ours[i:i + len(seq)] != seq for seq in ids for i in range(len(ours)))
+

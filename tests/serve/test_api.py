@@ -36,6 +36,21 @@ def _sampling_kwargs(temperature, seed):
 
 
 # ---- vLLM's sampling extensions ------------------------------------------------------------------
+def test_bad_words_as_llm_generate_does(server, llm):
+    """vLLM's ``bad_words`` (a 400 before)."""
+    plain = _ref(llm, PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    # a token of the answer that is a space and a word: the word is banned as " word" too
+    word = next(w.strip() for w in map(lambda t: llm.tokenizer.decode([t]), plain.token_ids)
+                if w.startswith(" ") and w.strip().isalpha())
+    ref = _ref(llm, PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, bad_words=[word])
+    assert ref.token_ids != plain.token_ids
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": SERVED_NAME, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "bad_words": [word]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ref.text
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens_as_llm_generate_does(server, llm, skip):
     """vLLM's ``skip_special_tokens``: false puts special tokens in the text (a 400 before)."""

@@ -71,6 +71,8 @@ COMMON = {
     "stop_token_ids": field(st.lists(st.integers(-2, 600), max_size=3)),
     "ignore_eos": field(st.booleans()),
     "logit_bias": field(st.dictionaries(st.text(max_size=4), st.floats(-100, 100), max_size=2)),
+    "bad_words": field(st.lists(st.text(max_size=6), max_size=3)),
+    "skip_special_tokens": field(st.booleans()),
     "user": field(st.text(max_size=10)),
 }
 COMPLETION = st.fixed_dictionaries({"prompt": field(PROMPT)}, optional={
