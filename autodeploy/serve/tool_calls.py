@@ -122,8 +122,8 @@ class ToolSettings:
         """``auto`` needs to know how the model writes calls: the server's ``--tool-call-parser``."""
         if self.choice == "auto" and server_parser is None:
             raise ToolRequestError(
-                "'tool_choice': 'auto' needs the server started with --tool-call-parser (hermes or llama3_json, "
-                "the format the model writes calls in); or ask for 'required' or a named function, which "
+                "'tool_choice': 'auto' needs the server started with --tool-call-parser (hermes, llama3_json or "
+                "pythonic: the format the model writes calls in); or ask for 'required' or a named function, which "
                 "constrain the output instead", "tool_choice")
 
     def parser(self, server_parser: Optional[str]) -> Optional[ToolCallParser]:

@@ -11,6 +11,9 @@ whole answer is one ``feed(text, final=True)`` and a stream is many: the two can
 - ``llama3_json`` (Llama 3.1 / 3.2 JSON tool calling): the whole answer is ``{"name": ...,
   "parameters": {...}}`` (``arguments`` also accepted), optionally after ``<|python_tag|>``, several
   separated by ``;``. An answer that does not parse that way is content, whole.
+- ``pythonic`` (Llama 3.2 / 4's pythonic calls): the whole answer is a Python list of calls,
+  ``[get_weather(city="Paris"), get_time()]``, arguments given by keyword as literals (read with
+  ``ast``, never evaluated). An answer that does not parse that way is content, whole.
 - ``NamedCall``: ``tool_choice`` named one function; the output (constrained to its parameters'
   schema) is the arguments, streamed as they come.
 - ``RequiredCalls``: ``tool_choice: "required"``; the output (constrained to a JSON array of
@@ -20,12 +23,13 @@ Content that is only whitespace beside a call (the newlines templates put around
 content; an answer without calls is returned exactly as generated.
 """
 
+import ast
 import json
 import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "pythonic")
 
 
 def new_call_id() -> str:
@@ -170,6 +174,29 @@ class Llama3JsonParser(ToolCallParser):
         return "", deltas
 
 
+class PythonicParser(Llama3JsonParser):
+    """The answer is held from its opening ``[`` to the end, then read as a list of calls."""
+
+    def feed(self, text: str, final: bool = False) -> Feed:
+        self._text += text
+        if self._holding is None:
+            head = self._text.lstrip()
+            if head:
+                self._holding = head.startswith("[")
+            elif not final:
+                return "", []
+        if not self._holding or not final:
+            out, self._text = ("", self._text) if self._holding else (self._text, "")
+            return out, []
+        calls = _pythonic_calls(self._text.strip())
+        if calls is None:
+            return self._text, []
+        deltas: List[ToolCallDelta] = []
+        for name, arguments in calls:
+            deltas += self._call(name, arguments)
+        return "", deltas
+
+
 class NamedCall(ToolCallParser):
     """The whole output is the arguments of one named function, streamed as they come."""
 
@@ -230,6 +257,8 @@ def make_parser(kind: str, single: bool = False) -> ToolCallParser:
         return HermesParser(single)
     if kind == "llama3_json":
         return Llama3JsonParser(single)
+    if kind == "pythonic":
+        return PythonicParser(single)
     raise ValueError(f"unknown tool-call parser {kind!r}; one of {list(PARSERS)}")
 
 
@@ -279,3 +308,26 @@ def _llama3_calls(text: str) -> Optional[List[Tuple[str, Any]]]:
             return None
         pos = len(text) - len(rest)
     return calls or None
+
+
+def _pythonic_calls(text: str) -> Optional[List[Tuple[str, Any]]]:
+    """``[f(a=1), g()]`` as ``[("f", {"a": 1}), ("g", {})]``; None unless it is exactly a list of
+    calls of plain names with keyword arguments whose values are literals."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls: List[Tuple[str, Any]] = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(k.arg is not None for k in node.keywords)):
+            return None
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            json.dumps(arguments)  # (a set or bytes literal has no JSON form)
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+        calls.append((node.func.id, arguments))
+    return calls

@@ -127,8 +127,8 @@ SETTING_CASES = {
                                  ["--max-request-bytes 0 must be at least 1"]),
     "serve_zero_choices": (["serve", "--model", "tiny-llama", "--max-choices-per-request", "0"],
                            ["--max-choices-per-request 0 must be at least 1"]),
-    "serve_unknown_tool_call_parser": (["serve", "--model", "tiny-llama", "--tool-call-parser", "pythonic"],
-                                       ["--tool-call-parser 'pythonic'", "['hermes', 'llama3_json']"]),
+    "serve_unknown_tool_call_parser": (["serve", "--model", "tiny-llama", "--tool-call-parser", "mistral"],
+                                       ["--tool-call-parser 'mistral'", "['hermes', 'llama3_json', 'pythonic']"]),
     # checked before the build: minutes of work are not thrown away at the end
     "export_out_unwritable": (["export", "--model", "tiny-llama", "--out", "/proc/no-such-dir/graph"],
                               ["--out /proc/no-such-dir/graph: cannot write there"]),

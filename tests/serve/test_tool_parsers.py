@@ -77,6 +77,28 @@ def test_llama3_json(text, content, calls, step):
     assert got == (content, calls)
 
 
+PYTHONIC = [
+    ('[get_weather(city="Paris", days=2), get_time()]', "",
+     [("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", "{}")]),
+    ('  [f(a=[1, 2.5], b={"k": None}, c=True)]', "", [("f", '{"a": [1, 2.5], "b": {"k": null}, "c": true}')]),
+    ("Sure: [f(a=1)]", "Sure: [f(a=1)]", []),  # text first: an answer, not calls
+    ("[f(1)]", "[f(1)]", []),  # positional arguments: no names to give them
+    ("[f(a=x)]", "[f(a=x)]", []),  # not a literal: never evaluated
+    ("[os.system(a='ls')]", "[os.system(a='ls')]", []),  # only plain names
+    ("[f(a=1)", "[f(a=1)", []),  # cut off
+    ("[1, 2]", "[1, 2]", []),
+    ("[f(a={1, 2})]", "[f(a={1, 2})]", []),  # a set has no JSON form
+]
+
+
+@pytest.mark.parametrize("text, content, calls", PYTHONIC)
+@pytest.mark.parametrize("step", [0, 1, 4])
+def test_pythonic(text, content, calls, step):
+    parser = make_parser("pythonic")
+    got = _whole(parser, text) if step == 0 else _streamed(parser, text, step)
+    assert got == (content, calls)
+
+
 REQUIRED = [
     ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', "", [("f", '{"a": 1}'), ("g", "{}")]),
     ('[ {"name": "f", "parameters": {"a": [1, 2]}} ]', "", [("f", '{"a": [1, 2]}')]),
@@ -110,10 +132,11 @@ def test_named_call_streams_its_arguments():
     assert ToolCallDelta(0, "x").to_dict() == {"index": 0, "function": {"arguments": "x"}}
 
 
-@pytest.mark.parametrize("kind", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("kind", ["hermes", "llama3_json", "pythonic"])
 def test_single_keeps_the_first_call(kind):
     text = {"hermes": f"<tool_call>{CALL_F}</tool_call><tool_call>{{\"name\": \"g\"}}</tool_call>",
-            "llama3_json": '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}'}[kind]
+            "llama3_json": '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}',
+            "pythonic": "[f(a=1), g()]"}[kind]
     assert _whole(make_parser(kind, single=True), text) == ("", [("f", '{"a": 1}')])
     assert len(_whole(make_parser(kind), text)[1]) == 2
 
@@ -125,7 +148,7 @@ def test_required_single_keeps_the_first_call():
 
 def test_unknown_parser():
     with pytest.raises(ValueError, match="hermes"):
-        make_parser("pythonic")
+        make_parser("mistral")
 
 
 def test_arguments_keep_non_ascii_text():
