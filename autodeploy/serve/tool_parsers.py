@@ -142,30 +142,34 @@ class HermesParser(ToolCallParser):
         return "".join(content), deltas
 
 
-class Llama3JsonParser(ToolCallParser):
-    """Calls are the whole answer: it is held from its first ``{`` (or the python tag) to the end."""
-
-    TAG = "<|python_tag|>"
+class _WholeAnswerParser(ToolCallParser):
+    """Formats where the calls are the whole answer: held from where its first characters say it
+    is calls (``_opens``) to the end, then read at once (``_read``); content as it comes otherwise."""
 
     def __init__(self, single: bool = False):
         super().__init__(single)
         self._text = ""
         self._holding: Optional[bool] = None  # None: undecided (only whitespace so far)
 
+    def _opens(self, head: str) -> Optional[bool]:
+        """Whether an answer starting with ``head`` (no leading whitespace) is calls; None: too
+        early to say."""
+        raise NotImplementedError
+
+    def _read(self, text: str) -> Optional[List[Tuple[str, Any]]]:
+        raise NotImplementedError
+
     def feed(self, text: str, final: bool = False) -> Feed:
         self._text += text
         if self._holding is None:
             head = self._text.lstrip()
-            if head.startswith("{") or head.startswith(self.TAG):
-                self._holding = True
-            elif head and not self.TAG.startswith(head):
-                self._holding = False
-            elif not final:  # only whitespace, or the beginning of the python tag, so far
+            self._holding = self._opens(head) if head else None
+            if self._holding is None and not final:
                 return "", []
         if not self._holding or not final:
             out, self._text = ("", self._text) if self._holding else (self._text, "")
             return out, []
-        calls = _llama3_calls(self._text.strip())
+        calls = self._read(self._text.strip())
         if calls is None:  # not calls after all: the whole answer is content
             return self._text, []
         deltas: List[ToolCallDelta] = []
@@ -174,27 +178,28 @@ class Llama3JsonParser(ToolCallParser):
         return "", deltas
 
 
-class PythonicParser(Llama3JsonParser):
-    """The answer is held from its opening ``[`` to the end, then read as a list of calls."""
+class Llama3JsonParser(_WholeAnswerParser):
+    """Calls from a first ``{`` (or the python tag) on."""
 
-    def feed(self, text: str, final: bool = False) -> Feed:
-        self._text += text
-        if self._holding is None:
-            head = self._text.lstrip()
-            if head:
-                self._holding = head.startswith("[")
-            elif not final:
-                return "", []
-        if not self._holding or not final:
-            out, self._text = ("", self._text) if self._holding else (self._text, "")
-            return out, []
-        calls = _pythonic_calls(self._text.strip())
-        if calls is None:
-            return self._text, []
-        deltas: List[ToolCallDelta] = []
-        for name, arguments in calls:
-            deltas += self._call(name, arguments)
-        return "", deltas
+    TAG = "<|python_tag|>"
+
+    def _opens(self, head: str) -> Optional[bool]:
+        if head.startswith("{") or head.startswith(self.TAG):
+            return True
+        return None if self.TAG.startswith(head) else False
+
+    def _read(self, text: str) -> Optional[List[Tuple[str, Any]]]:
+        return _llama3_calls(text)
+
+
+class PythonicParser(_WholeAnswerParser):
+    """Calls from an opening ``[`` on, read as a list of calls."""
+
+    def _opens(self, head: str) -> Optional[bool]:
+        return head.startswith("[")
+
+    def _read(self, text: str) -> Optional[List[Tuple[str, Any]]]:
+        return _pythonic_calls(text)
 
 
 class NamedCall(ToolCallParser):
