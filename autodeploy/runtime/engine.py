@@ -90,12 +90,13 @@ class _Request:
                 for s in self.sequences
             ],
             finished=self.finished,
-            prompt_logprobs=self._prompt_logprobs(),
+            prompt_logprobs=_copy(self.sequences[0].prompt_logprobs),
+            prompt_ranks=_copy(self.sequences[0].prompt_ranks),
         )
 
-    def _prompt_logprobs(self) -> Optional[List[Optional[Dict[int, float]]]]:
-        scored = self.sequences[0].prompt_logprobs
-        return list(scored) if scored is not None else None
+
+def _copy(entries: Optional[List[Any]]) -> Optional[List[Any]]:
+    return list(entries) if entries is not None else None
 
 
 def _snapshot_store(cache: CachedSequenceInterface, setting: Optional[int], max_batch_size: int, sends_steps: bool,
@@ -195,6 +196,7 @@ class Engine:
                            logprobs=[] if params.logprobs is not None else None,
                            # the prompt is scored once per request, by its first sequence
                            prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
+                           prompt_ranks=[None] if params.prompt_logprobs is not None and i == 0 else None,
                            hidden_states=[] if params.return_hidden_states else None)
             if tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
@@ -283,8 +285,10 @@ class Engine:
             if first >= stop:
                 continue
             targets = seq.prompt_token_ids[first + 1 : stop + 1]
-            seq.prompt_logprobs.extend(  # type: ignore[union-attr]
-                prompt_token_logprobs(rows[first - start : stop - start], targets, seq.params.prompt_logprobs or 0))
+            entries, ranks = prompt_token_logprobs(rows[first - start : stop - start], targets,
+                                                   seq.params.prompt_logprobs or 0)
+            seq.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
+            seq.prompt_ranks.extend(ranks)  # type: ignore[union-attr]
 
     def _postprocess(self, due: List[Sequence], tokens: List[int], logits: torch.Tensor) -> List[RequestOutput]:
         changed: Dict[str, _Request] = {}

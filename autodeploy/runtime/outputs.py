@@ -32,6 +32,9 @@ class RequestOutput:
     # it, the prompt's own token first, then the top alternatives; the first entry is None.
     # Complete once the prompt's prefill finished (a streamed output may hold a prefix).
     prompt_logprobs: Optional[List[Optional[Dict[int, float]]]] = None
+    # with prompt_logprobs: each prompt token's rank among the model's predictions for it (vLLM's:
+    # how many tokens are at least as likely; 1 = the most likely); the first entry is None
+    prompt_ranks: Optional[List[Optional[int]]] = None
 
     # Shortcuts for the common n=1 case.
     @property

@@ -55,15 +55,18 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> List[Tuple[int
     return out
 
 
-def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], top: int) -> List[Dict[int, float]]:
+def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int],
+                          top: int) -> Tuple[List[Dict[int, float]], List[int]]:
     """For each row of ``logits`` ([n, V]), the log probability of ``targets[i]`` first, then the
-    ``top`` most likely tokens (one log-softmax over all rows; computed in fp32)."""
+    ``top`` most likely tokens (one log-softmax over all rows; computed in fp32); and each
+    target's rank, vLLM's: the number of tokens at least as likely (1: the most likely one)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, torch.tensor(targets, dtype=torch.long, device=logp.device)[:, None])[:, 0].tolist()
-    out = [{int(t): v} for t, v in zip(targets, chosen)]
+    chosen_t = logp.gather(1, torch.tensor(targets, dtype=torch.long, device=logp.device)[:, None])
+    ranks = (logp >= chosen_t).sum(dim=-1).tolist()
+    out = [{int(t): v} for t, v in zip(targets, chosen_t[:, 0].tolist())]
     if top > 0:
         values, ids = torch.topk(logp, top, dim=-1)
         for entry, row_ids, row_values in zip(out, ids.tolist(), values.tolist()):
             for t, v in zip(row_ids, row_values):
                 entry.setdefault(int(t), float(v))
-    return out
+    return out, [int(r) for r in ranks]

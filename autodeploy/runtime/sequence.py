@@ -31,6 +31,7 @@ class Sequence:
     # SamplingParams.prompt_logprobs: entry j scores prompt token j given the tokens before it
     # (entry 0 is None: nothing precedes it); filled as prefill chunks run (None: not asked for)
     prompt_logprobs: Optional[List[Optional[Dict[int, float]]]] = None
+    prompt_ranks: Optional[List[Optional[int]]] = None  # entry j: prompt token j's rank (vLLM's; 1 = most likely)
     detokenizer: Any = None  # an ``IncrementalDetokenizer`` when the engine has a tokenizer
     cut_text: Optional[str] = None  # the final text when a stop string cut it
     # SamplingParams.return_hidden_states: the captured hidden states of the tokens computed so

@@ -16,7 +16,7 @@ from ..runtime.sampling_params import InvalidRequestError
 from .openapi import ChatCompletionChunk, ChatCompletionResponse, api_responses
 from .protocol import APIError, ChatCompletionRequest, template_messages
 from .requests import (check_choices, check_model, check_prompt, final_output, prepare_request, resolve_max_tokens,
-                       to_sampling_params, unless_disconnected, usage)
+                       scored_prompt, to_sampling_params, unless_disconnected, usage)
 from .state import ServerState
 from .streaming import ChoiceDelta, StreamedRequest, stream_sse
 from .tool_calls import ToolRequestError, ToolSettings
@@ -85,8 +85,11 @@ async def _complete(state: ServerState, request: Request, req: ChatCompletionReq
         choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                         "finish_reason": tools.finish_reason(c.finish_reason, parser is not None and parser.calls > 0)})
     completion = sum(len(c.token_ids) for c in final.outputs)
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                         "model": state.model_name, "choices": choices, "usage": usage(len(ids), completion)})
+    body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+            "choices": choices, "usage": usage(len(ids), completion)}
+    if req.prompt_logprobs is not None:  # vLLM's, for the rendered conversation
+        body["prompt_logprobs"] = scored_prompt(state.tokenizer, final, req.prompt_logprobs)
+    return JSONResponse(body)
 
 
 def _stream(state: ServerState, req: ChatCompletionRequest, tools: ToolSettings, rid: str,

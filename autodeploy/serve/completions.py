@@ -25,7 +25,8 @@ from ..runtime.request_processor import PreparedRequest
 from .openapi import CompletionChunk, CompletionResponse, api_responses
 from .protocol import APIError, CompletionRequest
 from .requests import (check_choices, check_model, check_prompt, final_output, gather_or_cancel, prepare_request,
-                       resolve_max_tokens, to_sampling_params, unless_disconnected, usage)
+                       resolve_max_tokens, scored_prompt, to_sampling_params, top_alternatives, unless_disconnected,
+                       usage)
 from .state import ServerState
 from .streaming import ChoiceDelta, StreamedRequest, stream_sse
 
@@ -57,9 +58,10 @@ def completion_logprobs(tokenizer: Any, steps: List[Dict[int, float]], offset: i
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def prompt_logprobs(tokenizer: Any, ids: List[int], scored: PromptLogprobs, from_text: bool) -> LogprobsBlock:
+def prompt_logprobs(tokenizer: Any, ids: List[int], scored: PromptLogprobs, from_text: bool,
+                    top: int) -> LogprobsBlock:
     """The prompt's entries: its token ids' texts, each one's log probability given the tokens
-    before it (``None`` for the first) and the top alternatives. ``text_offset`` is where each
+    before it (``None`` for the first) and the ``top`` alternatives. ``text_offset`` is where each
     token's text starts in the echoed prompt, found by detokenizing the prompt incrementally;
     special tokens take no room when the echo is the user's own text (``from_text``), since the
     server added them."""
@@ -70,7 +72,8 @@ def prompt_logprobs(tokenizer: Any, ids: List[int], scored: PromptLogprobs, from
         offset += len(detok.add(token))
         tokens.append(tokenizer.decode([token]))
         token_lps.append(None if entry is None else entry[token])
-        tops.append(None if entry is None else _top_by_text(tokenizer, entry))
+        tops.append(None if entry is None else _top_by_text(tokenizer, {token: entry[token], **dict(
+            top_alternatives(entry, top))}))
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -87,7 +90,8 @@ def choice_logprobs(state: ServerState, req: CompletionRequest, plan: Plan, scor
     if req.logprobs is None:
         return None
     _, ids, prepared = plan
-    prompt = prompt_logprobs(state.tokenizer, ids, scored, prepared.prompt is not None) if scored else None
+    prompt = (prompt_logprobs(state.tokenizer, ids, scored, prepared.prompt is not None, req.logprobs)
+              if scored else None)
     generated = completion_logprobs(state.tokenizer, steps, offset) if steps else None
     return _joined(prompt, generated) or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
@@ -141,8 +145,11 @@ async def _complete(state: ServerState, request: Request, req: CompletionRequest
             body = (text if req.echo else "") + c.text
             logprobs = choice_logprobs(state, req, plan, final.prompt_logprobs if req.echo else None, c.logprobs,
                                        len(text) if req.echo else 0)
-            choices.append({"index": i * req.n + c.index, "text": body, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason})
+            choice = {"index": i * req.n + c.index, "text": body, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason}
+            if req.prompt_logprobs is not None:  # vLLM's, per choice
+                choice["prompt_logprobs"] = scored_prompt(state.tokenizer, final, req.prompt_logprobs)
+            choices.append(choice)
     return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
                          "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
 

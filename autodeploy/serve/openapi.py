@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Literal, Optional, Type
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 FinishReason = Optional[Literal["stop", "length", "abort"]]
 # "tool_calls": the model ended its turn with calls (tool_choice 'auto' or 'required')
@@ -54,11 +54,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: List[int]
 
 
+class PromptTokenLogprob(BaseModel):
+    """vLLM's: a token's log-probability at a prompt position, its rank (1: the most likely) and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# per prompt token (the first null), keyed by token id: the prompt's token, then the most likely ones
+PromptLogprobs = Optional[List[Optional[Dict[str, PromptTokenLogprob]]]]
+_PROMPT_LOGPROBS = "Only when the request asks for 'prompt_logprobs' (vLLM's)."
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs]
     finish_reason: FinishReason
+    prompt_logprobs: PromptLogprobs = Field(default=None, description=_PROMPT_LOGPROBS)
 
 
 class CompletionResponse(BaseModel):
@@ -115,6 +129,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: List[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs = Field(default=None, description=_PROMPT_LOGPROBS)
 
 
 class CompletionChunkChoice(BaseModel):

@@ -9,8 +9,8 @@ Function calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is ``tool
 
 Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampling
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``bad_words``, ``min_tokens``, ``repetition_penalty``, ``min_p`` and the
-guided decoding above: beam search, ``guided_grammar``, ``prompt_logprobs``, ``priority``, ``cache_salt``, ...)
+``skip_special_tokens``, ``bad_words``, ``prompt_logprobs``, ``min_tokens``, ``repetition_penalty``,
+``min_p`` and the guided decoding above: beam search, ``guided_grammar``, ``priority``, ``cache_salt``, ...)
 are rejected with a 400 naming the parameter rather than silently ignored: a client that asks
 for them would otherwise get answers it did not ask for. Other unknown fields are accepted and
 ignored (clients send vendor extras).
@@ -105,7 +105,7 @@ _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
     "echo": (False,),  # (chat's: a completion request has its own field)
     # what the output text or the response holds, and scheduling
     "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,), "prompt_logprobs": (), "logits_processors": (), "priority": (0,),
+    "return_token_ids": (False,), "logits_processors": (), "priority": (0,),
     "cache_salt": (), "mm_processor_kwargs": (), "vllm_xargs": (),
 }
 _STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
@@ -175,6 +175,9 @@ class _Common(_Body):
     guided_whitespace_pattern: Optional[str] = Field(default=None, description=(
         "With a JSON Schema: the whitespace allowed between JSON tokens, a regular expression (default: at most "
         "one space)."))
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20, description=(
+        "vLLM's: each prompt token's log-probability and rank given the tokens before it, with this many most "
+        "likely alternatives, in the response's 'prompt_logprobs' (not with 'stream')."))
 
     @field_validator("logit_bias")
     @classmethod
@@ -246,12 +249,15 @@ class _Common(_Body):
             if neutral is not None and not _neutral(value, neutral):
                 raise APIError(400, f"'{name}' (a vLLM extension) is not supported by this server; omit it"
                                + (f" or set it to {json.dumps(neutral[0])}" if neutral else ""), name)
+        if self.stream and self.prompt_logprobs is not None:
+            raise APIError(400, "'prompt_logprobs' come with the whole response; set 'stream': false (or drop them)",
+                           "prompt_logprobs")
 
 
 class CompletionRequest(_Common):
     prompt: Union[str, List[str], List[int], List[List[int]]]
-    max_tokens: Optional[int] = Field(default=16, ge=0, description="0 only with 'echo': scores the prompt "
-                                      "without generating (its log-probabilities with 'logprobs').")
+    max_tokens: Optional[int] = Field(default=16, ge=0, description="0 only with 'echo' or 'prompt_logprobs': "
+                                      "scores the prompt without generating (its log-probabilities with 'logprobs').")
     logprobs: Optional[int] = Field(default=None, ge=0, le=5, description="With 'echo', the prompt's tokens are "
                                     "scored too: one entry per prompt token (the first null), then the generated ones.")
     echo: bool = False
@@ -265,9 +271,10 @@ class CompletionRequest(_Common):
             raise APIError(400, "'suffix' is not supported by this server", "suffix")
         if self.best_of not in (None, self.n):
             raise APIError(400, "'best_of' must equal n (no server-side reranking)", "best_of")
-        if self.max_tokens == 0 and not self.echo:
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
             raise APIError(400, "'max_tokens': 0 generates nothing; it is for scoring a prompt: set 'echo': true "
-                                "(and 'logprobs' for the prompt's log-probabilities)", "max_tokens")
+                                "(and 'logprobs' for the prompt's log-probabilities) or 'prompt_logprobs'",
+                           "max_tokens")
 
     def prompts(self) -> List[Union[str, List[int]]]:
         """The prompt(s): one string, a list of strings, one token list, or a list of them."""

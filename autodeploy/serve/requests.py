@@ -6,7 +6,7 @@ The checks themselves live in the engine's ``RequestProcessor``; this module onl
 """
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, Dict, List, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Dict, List, Optional, Tuple, Union
 
 from fastapi import Request
 
@@ -64,7 +64,8 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max
             stop=req.stop,
             n=req.n,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            # scored once for every use of it (completions' echo, vLLM's prompt_logprobs)
+            prompt_logprobs=max((k for k in (prompt_logprobs, req.prompt_logprobs) if k is not None), default=None),
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
@@ -95,6 +96,30 @@ def prepare_request(processor: RequestProcessor, checked: CheckedPrompt, params:
         return processor.prepare(checked, params)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param, exc.code) from None
+
+
+def top_alternatives(entry: Dict[int, float], top: int) -> List[Tuple[int, float]]:
+    """The ``top`` most likely tokens of a prompt-logprobs entry, most likely first (the entry may
+    hold more: one scoring serves echo's logprobs and prompt_logprobs, with the larger count)."""
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:top]  # stable: the prompt's token first among ties
+
+
+def scored_prompt(tokenizer: Any, final: RequestOutput, top: int) -> List[Optional[Dict[str, Dict[str, Any]]]]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first null: nothing precedes it) ``{token
+    id: {"logprob", "rank", "decoded_token"}}``, the prompt's token with its rank, then the ``top``
+    most likely tokens ranked 1 to ``top`` (the engine scored more when echo's logprobs asked for
+    more). A -inf log-probability is written -9999.0, as vLLM does: JSON has no infinity."""
+    assert final.prompt_logprobs is not None and final.prompt_ranks is not None
+    out: List[Optional[Dict[str, Dict[str, Any]]]] = []
+    for token, entry, rank in zip(final.prompt_token_ids, final.prompt_logprobs, final.prompt_ranks):
+        if entry is None:
+            out.append(None)
+            continue
+        best = top_alternatives(entry, top)
+        ranked = [(token, entry[token], rank)] + [(t, v, i + 1) for i, (t, v) in enumerate(best) if t != token]
+        out.append({str(t): {"logprob": max(v, -9999.0), "rank": r, "decoded_token": tokenizer.decode([t])}
+                    for t, v, r in ranked})
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Dict[str, int]:

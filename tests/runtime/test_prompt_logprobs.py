@@ -43,15 +43,23 @@ def _check_against_hf(out, hf_logprobs, top=TOP):
     ids = out.prompt_token_ids
     scored = out.prompt_logprobs
     assert len(scored) == len(ids) and scored[0] is None
+    assert len(out.prompt_ranks) == len(ids) and out.prompt_ranks[0] is None
     ref = hf_logprobs(ids)
+    ranks = []
     for j in range(1, len(ids)):
         entry = scored[j]
         assert next(iter(entry)) == ids[j]  # the prompt's own token first
         assert entry[ids[j]] == pytest.approx(float(ref[j - 1, ids[j]]), abs=1e-4)
+        # its rank: the tokens HF finds at least as likely (a tie within the tolerance either way)
+        own = float(ref[j - 1, ids[j]])
+        assert int((ref[j - 1] > own + 1e-4).sum()) + 1 <= out.prompt_ranks[j] <= int((ref[j - 1] >= own - 1e-4).sum())
+        ranks.append(out.prompt_ranks[j])
         values, best = torch.topk(ref[j - 1], top)
         for t, v in zip(best.tolist(), values.tolist()):
             assert entry[t] == pytest.approx(v, abs=1e-4)
         assert len(entry) in (top, top + 1)  # the prompt token, plus the top ones when it is not among them
+        assert (len(entry) == top) == (out.prompt_ranks[j] <= top)
+    assert max(ranks) > top  # random prompts: some of their tokens are far down the list
 
 
 @pytest.mark.parametrize("build", list(BUILDS))

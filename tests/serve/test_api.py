@@ -468,6 +468,88 @@ def test_max_tokens_zero_needs_echo(server):
     assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
 
 
+# ---- vLLM's prompt_logprobs ------------------------------------------------------------------------
+def _check_prompt_logprobs(got, ref, top, tokenizer):
+    """vLLM's format: per prompt token (the first null) {id: {logprob, rank, decoded_token}}: the
+    prompt's token with its rank, then the ``top`` most likely ranked 1..top; values as the engine's."""
+    ids = ref.prompt_token_ids
+    assert len(got) == len(ids) and got[0] is None
+    for j in range(1, len(ids)):
+        entry, scored = got[j], ref.prompt_logprobs[j]
+        assert entry[str(ids[j])]["rank"] == ref.prompt_ranks[j]
+        best = sorted(scored.items(), key=lambda kv: -kv[1])[:top]
+        assert set(entry) == {str(ids[j])} | {str(t) for t, _ in best}
+        for rank, (t, v) in enumerate(best, start=1):
+            if t != ids[j]:
+                assert entry[str(t)]["rank"] == rank
+        for t, e in entry.items():
+            assert e["logprob"] == pytest.approx(scored[int(t)], abs=1e-5)
+            assert e["decoded_token"] == tokenizer.decode([int(t)])
+    assert any(got[j][str(ids[j])]["rank"] > top for j in range(1, len(ids)))  # not only top tokens
+
+
+@pytest.mark.parametrize("echo_logprobs, top", [(None, 3), (1, 4), (4, 1)], ids=["alone", "echo-fewer", "echo-more"])
+def test_completion_prompt_logprobs(server, llm, echo_logprobs, top):
+    """vLLM's ``prompt_logprobs`` (a 400 before), alone and beside echo's logprobs (one scoring with
+    the larger count: each gets its own)."""
+    text = PROMPTS[1]
+    ref = _ref(llm, text, max_tokens=3, temperature=0, prompt_logprobs=4)
+    body = {"model": SERVED_NAME, "prompt": text, "max_tokens": 3, "temperature": 0, "prompt_logprobs": top}
+    if echo_logprobs is not None:
+        body.update(echo=True, logprobs=echo_logprobs)
+    r = server.http().post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"].endswith(ref.text)
+    _check_prompt_logprobs(choice["prompt_logprobs"], ref, top, llm.tokenizer)
+    if echo_logprobs is not None:
+        ids = ref.prompt_token_ids
+        for j in range(1, len(ids)):  # the prompt token and its echo_logprobs alternatives
+            best = sorted(ref.prompt_logprobs[j].items(), key=lambda kv: -kv[1])[:echo_logprobs]
+            want = {ids[j]} | {t for t, _ in best}
+            assert len(choice["logprobs"]["top_logprobs"][j]) == len({llm.tokenizer.decode([t]) for t in want})
+
+
+def test_completion_prompt_logprobs_without_generating(server, llm):
+    text = PROMPTS[0]
+    ref = _ref(llm, text, max_tokens=0, prompt_logprobs=2)
+    r = server.http().post("/v1/completions", json={"model": SERVED_NAME, "prompt": text, "max_tokens": 0,
+                                                    "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "" and choice["finish_reason"] == "length" and choice["logprobs"] is None
+    _check_prompt_logprobs(choice["prompt_logprobs"], ref, 2, llm.tokenizer)
+
+
+def test_chat_prompt_logprobs(server, llm):
+    ref = _ref_chat(llm, CHAT, max_tokens=3, temperature=0, prompt_logprobs=2)
+    r = server.http().post("/v1/chat/completions", json={
+        "model": SERVED_NAME, "messages": [{"role": "user", "content": CHAT}], "max_tokens": 3, "temperature": 0,
+        "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == ref.text
+    assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    _check_prompt_logprobs(body["prompt_logprobs"], ref, 2, llm.tokenizer)
+    # absent unless asked for
+    plain = server.http().post("/v1/chat/completions", json={
+        "model": SERVED_NAME, "messages": [{"role": "user", "content": CHAT}], "max_tokens": 1}).json()
+    assert "prompt_logprobs" not in plain
+
+
+@pytest.mark.parametrize("path, extra, word", [
+    ("/v1/completions", {"stream": True}, "stream"), ("/v1/chat/completions", {"stream": True}, "stream"),
+    ("/v1/completions", {"prompt_logprobs": 21}, "20"), ("/v1/completions", {"prompt_logprobs": -1}, "0"),
+])
+def test_prompt_logprobs_errors(server, path, extra, word):
+    body = {"model": SERVED_NAME, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "prompt_logprobs": 1, **extra}
+    r = server.http().post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt_logprobs" and word in err["message"]
+
+
 def _stop_string(text):
     """A 2-character stop string taken from inside ``text`` (first occurrence at k > 0)."""
     for k in range(1, len(text) - 1):
