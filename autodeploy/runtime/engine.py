@@ -266,8 +266,13 @@ class Engine:
         logits = self.runner.run(scheduled)
         self.scheduler.mark_computed(scheduled)
         self._score_prompts(logits)
-        tokens = sample(process_logits(logits.next_token, due, self.eos_token_ids), [s.params for s in due],
-                        [s.generator for s in due]) if due else []
+        tokens: List[Optional[int]] = []
+        if due:
+            processed = process_logits(logits.next_token, due, self.eos_token_ids)
+            tokens = list(sample(processed, [s.params for s in due], [s.generator for s in due]))
+            if processed is not logits.next_token:  # a row its constraints left without a token samples none
+                for i in torch.isneginf(processed).all(dim=-1).nonzero()[:, 0].tolist():
+                    tokens[i] = None
         finished = self._postprocess(due, tokens, logits.next_token)
         self.stats.account(scheduled, time.perf_counter() - start, len(due))
         return finished
@@ -290,11 +295,20 @@ class Engine:
             seq.prompt_logprobs.extend(entries)  # type: ignore[union-attr]
             seq.prompt_ranks.extend(ranks)  # type: ignore[union-attr]
 
-    def _postprocess(self, due: List[Sequence], tokens: List[int], logits: torch.Tensor) -> List[RequestOutput]:
+    def _postprocess(self, due: List[Sequence], tokens: List[Optional[int]],
+                     logits: torch.Tensor) -> List[RequestOutput]:
+        """Append each due sequence's token. ``None``: its parameters left no token possible (e.g.
+        ``allowed_token_ids`` all banned by ``min_tokens`` or bad words): it ends, "abort", rather
+        than take a token they forbid."""
         changed: Dict[str, _Request] = {}
         for i, (seq, token) in enumerate(zip(due, tokens)):
-            if seq.params.max_tokens == 0:  # scoring only: the prompt is done, nothing is generated
-                seq.finish_reason = "length"
+            scoring_only = seq.params.max_tokens == 0  # the prompt is done, nothing is generated
+            if scoring_only or token is None:
+                if not scoring_only:
+                    logger.warning("request %s: its sampling parameters leave no token that may come next after %d "
+                                   "tokens; it ends there (finish_reason 'abort')", seq.request_id,
+                                   seq.num_output_tokens)
+                seq.finish_reason = "length" if scoring_only else "abort"
                 self.scheduler.finish(seq)
                 changed[seq.request_id] = self.requests[seq.request_id]
                 continue
@@ -309,9 +323,9 @@ class Engine:
         params = seq.params
         detok = seq.detokenizer
         ends_on_eos = not params.ignore_eos and token in self.eos_token_ids
-        # the EOS that ends the output is not part of its text (vLLM's rule; with skip_special_tokens
-        # its text is empty anyway); a stop_token_ids token keeps its text
-        silent = ends_on_eos and not params.include_stop_str_in_output and token not in params.stop_token_ids
+        # the EOS or stop_token_ids token that ends the output is not part of its text (vLLM's
+        # rule: counted in token_ids, its text only with include_stop_str_in_output)
+        silent = (ends_on_eos or token in params.stop_token_ids) and not params.include_stop_str_in_output
         new_chars = len(detok.add(token)) if detok is not None and not silent else 0
         reason = None
         if seq.guide is not None and seq.guide.failed:  # its constraint could not go on (logged)

@@ -11,6 +11,7 @@ with vLLM's semantics (``SamplingParams`` documents each):
 * ``logit_bias`` (OpenAI's): each listed token's bias added to its logit (-100 all but bans it);
 * ``bad_words`` / ``bad_words_token_ids``: the token that would complete a banned sequence gets
   -inf (HF's ``NoBadWordsLogitsProcessor``, over the output only, as vLLM's);
+* ``allowed_token_ids``: every other token gets -inf;
 * ``min_tokens``: until that many tokens are out, the EOS tokens (unless ``ignore_eos``) and
   ``stop_token_ids`` cannot be sampled;
 * ``guided`` (last, so nothing can lift it): only the tokens that keep the output completable
@@ -78,6 +79,11 @@ class _Batch:
         if any(p.bad_words_token_ids for p in params):
             index = self._pairs(_bad_word_ends)
             sub = sub.index_put(index, torch.tensor(float("-inf"), dtype=sub.dtype, device=sub.device))
+        if any(p.allowed_token_ids is not None for p in params):
+            allowed = torch.zeros_like(sub, dtype=torch.bool)
+            allowed[self._pairs(lambda s: s.params.allowed_token_ids or ())] = True
+            listed = torch.tensor([p.allowed_token_ids is not None for p in params], device=sub.device)
+            sub = sub.masked_fill(listed[:, None] & ~allowed, float("-inf"))
         if any(seq.num_output_tokens < seq.params.min_tokens for seq in self.sequences):
             index = self._pairs(lambda s: _banned(s, eos_token_ids))
             sub = sub.index_put(index, torch.tensor(float("-inf"), dtype=sub.dtype, device=sub.device))

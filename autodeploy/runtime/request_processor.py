@@ -194,6 +194,9 @@ class RequestProcessor:
         banned = [t for ids in params.bad_words_token_ids or () for t in ids]
         if banned and self.vocab_size is not None and max(banned) >= self.vocab_size:
             raise InvalidRequestError(f"bad_words_token_ids must be in [0, {self.vocab_size}); got {max(banned)}")
+        allowed = params.allowed_token_ids
+        if allowed and self.vocab_size is not None and max(allowed) >= self.vocab_size:
+            raise InvalidRequestError(f"allowed_token_ids must be in [0, {self.vocab_size}); got {max(allowed)}")
         if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size}); got "
                                       f"{max(params.logit_bias)}")
@@ -204,18 +207,23 @@ class RequestProcessor:
                 "transforms.insert_cached_residual_add.layers). A model served in recompute mode captures none"
             )
 
-    def check(self, prompt: Prompt) -> CheckedPrompt:
-        """Tokenize and check a prompt (once: ``prepare`` does not check a ``CheckedPrompt`` again)."""
+    def check(self, prompt: Prompt, truncate: Optional[int] = None) -> CheckedPrompt:
+        """Tokenize and check a prompt (once: ``prepare`` does not check a ``CheckedPrompt`` again).
+        ``truncate`` (``SamplingParams.truncate_prompt_tokens``): a longer prompt keeps its last
+        that many tokens (-1: the most ``max_seq_len`` leaves room for), and has no text then."""
         if isinstance(prompt, CheckedPrompt):
             return prompt
         text, ids = self.encode(prompt)
+        keep = self.max_seq_len - 1 if truncate == -1 else truncate
+        if keep is not None and len(ids) > keep:
+            text, ids = None, ids[len(ids) - keep:]
         return CheckedPrompt(text, self.check_prompt(ids))
 
     def prepare(self, prompt: Union[Prompt, CheckedPrompt], params: SamplingParams) -> PreparedRequest:
         """The one place a request is checked; the engine trusts what this returns. ``bad_words``
         become token sequences here (``bad_words_token_ids``), with the tokenizer."""
-        checked = self.check(prompt)
         self.check_params(params)
+        checked = self.check(prompt, params.truncate_prompt_tokens)
         if params.bad_words:
             params = dataclasses.replace(params, bad_words_token_ids=list(params.bad_words_token_ids or [])
                                          + self.bad_words_token_ids(params.bad_words))

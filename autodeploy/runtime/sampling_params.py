@@ -23,33 +23,36 @@ class SamplingParams:
     and the run.
 
     ``stop`` strings end the output (the text is cut before them, or after with
-    ``include_stop_str_in_output``, vLLM's name); ``stop_token_ids`` and the
-    model's EOS token end it too unless ``ignore_eos`` (the EOS that ends it adds no text, unless
-    ``include_stop_str_in_output``); ``skip_special_tokens`` (vLLM's; default True): special
-    tokens add no text; none of them before ``min_tokens`` tokens
-    (EOS and ``stop_token_ids`` cannot be sampled until then). Penalties, applied to the logits
-    before the temperature (``logits_processors``): ``repetition_penalty`` (vLLM's and HF's: a
-    token seen in the prompt or the output has its logit divided by it when positive, multiplied
-    when negative; 1 is off), ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: subtract
-    the penalty times the token's count in the output, and once more if it occurs at all; 0 is
-    off); ``logit_bias`` (OpenAI's: token id -> a bias in [-100, 100] added to its logit).
-    ``bad_words`` (vLLM's: each word as the tokenizer writes it at the start of a text and after a
-    space) and ``bad_words_token_ids`` (HF's ``bad_words_ids``): a token that would complete one
-    of these sequences, the output so far ending with the rest of it, cannot be sampled.
-    ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after the
-    temperature, before top-k / top-p). Log-probabilities are always those of the model's own
-    distribution, before any of these. ``seed`` makes sampling reproducible per request. ``n``
-    completions per prompt; ``logprobs`` returns the chosen token's log probability and that many
-    top alternatives per step; ``prompt_logprobs`` (vLLM's name) returns
-    each prompt token's log probability given the tokens before it, and that many top
-    alternatives (``RequestOutput.prompt_logprobs``; the first token has none). ``max_tokens=0``
-    scores the prompt without generating (it needs ``prompt_logprobs``). ``return_hidden_states`` returns the
-    hidden states the build captures (``transforms.insert_cached_residual_add.layers``) for every
-    token the model ran (``CompletionOutput.hidden_states``); a build that captures none refuses
-    the request. ``guided`` (``GuidedDecodingParams``, or a dict of its fields) constrains the
-    output to a JSON Schema, a JSON object, a regular expression or a list of choices: tokens that
-    cannot continue it are masked out, EOS is allowed only once the output is complete, and the
-    sequence ends (``finish_reason`` "stop") as soon as nothing can follow.
+    ``include_stop_str_in_output``, vLLM's name); ``stop_token_ids`` and the model's EOS token end
+    it too unless ``ignore_eos`` (the token that ends it is counted in ``token_ids`` but adds no
+    text, unless ``include_stop_str_in_output``: vLLM's rule); ``skip_special_tokens`` (vLLM's;
+    default True): special tokens add no text; none of them before ``min_tokens`` tokens (EOS and
+    ``stop_token_ids`` cannot be sampled until then). Penalties, applied to the logits before the
+    temperature (``logits_processors``): ``repetition_penalty`` (vLLM's and HF's: a token seen in
+    the prompt or the output has its logit divided by it when positive, multiplied when negative; 1
+    is off), ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: subtract the penalty times
+    the token's count in the output, and once more if it occurs at all; 0 is off); ``logit_bias``
+    (OpenAI's: token id -> a bias in [-100, 100] added to its logit). ``bad_words`` (vLLM's: each
+    word as the tokenizer writes it at the start of a text and after a space) and
+    ``bad_words_token_ids`` (HF's ``bad_words_ids``): a token that would complete one of these
+    sequences, the output so far ending with the rest of it, cannot be sampled.
+    ``allowed_token_ids`` (vLLM's): only these tokens can be sampled (EOS too only if listed).
+    ``truncate_prompt_tokens`` (vLLM's): a longer prompt keeps only its last that many tokens (-1:
+    as many as ``max_seq_len`` leaves room for, one token to generate). ``min_p`` drops tokens less
+    likely than ``min_p`` times the most likely one (after the temperature, before top-k / top-p).
+    Log-probabilities are always those of the model's own distribution, before any of these.
+    ``seed`` makes sampling reproducible per request. ``n`` completions per prompt; ``logprobs``
+    returns the chosen token's log probability and that many top alternatives per step;
+    ``prompt_logprobs`` (vLLM's name) returns each prompt token's log probability given the tokens
+    before it, and that many top alternatives (``RequestOutput.prompt_logprobs``; the first token
+    has none). ``max_tokens=0`` scores the prompt without generating (it needs ``prompt_logprobs``).
+    ``return_hidden_states`` returns the hidden states the build captures
+    (``transforms.insert_cached_residual_add.layers``) for every token the model ran
+    (``CompletionOutput.hidden_states``); a build that captures none refuses the request. ``guided``
+    (``GuidedDecodingParams``, or a dict of its fields) constrains the output to a JSON Schema, a
+    JSON object, a regular expression or a list of choices: tokens that cannot continue it are
+    masked out, EOS is allowed only once the output is complete, and the sequence ends
+    (``finish_reason`` "stop") as soon as nothing can follow.
     """
 
     max_tokens: int = 16
@@ -64,6 +67,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     bad_words: Optional[List[str]] = None
     bad_words_token_ids: Optional[List[List[int]]] = None
+    allowed_token_ids: Optional[List[int]] = None
+    truncate_prompt_tokens: Optional[int] = None
     min_tokens: int = 0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -91,7 +96,8 @@ class SamplingParams:
         self.validate()
         object.__setattr__(self, "adjusts_logits", self.repetition_penalty != 1 or self.frequency_penalty != 0
                            or self.presence_penalty != 0 or self.min_tokens > 0 or bool(self.logit_bias)
-                           or self.guided is not None or bool(self.bad_words) or bool(self.bad_words_token_ids))
+                           or self.guided is not None or bool(self.bad_words) or bool(self.bad_words_token_ids)
+                           or self.allowed_token_ids is not None)
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -148,6 +154,17 @@ class SamplingParams:
                     not isinstance(ids, list) or not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0
                                                                for t in ids) for ids in self.bad_words_token_ids)):
             raise bad("bad_words_token_ids must be a list of at most 1024 non-empty lists of token ids (integers >= 0)")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
+        if self.allowed_token_ids is not None and self.guided is not None:
+            raise bad("allowed_token_ids and guided both choose the tokens that may come next; give one of them")
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
+                or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)):
+            raise bad(f"truncate_prompt_tokens must be an integer >= 1, or -1 (as many as max_seq_len allows), got "
+                      f"{self.truncate_prompt_tokens!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
         if self.guided is not None and not isinstance(self.guided, GuidedDecodingParams):

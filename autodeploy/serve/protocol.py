@@ -9,7 +9,8 @@ Function calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is ``tool
 
 Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampling
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``bad_words``, ``prompt_logprobs``, ``min_tokens``, ``repetition_penalty``,
+``skip_special_tokens``, ``bad_words``, ``prompt_logprobs``, ``allowed_token_ids``,
+``truncate_prompt_tokens``, ``min_tokens``, ``repetition_penalty``,
 ``min_p`` and the guided decoding above: beam search, ``guided_grammar``, ``priority``, ``cache_salt``, ...)
 are rejected with a 400 naming the parameter rather than silently ignored: a client that asks
 for them would otherwise get answers it did not ask for. Other unknown fields are accepted and
@@ -98,10 +99,10 @@ class _Body(_Strict):
 
 # vLLM's sampling extensions this server does not implement, with the values that change nothing
 # (null too, for all of them): any other value is a 400 naming it (ignored, the client would get
-# answers it did not ask for)
+# answers it did not ask for). ``guided_decoding_backend`` is not here: it names an implementation
+# of the same constraint, so it is ignored like any unknown field.
 _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
-    "use_beam_search": (False,), "length_penalty": (1,), "allowed_token_ids": (),
-    "truncate_prompt_tokens": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "guided_grammar": (),
     "echo": (False,),  # (chat's: a completion request has its own field)
     # what the output text or the response holds, and scheduling
     "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
@@ -154,6 +155,10 @@ class _Common(_Body):
     bad_words: Optional[List[str]] = Field(default=None, max_length=256, description=(
         "Words never generated (vLLM's: as the tokenizer writes them at the start of a text and after a space)."))
     stop_token_ids: Optional[List[NonNegativeInt]] = Field(default=None, max_length=64)
+    allowed_token_ids: Optional[List[NonNegativeInt]] = Field(default=None, min_length=1, description=(
+        "Only these tokens can be generated (vLLM's; the end-of-sequence token too only if listed)."))
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1, description=(
+        "A longer prompt keeps only its last that many tokens (vLLM's; -1: as many as the context leaves room for)."))
     # penalties (OpenAI's two, vLLM's repetition penalty), vLLM's min_p and min_tokens: as
     # ``SamplingParams`` defines them (unset: off)
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)

@@ -70,6 +70,8 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             bad_words=req.bad_words,
+            allowed_token_ids=req.allowed_token_ids,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
             stop_token_ids=req.stop_token_ids,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
@@ -83,9 +85,9 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max
         raise APIError(400, str(exc)) from None
 
 
-def check_prompt(processor: RequestProcessor, prompt: Any, param: str) -> CheckedPrompt:
+def check_prompt(processor: RequestProcessor, prompt: Any, param: str, truncate: Optional[int] = None) -> CheckedPrompt:
     try:
-        return processor.check(prompt)
+        return processor.check(prompt, truncate)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param, exc.code) from None
 

@@ -210,6 +210,9 @@ def test_bad_requests_raise_and_leave_running_requests_alone(llm, ref):
     (dict(presence_penalty=float("nan")), "presence_penalty"), (dict(min_p=1.5), "min_p"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
     (dict(logit_bias={-1: 1.0}), "logit_bias must map token ids"), (dict(logit_bias={3: 101}), "logit_bias values"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty"),
+    (dict(allowed_token_ids=[3], guided={"choice": ["a"]}), "give one of them"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be"),
 ])
 def test_sampling_params_validate_on_construction(value, match):
     with pytest.raises(InvalidRequestError, match=match):
@@ -228,6 +231,27 @@ def test_generate_rejects_an_out_of_vocab_prompt_before_queueing_any(llm):
             eng.abort(rid)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, ref):
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens run (its text is then not
+    the given one); -1 keeps what max_seq_len leaves room for, so a prompt too long otherwise runs."""
+    ids = llm.tokenizer(PROMPTS[2])["input_ids"]
+    (out,) = llm.generate([PROMPTS[2]], greedy(truncate_prompt_tokens=3))
+    (alone,) = llm.generate([{"prompt_token_ids": ids[-3:]}], greedy())
+    assert out.prompt_token_ids == ids[-3:] and out.prompt is None and out.token_ids == alone.token_ids
+    (short,) = llm.generate([PROMPTS[2]], greedy(truncate_prompt_tokens=len(ids) + 5))  # shorter: unchanged
+    assert short.prompt_token_ids == ids and short.token_ids == ref[PROMPTS[2]]
+    long = [5] * (2 * llm.engine.max_seq_len)
+    with pytest.raises(InvalidRequestError, match="max_seq_len"):
+        llm.generate([{"prompt_token_ids": long}], greedy(2))
+    (fits,) = llm.generate([{"prompt_token_ids": long}], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))
+    assert len(fits.prompt_token_ids) == llm.engine.max_seq_len - 1 and len(fits.token_ids) == 1
+
+
+def test_out_of_vocab_allowed_token_ids_are_refused(llm):
+    with pytest.raises(InvalidRequestError, match=r"allowed_token_ids must be in \[0, 512\)"):
+        llm.generate(["x"], greedy(allowed_token_ids=[3, 512]))
+
+
 # ---- (e) stop conditions -------------------------------------------------------------------------
 def test_max_tokens_finishes_with_length(llm, ref):
     (out,) = llm.generate([PROMPTS[0]], greedy(5))
@@ -241,6 +265,11 @@ def test_stop_token_id_ends_the_output_with_it(llm, ref):
     assert out.token_ids == tokens[: k + 1]
     assert out.token_ids[-1] == tokens[k]
     assert out.finish_reason == "stop"
+    # its text is not part of the output unless include_stop_str_in_output (vLLM's rule)
+    tok = llm.tokenizer
+    assert tok.decode(tokens[k]) and out.text == tok.decode(tokens[:k])
+    (kept,) = llm.generate([PROMPTS[2]], greedy(stop_token_ids=[tokens[k]], include_stop_str_in_output=True))
+    assert kept.token_ids == out.token_ids and kept.text == tok.decode(tokens[: k + 1])
 
 
 def test_min_tokens_holds_stop_strings_and_stop_token_ids_off_until_then(llm, ref):

@@ -1,7 +1,8 @@
 """Penalties, ``logit_bias`` and ``min_tokens`` against HF transformers on the same checkpoint (the tiny-llama
 preset): greedy tokens with ``repetition_penalty`` (HF's ``RepetitionPenaltyLogitsProcessor``),
 ``logit_bias`` (HF's ``sequence_bias`` of one-token sequences) and ``min_tokens`` (HF's
-``min_new_tokens``) and ``bad_words_token_ids`` (HF's ``bad_words_ids``) equal ``generate``'s; ``frequency_penalty`` and
+``min_new_tokens``), ``bad_words_token_ids`` (HF's ``bad_words_ids``) and ``allowed_token_ids`` (HF's
+``prefix_allowed_tokens_fn``) equal ``generate``'s; ``frequency_penalty`` and
 ``presence_penalty``, which HF does not have, equal OpenAI's formula applied to HF's logits step
 by step. Each case first checks that the setting changes the plain greedy answer, so that the
 comparison cannot pass with the setting ignored."""
@@ -111,3 +112,33 @@ def test_bad_words_are_banned_as_the_tokenizer_writes_them(llm):
     assert ours == _ours(llm, [prompt], ignore_eos=True, bad_words_token_ids=ids)[0]
     assert all(ours[i:i + len(seq)] != seq for seq in ids for i in range(len(ours)))
 
+
+
+def test_allowed_token_ids_give_hf_prefix_allowed_tokens(llm, hf):
+    """vLLM's ``allowed_token_ids``: greedy tokens = HF's ``generate`` allowing the same tokens at
+    every step; a seeded sample stays inside them too."""
+    prompts = [_ids(llm, p) for p in PROMPTS[:2]]
+    plain = _ours(llm, prompts)
+    allowed = sorted({plain[0][1], plain[0][3], plain[1][2], 7, 300, 301})  # not the first tokens, not EOS
+    ours = _ours(llm, prompts, allowed_token_ids=allowed)
+    for p, o, q in zip(prompts, ours, plain):
+        assert o != q and set(o) <= set(allowed)
+        assert o == _hf_generate(hf, p, prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+    sampled = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(
+        max_tokens=NEW, temperature=1.5, seed=3, allowed_token_ids=allowed))[0]
+    assert set(sampled.token_ids) <= set(allowed) and len(set(sampled.token_ids)) > 1
+
+
+def test_no_token_left_ends_the_output(llm):
+    """A request whose parameters ban every token it allows ends ("abort") instead of taking a
+    forbidden token: here its one allowed token may not follow itself."""
+    prompt = _ids(llm, PROMPTS[0])
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        max_tokens=NEW, temperature=0, allowed_token_ids=[300], bad_words_token_ids=[[300, 300]]))[0]
+    assert out.token_ids == [300] and out.outputs[0].finish_reason == "abort"
+    # the other requests of its steps are untouched
+    both = llm.generate([{"prompt_token_ids": prompt}] * 2, [
+        SamplingParams(max_tokens=NEW, temperature=0, allowed_token_ids=[300], min_tokens=2, stop_token_ids=[300]),
+        SamplingParams(max_tokens=NEW, temperature=0)])
+    assert both[0].token_ids == [] and both[0].outputs[0].finish_reason == "abort"
+    assert both[1].token_ids == _ours(llm, [prompt])[0]

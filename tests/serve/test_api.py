@@ -51,6 +51,41 @@ def test_bad_words_as_llm_generate_does(server, llm):
     assert r.json()["choices"][0]["text"] == ref.text
 
 
+def test_allowed_token_ids_as_llm_generate_does(server, llm):
+    """vLLM's ``allowed_token_ids`` (a 400 before), sampled and greedy, completions and chat."""
+    allowed = [7, 300, 301, 377]
+    for kw in ({"temperature": 0.0}, {"temperature": 1.2, "seed": 5}):
+        ref = _ref(llm, PROMPTS[0], max_tokens=MAX_TOKENS, allowed_token_ids=allowed, **kw)
+        assert set(ref.token_ids) <= set(allowed)
+        r = server.http().post("/v1/completions", json={"model": SERVED_NAME, "prompt": PROMPTS[0],
+                                                        "max_tokens": MAX_TOKENS, "allowed_token_ids": allowed, **kw})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref.text
+    ref = _ref_chat(llm, CHAT, max_tokens=MAX_TOKENS, temperature=0, allowed_token_ids=allowed)
+    r = server.http().post("/v1/chat/completions", json={
+        "model": SERVED_NAME, "messages": [{"role": "user", "content": CHAT}], "max_tokens": MAX_TOKENS,
+        "temperature": 0, "allowed_token_ids": allowed})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == ref.text
+
+
+@pytest.mark.parametrize("keep", [3, -1])
+def test_truncate_prompt_tokens_as_llm_generate_does(server, llm, keep):
+    """vLLM's ``truncate_prompt_tokens`` (a 400 before): the prompt's last tokens only; -1: as many
+    as the context leaves room for (here the long prompt, over the context, then fits)."""
+    prompt = PROMPTS[0] if keep > 0 else " ".join(["sea"] * 2 * MAX_SEQ_LEN)
+    ids = llm.tokenizer(prompt)["input_ids"]
+    kept = ids[-keep:] if keep > 0 else ids[len(ids) - (MAX_SEQ_LEN - 1):]
+    assert len(kept) < len(ids)
+    ref = _ref(llm, {"prompt_token_ids": kept}, max_tokens=1, temperature=0)
+    r = server.http().post("/v1/completions", json={"model": SERVED_NAME, "prompt": prompt, "max_tokens": 1,
+                                                    "temperature": 0, "truncate_prompt_tokens": keep, "echo": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == len(kept)
+    assert body["choices"][0]["text"] == llm.tokenizer.decode(kept) + ref.text  # the prompt that ran, echoed
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens_as_llm_generate_does(server, llm, skip):
     """vLLM's ``skip_special_tokens``: false puts special tokens in the text (a 400 before)."""

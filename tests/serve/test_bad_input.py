@@ -197,7 +197,7 @@ def test_prompt_longer_than_context(healthy, llm):
     (CMPL, "suffix", "tail"),
     (CMPL, "best_of", 3),
     (CHAT, "use_beam_search", True), (CMPL, "length_penalty", 0.5), (CMPL, "guided_grammar", "root ::= x"),
-    (CMPL, "allowed_token_ids", [1, 2]), (CMPL, "spaces_between_special_tokens", False),
+    (CMPL, "mm_processor_kwargs", {"x": 1}), (CMPL, "spaces_between_special_tokens", False),
     (CHAT, "logits_processors", ["x"]),
     (CHAT, "priority", 5), (CMPL, "cache_salt", "tenant-a"), (CHAT, "echo", True),
 ])
