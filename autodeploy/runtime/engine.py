@@ -86,7 +86,7 @@ class _Request:
             outputs=[
                 CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason,
                                  list(s.logprobs) if s.logprobs is not None else None,
-                                 s.hidden_states_so_far())
+                                 s.hidden_states_so_far(), s.stop_reason)
                 for s in self.sequences
             ],
             finished=self.finished,
@@ -332,6 +332,7 @@ class Engine:
             reason = "abort"
         elif token in params.stop_token_ids or ends_on_eos:
             reason = "stop"
+            seq.stop_reason = token if token in params.stop_token_ids else None
         elif seq.guide is not None and seq.guide.advance(token):
             # the constrained output is done (nothing can follow it), or the constraint failed
             reason = "abort" if seq.guide.failed else "stop"
@@ -343,7 +344,7 @@ class Engine:
             match = StopStringMatcher.for_params(params).find_match(detok.text, new_chars)
             if match is not None:
                 seq.cut_text = detok.text[:match[1] if params.include_stop_str_in_output else match[0]]
-                reason = "stop"
+                reason, seq.stop_reason = "stop", detok.text[match[0]:match[1]]
         if reason is None:
             return
         if detok is not None:

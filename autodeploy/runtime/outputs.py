@@ -1,7 +1,7 @@
 """What a request returns (vLLM's shape: one ``RequestOutput`` with ``n`` completions)."""
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -19,6 +19,9 @@ class CompletionOutput:
     # back, so a finished output has len(prompt_token_ids) + len(token_ids) - 1 rows, and row
     # len(prompt_token_ids) - 1 + k is the state token_ids[k] was sampled from.
     hidden_states: Optional[torch.Tensor] = None
+    # vLLM's: the stop_token_ids token or the stop string that ended the output; None when it
+    # ended otherwise (EOS, max_tokens, ...) or is running
+    stop_reason: Union[int, str, None] = None
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One sequence being generated (a request with ``n`` completions has ``n`` of them)."""
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -27,6 +27,7 @@ class Sequence:
     # copy of its state is kept there (``Scheduler``; None: no copy wanted)
     snapshot_at: Optional[int] = None
     finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None  # the stop_token_ids token or stop string that ended it
     logprobs: Optional[List[Dict[int, float]]] = None
     # SamplingParams.prompt_logprobs: entry j scores prompt token j given the tokens before it
     # (entry 0 is None: nothing precedes it); filled as prefill chunks run (None: not asked for)

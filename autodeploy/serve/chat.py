@@ -6,7 +6,7 @@ calls come back as ``tool_calls`` (``tool_calls`` and ``tool_parsers`` say how).
 
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -16,23 +16,24 @@ from ..runtime.sampling_params import InvalidRequestError
 from .openapi import ChatCompletionChunk, ChatCompletionResponse, api_responses
 from .protocol import APIError, ChatCompletionRequest, template_messages
 from .requests import (check_choices, check_model, check_prompt, final_output, prepare_request, resolve_max_tokens,
-                       scored_prompt, to_sampling_params, unless_disconnected, usage)
+                       scored_prompt, to_sampling_params, token_namer, unless_disconnected, usage)
 from .state import ServerState
 from .streaming import ChoiceDelta, StreamedRequest, stream_sse
 from .tool_calls import ToolRequestError, ToolSettings
 from .tool_parsers import ToolCallParser, merge_calls
 
 
-def chat_logprobs(tokenizer: Any, steps: List[Dict[int, float]], top: int) -> Dict[str, Any]:
+def chat_logprobs(name: Callable[[int], str], steps: List[Dict[int, float]], top: int) -> Dict[str, Any]:
+    """OpenAI's chat logprobs; ``name`` gives each token's text (``requests.token_namer``)."""
     content = []
     for step in steps:
         items = list(step.items())
         chosen, lp = items[0]
-        text = tokenizer.decode([chosen])
+        text = name(chosen)
         alts = sorted(items, key=lambda kv: -kv[1])[:top]
         content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": tokenizer.decode([t]), "logprob": v,
-                                          "bytes": list(tokenizer.decode([t]).encode())} for t, v in alts]})
+                        "top_logprobs": [{"token": name(t), "logprob": v, "bytes": list(name(t).encode())}
+                                         for t, v in alts]})
     return {"content": content}
 
 
@@ -73,28 +74,36 @@ async def _complete(state: ServerState, request: Request, req: ChatCompletionReq
                     prepared: PreparedRequest) -> JSONResponse:
     ids = prepared.prompt_token_ids
     final = await unless_disconnected(request, final_output(state, rid, prepared))
+    name = token_namer(state.tokenizer, req.return_tokens_as_token_ids)
     choices = []
     for c in final.outputs:
-        logprobs = chat_logprobs(state.tokenizer, c.logprobs or [], req.top_logprobs or 0) if req.logprobs else None
+        logprobs = chat_logprobs(name, c.logprobs or [], req.top_logprobs or 0) if req.logprobs else None
         message: Dict[str, Any] = {"role": "assistant", "content": c.text}
         parser = tools.parser(state.tool_call_parser)
         if parser is not None:
             content, deltas = parser.feed(c.text, final=True)
             if deltas:
                 message = {"role": "assistant", "content": content or None, "tool_calls": merge_calls(deltas)}
-        choices.append({"index": c.index, "message": message, "logprobs": logprobs,
-                        "finish_reason": tools.finish_reason(c.finish_reason, parser is not None and parser.calls > 0)})
+        choice = {"index": c.index, "message": message, "logprobs": logprobs,
+                  "finish_reason": tools.finish_reason(c.finish_reason, parser is not None and parser.calls > 0),
+                  "stop_reason": c.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        choices.append(choice)
     completion = sum(len(c.token_ids) for c in final.outputs)
     body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
             "choices": choices, "usage": usage(len(ids), completion)}
     if req.prompt_logprobs is not None:  # vLLM's, for the rendered conversation
         body["prompt_logprobs"] = scored_prompt(state.tokenizer, final, req.prompt_logprobs)
+    if req.return_token_ids:
+        body["prompt_token_ids"] = ids
     return JSONResponse(body)
 
 
 def _stream(state: ServerState, req: ChatCompletionRequest, tools: ToolSettings, rid: str,
             prepared: PreparedRequest) -> AsyncIterator[str]:
     parsers: Dict[int, Optional[ToolCallParser]] = {}  # per choice: its calls are found as its text grows
+    name = token_namer(state.tokenizer, req.return_tokens_as_token_ids)
 
     def choice(d: ChoiceDelta) -> Dict[str, Any]:
         parser = parsers.setdefault(d.index, tools.parser(state.tool_call_parser))
@@ -109,9 +118,13 @@ def _stream(state: ServerState, req: ChatCompletionRequest, tools: ToolSettings,
                 delta["tool_calls"] = [c.to_dict() for c in calls]
         lps = None
         if req.logprobs and d.logprobs is not None:
-            lps = chat_logprobs(state.tokenizer, d.logprobs, req.top_logprobs or 0)
+            lps = chat_logprobs(name, d.logprobs, req.top_logprobs or 0)
         finish = tools.finish_reason(d.finish_reason, parser is not None and parser.calls > 0)
-        return {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+        out = {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": finish, "stop_reason": d.stop_reason}
+        if req.return_token_ids:  # vLLM's: each chunk's new tokens (the prompt's: the first chunk, above the choices)
+            out["token_ids"] = d.token_ids
+        return out
 
     return stream_sse(state, rid, "chat.completion.chunk", [StreamedRequest(rid, prepared, 0, "")], choice,
-                      req.include_usage)
+                      req.include_usage,
+                      first_extra={"prompt_token_ids": prepared.prompt_token_ids} if req.return_token_ids else None)

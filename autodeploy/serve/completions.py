@@ -15,7 +15,7 @@ part of the echoed prompt, so it takes no room in ``text_offset``).
 
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -25,8 +25,8 @@ from ..runtime.request_processor import PreparedRequest
 from .openapi import CompletionChunk, CompletionResponse, api_responses
 from .protocol import APIError, CompletionRequest
 from .requests import (check_choices, check_model, check_prompt, final_output, gather_or_cancel, prepare_request,
-                       resolve_max_tokens, scored_prompt, to_sampling_params, top_alternatives, unless_disconnected,
-                       usage)
+                       resolve_max_tokens, scored_prompt, to_sampling_params, token_namer, top_alternatives,
+                       unless_disconnected, usage)
 from .state import ServerState
 from .streaming import ChoiceDelta, StreamedRequest, stream_sse
 
@@ -34,31 +34,33 @@ from .streaming import ChoiceDelta, StreamedRequest, stream_sse
 Plan = Tuple[str, List[int], PreparedRequest]
 LogprobsBlock = Dict[str, List[Any]]
 PromptLogprobs = List[Optional[Dict[int, float]]]
+TokenName = Callable[[int], str]
 
 
-def _top_by_text(tokenizer: Any, entry: Dict[int, float]) -> Dict[str, float]:
+def _top_by_text(name: TokenName, entry: Dict[int, float]) -> Dict[str, float]:
     """``{token text: logprob}``: the legacy format keys by text, and two ids can share one (e.g.
     byte tokens); the first wins - the scored token, then the alternatives, most likely first."""
     out: Dict[str, float] = {}
     for t, v in entry.items():
-        out.setdefault(tokenizer.decode([t]), v)
+        out.setdefault(name(t), v)
     return out
 
 
-def completion_logprobs(tokenizer: Any, steps: List[Dict[int, float]], offset: int) -> LogprobsBlock:
+def completion_logprobs(tokenizer: Any, name: TokenName, steps: List[Dict[int, float]], offset: int) -> LogprobsBlock:
+    """The generated tokens' entries; ``text_offset`` from their text (whatever ``name`` shows)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for step in steps:
         chosen, lp = next(iter(step.items()))
         text = tokenizer.decode([chosen])
-        tokens.append(text)
+        tokens.append(name(chosen))
         token_lps.append(lp)
-        tops.append(_top_by_text(tokenizer, step))
+        tops.append(_top_by_text(name, step))
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def prompt_logprobs(tokenizer: Any, ids: List[int], scored: PromptLogprobs, from_text: bool,
+def prompt_logprobs(tokenizer: Any, name: TokenName, ids: List[int], scored: PromptLogprobs, from_text: bool,
                     top: int) -> LogprobsBlock:
     """The prompt's entries: its token ids' texts, each one's log probability given the tokens
     before it (``None`` for the first) and the ``top`` alternatives. ``text_offset`` is where each
@@ -70,9 +72,9 @@ def prompt_logprobs(tokenizer: Any, ids: List[int], scored: PromptLogprobs, from
     for token, entry in zip(ids, scored):
         offsets.append(offset)
         offset += len(detok.add(token))
-        tokens.append(tokenizer.decode([token]))
+        tokens.append(name(token))
         token_lps.append(None if entry is None else entry[token])
-        tops.append(None if entry is None else _top_by_text(tokenizer, {token: entry[token], **dict(
+        tops.append(None if entry is None else _top_by_text(name, {token: entry[token], **dict(
             top_alternatives(entry, top))}))
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
@@ -90,9 +92,10 @@ def choice_logprobs(state: ServerState, req: CompletionRequest, plan: Plan, scor
     if req.logprobs is None:
         return None
     _, ids, prepared = plan
-    prompt = (prompt_logprobs(state.tokenizer, ids, scored, prepared.prompt is not None, req.logprobs)
+    name = token_namer(state.tokenizer, req.return_tokens_as_token_ids)
+    prompt = (prompt_logprobs(state.tokenizer, name, ids, scored, prepared.prompt is not None, req.logprobs)
               if scored else None)
-    generated = completion_logprobs(state.tokenizer, steps, offset) if steps else None
+    generated = completion_logprobs(state.tokenizer, name, steps, offset) if steps else None
     return _joined(prompt, generated) or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
@@ -146,9 +149,11 @@ async def _complete(state: ServerState, request: Request, req: CompletionRequest
             logprobs = choice_logprobs(state, req, plan, final.prompt_logprobs if req.echo else None, c.logprobs,
                                        len(text) if req.echo else 0)
             choice = {"index": i * req.n + c.index, "text": body, "logprobs": logprobs,
-                      "finish_reason": c.finish_reason}
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.prompt_logprobs is not None:  # vLLM's, per choice
                 choice["prompt_logprobs"] = scored_prompt(state.tokenizer, final, req.prompt_logprobs)
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=ids, token_ids=c.token_ids)
             choices.append(choice)
     return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
                          "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
@@ -163,9 +168,15 @@ def _stream(state: ServerState, req: CompletionRequest, rid: str, plans: List[Pl
         # text_offset counts from the start of the choice's text (the echoed prompt included);
         # the prompt's entries (echo) come with the choice's first chunk after the prompt ran
         lps = None
+        plan = plan_of[d.index - d.index % req.n]
         if d.logprobs or d.prompt_logprobs:
-            plan = plan_of[d.index - d.index % req.n]
             lps = choice_logprobs(state, req, plan, d.prompt_logprobs, d.logprobs, d.offset)
-        return {"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
+        out = {"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason,
+               "stop_reason": d.stop_reason}
+        if req.return_token_ids:  # vLLM's: the prompt's ids in the choice's first chunk, then each chunk's new ones
+            out["token_ids"] = d.token_ids
+            if d.first:
+                out["prompt_token_ids"] = plan[1]
+        return out
 
     return stream_sse(state, rid, "text_completion", requests, choice, req.include_usage)

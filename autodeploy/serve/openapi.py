@@ -14,7 +14,7 @@ What differs from what FastAPI would publish on its own:
 - parameters the server rejects on purpose are listed in each operation's description.
 """
 
-from typing import Any, Dict, List, Literal, Optional, Type
+from typing import Any, Dict, List, Literal, Optional, Type, Union
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -65,6 +65,10 @@ class PromptTokenLogprob(BaseModel):
 # per prompt token (the first null), keyed by token id: the prompt's token, then the most likely ones
 PromptLogprobs = Optional[List[Optional[Dict[str, PromptTokenLogprob]]]]
 _PROMPT_LOGPROBS = "Only when the request asks for 'prompt_logprobs' (vLLM's)."
+# vLLM's: the stop_token_ids token or stop string that ended the choice (null: it ended otherwise)
+StopReason = Union[int, str, None]
+_TOKEN_IDS = "Only with 'return_token_ids' (vLLM's)."
+TokenIds = Optional[List[int]]
 
 
 class CompletionChoice(BaseModel):
@@ -72,7 +76,10 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Optional[CompletionLogprobs]
     finish_reason: FinishReason
+    stop_reason: StopReason
     prompt_logprobs: PromptLogprobs = Field(default=None, description=_PROMPT_LOGPROBS)
+    prompt_token_ids: TokenIds = Field(default=None, description=_TOKEN_IDS)
+    token_ids: TokenIds = Field(default=None, description=_TOKEN_IDS)
 
 
 class CompletionResponse(BaseModel):
@@ -120,6 +127,8 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: Optional[ChatLogprobs]
     finish_reason: ChatFinishReason
+    stop_reason: StopReason
+    token_ids: TokenIds = Field(default=None, description=_TOKEN_IDS)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -130,6 +139,7 @@ class ChatCompletionResponse(BaseModel):
     choices: List[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs = Field(default=None, description=_PROMPT_LOGPROBS)
+    prompt_token_ids: TokenIds = Field(default=None, description=_TOKEN_IDS)
 
 
 class CompletionChunkChoice(BaseModel):
@@ -137,6 +147,9 @@ class CompletionChunkChoice(BaseModel):
     text: str
     logprobs: Optional[CompletionLogprobs]
     finish_reason: FinishReason
+    stop_reason: StopReason
+    prompt_token_ids: TokenIds = Field(default=None, description=_TOKEN_IDS + " In the choice's first chunk.")
+    token_ids: TokenIds = Field(default=None, description=_TOKEN_IDS + " The chunk's new tokens.")
 
 
 class CompletionChunk(BaseModel):
@@ -176,6 +189,8 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: Optional[ChatLogprobs]
     finish_reason: ChatFinishReason
+    stop_reason: StopReason
+    token_ids: TokenIds = Field(default=None, description=_TOKEN_IDS + " The chunk's new tokens.")
 
 
 class ChatCompletionChunk(BaseModel):
@@ -187,6 +202,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: List[ChatChunkChoice]
     usage: Optional[Usage] = None
+    prompt_token_ids: TokenIds = Field(default=None, description=_TOKEN_IDS + " In the first chunk.")
 
 
 class ModelCard(BaseModel):

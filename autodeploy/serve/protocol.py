@@ -10,7 +10,7 @@ Function calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is ``tool
 Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampling
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``bad_words``, ``prompt_logprobs``, ``allowed_token_ids``,
-``truncate_prompt_tokens``, ``min_tokens``, ``repetition_penalty``,
+``truncate_prompt_tokens``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``min_tokens``, ``repetition_penalty``,
 ``min_p`` and the guided decoding above: beam search, ``guided_grammar``, ``priority``, ``cache_salt``, ...)
 are rejected with a 400 naming the parameter rather than silently ignored: a client that asks
 for them would otherwise get answers it did not ask for. Other unknown fields are accepted and
@@ -105,8 +105,7 @@ _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1,), "guided_grammar": (),
     "echo": (False,),  # (chat's: a completion request has its own field)
     # what the output text or the response holds, and scheduling
-    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,), "logits_processors": (), "priority": (0,),
+    "spaces_between_special_tokens": (True,), "logits_processors": (), "priority": (0,),
     "cache_salt": (), "mm_processor_kwargs": (), "vllm_xargs": (),
 }
 _STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
@@ -180,6 +179,11 @@ class _Common(_Body):
     guided_whitespace_pattern: Optional[str] = Field(default=None, description=(
         "With a JSON Schema: the whitespace allowed between JSON tokens, a regular expression (default: at most "
         "one space)."))
+    return_token_ids: Optional[bool] = Field(default=None, description=(
+        "vLLM's: the response gives 'prompt_token_ids' and each choice's 'token_ids' (streamed: the prompt's in "
+        "the first chunk, each chunk's new tokens)."))
+    return_tokens_as_token_ids: Optional[bool] = Field(default=None, description=(
+        "vLLM's: logprobs name each token 'token_id:<id>' instead of its text."))
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20, description=(
         "vLLM's: each prompt token's log-probability and rank given the tokens before it, with this many most "
         "likely alternatives, in the response's 'prompt_logprobs' (not with 'stream')."))

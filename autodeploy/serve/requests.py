@@ -6,7 +6,7 @@ The checks themselves live in the engine's ``RequestProcessor``; this module onl
 """
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, Dict, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple, Union
 
 from fastapi import Request
 
@@ -98,6 +98,14 @@ def prepare_request(processor: RequestProcessor, checked: CheckedPrompt, params:
         return processor.prepare(checked, params)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param, exc.code) from None
+
+
+def token_namer(tokenizer: Any, as_ids: Optional[bool]) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or with vLLM's ``return_tokens_as_token_ids``
+    ``"token_id:<id>"`` (a token whose text is part of a UTF-8 character stays identifiable)."""
+    if as_ids:
+        return lambda t: f"token_id:{t}"
+    return lambda t: tokenizer.decode([t])
 
 
 def top_alternatives(entry: Dict[int, float], top: int) -> List[Tuple[int, float]]:

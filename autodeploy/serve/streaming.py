@@ -14,8 +14,8 @@ import asyncio
 import json
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Union
 
 from ..runtime.outputs import RequestOutput
 from ..runtime.request_processor import PreparedRequest
@@ -62,7 +62,10 @@ class ChoiceDelta:
     # the request's prompt log-probabilities, in the choice's first delta once the prompt ran
     # (only when the request scores its prompt: SamplingParams.prompt_logprobs)
     prompt_logprobs: Optional[List[Optional[Dict[int, float]]]] = None
-    opening: bool = False  # the choice's first chunk, sent before generation starts
+    opening: bool = False  # the choice's opening chunk, sent before generation starts
+    first: bool = False  # the choice's first chunk (the opening one where there is one)
+    token_ids: List[int] = field(default_factory=list)  # the tokens not sent before
+    stop_reason: Union[int, str, None] = None  # with the final delta: the stop token or string
 
 
 @dataclass(frozen=True)
@@ -91,12 +94,16 @@ class ChoiceStreamer:
         self.sent_prompt = [False] * n  # the prompt's log-probabilities went out with a delta
         self.finished = [False] * n
         self.completion_tokens = 0  # known once the request finished
+        self.opened = False  # the choices' opening chunks went out
+        self.started = [False] * n  # a choice's first delta went out
 
     def opening(self) -> List[ChoiceDelta]:
         text = self.request.opening
         if text is None:
             return []
-        return [ChoiceDelta(self.request.first_index + j, text, opening=True) for j in range(len(self.texts))]
+        self.opened = True
+        return [ChoiceDelta(self.request.first_index + j, text, opening=True, first=True)
+                for j in range(len(self.texts))]
 
     def update(self, out: RequestOutput) -> List[ChoiceDelta]:
         deltas = []
@@ -107,13 +114,17 @@ class ChoiceStreamer:
             text = self.texts[c.index].delta(c.text, c.finish_reason is not None)
             if text or c.finish_reason is not None:
                 steps = c.logprobs[self.sent_tokens[c.index]:] if c.logprobs else None
+                new_ids = c.token_ids[self.sent_tokens[c.index]:]
                 self.sent_tokens[c.index] = len(c.token_ids)
+                first = not (self.opened or self.started[c.index])
+                self.started[c.index] = True
                 self.finished[c.index] = c.finish_reason is not None
                 scored = None
                 if out.prompt_logprobs is not None and not self.sent_prompt[c.index]:
                     scored, self.sent_prompt[c.index] = out.prompt_logprobs, True  # complete: a token was sampled
                 deltas.append(ChoiceDelta(self.request.first_index + c.index, text, c.finish_reason, steps, offset,
-                                          prompt_logprobs=scored))
+                                          prompt_logprobs=scored, first=first, token_ids=list(new_ids),
+                                          stop_reason=c.stop_reason))
         if out.finished:
             self.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return deltas
@@ -159,15 +170,20 @@ async def _merged(state: ServerState, requests: Sequence[StreamedRequest],
 
 async def stream_sse(state: ServerState, rid: str, obj: str, requests: Sequence[StreamedRequest],
                      format_choice: Callable[[ChoiceDelta], Dict[str, Any]],
-                     include_usage: bool = False) -> AsyncIterator[str]:
+                     include_usage: bool = False, first_extra: Optional[Dict[str, Any]] = None) -> AsyncIterator[str]:
     """The event stream of a response made of ``requests`` (all running at once): a chunk
     ``{"id", "object": obj, "created", "model", "choices": [format_choice(delta)]}`` per delta,
-    then the usage chunk if ``include_usage``, and ``[DONE]``. Whatever fails after the headers
+    then the usage chunk if ``include_usage``, and ``[DONE]``; the first chunk also has the
+    fields of ``first_extra``. Whatever fails after the headers
     went out (an ``APIError``, or a bug: logged, reported as an internal error) ends the stream
     with an error event and ``[DONE]``, never with a broken connection."""
     created = int(time.time())
 
+    pending_extra = dict(first_extra or {})
+
     def chunk(choices: List[Dict[str, Any]], **extra: Any) -> str:
+        extra = {**pending_extra, **extra}
+        pending_extra.clear()
         return sse({"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choices,
                     **extra})
 

@@ -585,6 +585,86 @@ def test_prompt_logprobs_errors(server, path, extra, word):
     assert err["param"] == "prompt_logprobs" and word in err["message"]
 
 
+# ---- vLLM's stop_reason, return_token_ids, return_tokens_as_token_ids -----------------------------
+def _events(server, path, body):
+    r = server.http().post(path, json={**body, "stream": True})
+    assert r.status_code == 200, r.text
+    return json_events(sse_events(r.text.splitlines()))
+
+
+def test_stop_reason_names_what_ended_the_choice(server, llm):
+    """The stop token id, the stop string, or null (EOS, max_tokens), whole and streamed, in both endpoints."""
+    plain = _ref(llm, PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0)
+    k = next(i for i in range(2, MAX_TOKENS) if plain.token_ids[i] not in plain.token_ids[:i])
+    stop, _ = _stop_string(plain.text)
+    cases = [({}, None), ({"stop_token_ids": [plain.token_ids[k]]}, plain.token_ids[k]),
+             ({"stop": ["@@@@", stop]}, stop)]
+    for extra, want in cases:
+        body = {"model": SERVED_NAME, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+        whole = server.http().post("/v1/completions", json=body).json()["choices"][0]
+        streamed = [c for e in _events(server, "/v1/completions", body) for c in e["choices"]]
+        assert whole["stop_reason"] == want and streamed[-1]["stop_reason"] == want
+        assert whole["finish_reason"] == ("length" if want is None else "stop")
+        assert all(c["stop_reason"] is None for c in streamed[:-1])
+    chat = {"model": SERVED_NAME, "messages": [{"role": "user", "content": CHAT}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stop_token_ids": [plain.token_ids[k]], "logit_bias": {str(plain.token_ids[k]): 100}}
+    answer = server.http().post("/v1/chat/completions", json=chat).json()["choices"][0]
+    assert answer["stop_reason"] == plain.token_ids[k]
+
+
+def test_return_token_ids_completions(server, llm):
+    """The prompt's and each choice's token ids, whole and streamed (the prompt's in each choice's
+    first chunk, then each chunk's new tokens), for two prompts of two choices each."""
+    kw = dict(max_tokens=MAX_TOKENS, temperature=0.8, seed=11, n=2)
+    refs = [_ref(llm, p, **kw) for p in PROMPTS]
+    body = {"model": SERVED_NAME, "prompt": PROMPTS, **kw, "return_token_ids": True}
+    whole = server.http().post("/v1/completions", json=body).json()["choices"]
+    streamed = defaultdict(list)
+    for e in _events(server, "/v1/completions", body):
+        for c in e["choices"]:
+            streamed[c["index"]].append(c)
+    for i, ref in enumerate(refs):
+        for j, out in enumerate(ref.outputs):
+            choice, chunks = whole[2 * i + j], streamed[2 * i + j]
+            assert (choice["prompt_token_ids"], choice["token_ids"]) == (ref.prompt_token_ids, out.token_ids)
+            assert chunks[0]["prompt_token_ids"] == ref.prompt_token_ids
+            assert all("prompt_token_ids" not in c for c in chunks[1:])
+            assert [t for c in chunks for t in c["token_ids"]] == out.token_ids
+    plain = server.http().post("/v1/completions", json={**body, "return_token_ids": None}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def test_return_token_ids_chat(server, llm):
+    ref = _ref_chat(llm, CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": CHAT}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "return_token_ids": True}
+    whole = server.http().post("/v1/chat/completions", json=body).json()
+    assert whole["prompt_token_ids"] == ref.prompt_token_ids and whole["choices"][0]["token_ids"] == ref.token_ids
+    events = [e for e in _events(server, "/v1/chat/completions", body) if e["choices"]]
+    assert events[0]["prompt_token_ids"] == ref.prompt_token_ids
+    assert all("prompt_token_ids" not in e for e in events[1:])
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == ref.token_ids
+
+
+def test_return_tokens_as_token_ids(server, llm):
+    """Logprobs name tokens 'token_id:<id>' (vLLM's), in both formats; the values are unchanged."""
+    ref = _ref(llm, PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
+    body = {"model": SERVED_NAME, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "logprobs": 2,
+            "return_tokens_as_token_ids": True}
+    lps = server.http().post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lps["tokens"] == [f"token_id:{t}" for t in ref.token_ids]
+    for step, top in zip(ref.outputs[0].logprobs, lps["top_logprobs"]):
+        assert top == pytest.approx({f"token_id:{t}": v for t, v in step.items()}, abs=1e-5)
+    assert lps["text_offset"][-1] == len(llm.tokenizer.decode(ref.token_ids[:-1]))  # offsets stay the text's
+    chat = {"model": SERVED_NAME, "messages": [{"role": "user", "content": CHAT}], "max_tokens": 3, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    ref = _ref_chat(llm, CHAT, max_tokens=3, temperature=0)
+    content = server.http().post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in ref.token_ids]
+    assert all(c["bytes"] == list(c["token"].encode()) and c["top_logprobs"][0]["token"].startswith("token_id:")
+               for c in content)
+
+
 def _stop_string(text):
     """A 2-character stop string taken from inside ``text`` (first occurrence at k > 0)."""
     for k in range(1, len(text) - 1):

@@ -73,6 +73,11 @@ COMMON = {
     "logit_bias": field(st.dictionaries(st.text(max_size=4), st.floats(-100, 100), max_size=2)),
     "bad_words": field(st.lists(st.text(max_size=6), max_size=3)),
     "skip_special_tokens": field(st.booleans()),
+    "prompt_logprobs": field(st.integers(-2, 22)),
+    "allowed_token_ids": field(st.lists(st.integers(-2, 600), max_size=3)),
+    "truncate_prompt_tokens": field(st.integers(-3, 200)),
+    "return_token_ids": field(st.booleans()),
+    "return_tokens_as_token_ids": field(st.booleans()),
     "user": field(st.text(max_size=10)),
 }
 COMPLETION = st.fixed_dictionaries({"prompt": field(PROMPT)}, optional={
