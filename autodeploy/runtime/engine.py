@@ -197,7 +197,8 @@ class Engine:
                            # the prompt is scored once per request, by its first sequence
                            prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
                            prompt_ranks=[None] if params.prompt_logprobs is not None and i == 0 else None,
-                           hidden_states=[] if params.return_hidden_states else None)
+                           hidden_states=[] if params.return_hidden_states else None,
+                           cache_salt=request.cache_salt)
             if tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
                                                          skip_special_tokens=params.skip_special_tokens)

@@ -5,9 +5,11 @@ only on those tokens and every token before them. So once a page is full, a late
 tokens start the same way can read that page instead of computing it again (a chat's system
 prompt, a few-shot preamble, the turns of a conversation so far). The pool keeps an index from
 "(the prefix before this page, this page's tokens)" to the page, where the prefix before is named
-by the id the pool gave the previous page's entry. Entries are compared by their tokens, never by
-a hash alone, and ids are never reused, so a match is exact: the page holds what computing the
-tokens would write.
+by the id the pool gave the previous page's entry; before the first page it is 0, or the
+request's cache salt (vLLM's ``cache_salt``: requests share cached pages only with requests of
+the same salt, so one tenant cannot learn from timing what another's prompts were). Entries are
+compared by their tokens, never by a hash alone, and ids are never reused, so a match is exact:
+the page holds what computing the tokens would write.
 
 Pages are reference-counted: a matched page is shared, read-only (a sequence writes only past
 its matched pages, into pages of its own). A page nobody holds any more keeps its contents and
@@ -19,9 +21,10 @@ sequence nothing.
 
 import itertools
 from collections import OrderedDict
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
-Key = Tuple[int, Tuple[int, ...]]  # (id of the previous page's entry, 0 for the first page; this page's tokens)
+# (id of the previous page's entry, for the first page 0 or the cache salt (a str: never an id); this page's tokens)
+Key = Tuple[Union[int, str], Tuple[int, ...]]
 
 
 class PagePool:
@@ -81,14 +84,14 @@ class PagePool:
     def _tokens(self, token_ids: List[int], index: int) -> Tuple[int, ...]:
         return tuple(token_ids[index * self.page_size:(index + 1) * self.page_size])
 
-    def match(self, token_ids: List[int]) -> Tuple[List[int], List[int]]:
+    def match(self, token_ids: List[int], salt: Optional[str] = None) -> Tuple[List[int], List[int]]:
         """The cached pages holding the longest prefix of ``token_ids`` that leaves at least one
         token to compute (its logits pick the next token), now held by the caller; and their
-        entry ids (``register``'s ``ids``)."""
+        entry ids (``register``'s ``ids``). Only pages registered with the same ``salt`` match."""
         pages: List[int] = []
         ids: List[int] = []
         for index in range((len(token_ids) - 1) // self.page_size):
-            page = self._page_of.get((ids[-1] if ids else 0, self._tokens(token_ids, index)))
+            page = self._page_of.get((ids[-1] if ids else (salt or 0), self._tokens(token_ids, index)))
             if page is None:
                 break
             if self._refs[page] == 0:
@@ -98,13 +101,14 @@ class PagePool:
             ids.append(self._entry_of[page][1])
         return pages, ids
 
-    def register(self, token_ids: List[int], pages: List[int], num_computed: int, ids: List[int]) -> None:
+    def register(self, token_ids: List[int], pages: List[int], num_computed: int, ids: List[int],
+                 salt: Optional[str] = None) -> None:
         """Give an entry to each page of a sequence that is full and computed (its first
         ``num_computed`` tokens are in the cache) and has none yet; ``ids`` (the entry ids of its
         pages so far, in order) grows by one per page. A page whose tokens another page already
         holds (computed side by side) keeps no entry and takes the other's id."""
         for index in range(len(ids), num_computed // self.page_size):
-            key = (ids[-1] if ids else 0, self._tokens(token_ids, index))
+            key: Key = (ids[-1] if ids else (salt or 0), self._tokens(token_ids, index))
             holder = self._page_of.get(key)
             if holder is None:
                 holder = pages[index]

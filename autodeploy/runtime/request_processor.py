@@ -32,6 +32,8 @@ class CheckedPrompt:
 
     prompt: Optional[str]  # the prompt's text, when it came as text (or with its text)
     prompt_token_ids: List[int]
+    # vLLM's: a prompt mapping's "cache_salt"; prefix caching shares pages only under the same one
+    cache_salt: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class PreparedRequest:
     prompt: Optional[str]
     prompt_token_ids: List[int]
     params: SamplingParams
+    cache_salt: Optional[str] = None
 
 
 class TokenizerHandle:
@@ -217,7 +220,10 @@ class RequestProcessor:
         keep = self.max_seq_len - 1 if truncate == -1 else truncate
         if keep is not None and len(ids) > keep:
             text, ids = None, ids[len(ids) - keep:]
-        return CheckedPrompt(text, self.check_prompt(ids))
+        salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string")
+        return CheckedPrompt(text, self.check_prompt(ids), salt)
 
     def prepare(self, prompt: Union[Prompt, CheckedPrompt], params: SamplingParams) -> PreparedRequest:
         """The one place a request is checked; the engine trusts what this returns. ``bad_words``
@@ -227,7 +233,7 @@ class RequestProcessor:
         if params.bad_words:
             params = dataclasses.replace(params, bad_words_token_ids=list(params.bad_words_token_ids or [])
                                          + self.bad_words_token_ids(params.bad_words))
-        return PreparedRequest(checked.prompt, checked.prompt_token_ids, params)
+        return PreparedRequest(checked.prompt, checked.prompt_token_ids, params, checked.cache_salt)
 
     def bad_words_token_ids(self, words: Sequence[str]) -> List[List[int]]:
         """vLLM's reading of ``bad_words``: each word's tokens at the start of a text, and after a

@@ -101,7 +101,7 @@ class Scheduler:
         for seq, n in step.sequences:
             seq.num_computed += n
             if self.pool.prefix_caching:
-                self.pool.register(seq.token_ids, seq.pages, seq.num_computed, seq.prefix_ids)
+                self.pool.register(seq.token_ids, seq.pages, seq.num_computed, seq.prefix_ids, seq.cache_salt)
             if seq.snapshot_at is not None and seq.num_computed >= seq.snapshot_at:
                 if seq.num_computed == seq.snapshot_at and self.snapshots is not None:
                     self.snapshots.save(seq.prefix_ids[-1], seq.slot)  # type: ignore[arg-type]
@@ -133,7 +133,7 @@ class Scheduler:
     def _match(self, seq: Sequence) -> None:
         """Start ``seq`` from the cached pages holding the start of its tokens; with state
         snapshots only up to the deepest page with a copy, and mark where a copy is wanted."""
-        pages, ids = self.pool.match(seq.token_ids)
+        pages, ids = self.pool.match(seq.token_ids, seq.cache_salt)
         seq.snapshot_at = None
         if self.snapshots is not None:
             keep = self.snapshots.deepest(ids)

@@ -57,7 +57,7 @@ def router(state: ServerState) -> APIRouter:
                                            **req.template_options())
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), "messages") from None
-        checked = check_prompt(processor, prompt, "messages", req.truncate_prompt_tokens)
+        checked = check_prompt(processor, prompt, "messages", req.truncate_prompt_tokens, req.cache_salt)
         ids = checked.prompt_token_ids
         max_tokens = resolve_max_tokens(state, req.max_completion_tokens or req.max_tokens, len(ids), None)
         top = (req.top_logprobs or 0) if req.logprobs else None

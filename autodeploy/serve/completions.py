@@ -114,7 +114,7 @@ def router(state: ServerState) -> APIRouter:
         for p in prompts:
             if not isinstance(p, (str, list)):
                 raise APIError(400, "'prompt' must be a string, a list of strings, or token ids", "prompt")
-            checked = check_prompt(processor, p, "prompt", req.truncate_prompt_tokens)
+            checked = check_prompt(processor, p, "prompt", req.truncate_prompt_tokens, req.cache_salt)
             max_tokens = resolve_max_tokens(state, req.max_tokens, len(checked.prompt_token_ids), 16)
             params = to_sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=_prompt_scoring(req))
             text = checked.prompt if checked.prompt is not None else (processor.decode(checked.prompt_token_ids) or "")

@@ -10,8 +10,9 @@ Function calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is ``tool
 Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampling
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``bad_words``, ``prompt_logprobs``, ``allowed_token_ids``,
-``truncate_prompt_tokens``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``min_tokens``, ``repetition_penalty``,
-``min_p`` and the guided decoding above: beam search, ``guided_grammar``, ``priority``, ``cache_salt``, ...)
+``truncate_prompt_tokens``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``cache_salt``,
+``min_tokens``, ``repetition_penalty``,
+``min_p`` and the guided decoding above: beam search, ``guided_grammar``, ``priority``, ...)
 are rejected with a 400 naming the parameter rather than silently ignored: a client that asks
 for them would otherwise get answers it did not ask for. Other unknown fields are accepted and
 ignored (clients send vendor extras).
@@ -106,7 +107,7 @@ _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
     "echo": (False,),  # (chat's: a completion request has its own field)
     # what the output text or the response holds, and scheduling
     "spaces_between_special_tokens": (True,), "logits_processors": (), "priority": (0,),
-    "cache_salt": (), "mm_processor_kwargs": (), "vllm_xargs": (),
+    "mm_processor_kwargs": (), "vllm_xargs": (),
 }
 _STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
 
@@ -179,6 +180,9 @@ class _Common(_Body):
     guided_whitespace_pattern: Optional[str] = Field(default=None, description=(
         "With a JSON Schema: the whitespace allowed between JSON tokens, a regular expression (default: at most "
         "one space)."))
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024, description=(
+        "vLLM's: cached prompt prefixes are shared only with requests of the same salt (use a long random one "
+        "per tenant)."))
     return_token_ids: Optional[bool] = Field(default=None, description=(
         "vLLM's: the response gives 'prompt_token_ids' and each choice's 'token_ids' (streamed: the prompt's in "
         "the first chunk, each chunk's new tokens)."))

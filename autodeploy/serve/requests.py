@@ -85,7 +85,16 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], max
         raise APIError(400, str(exc)) from None
 
 
-def check_prompt(processor: RequestProcessor, prompt: Any, param: str, truncate: Optional[int] = None) -> CheckedPrompt:
+def check_prompt(processor: RequestProcessor, prompt: Any, param: str, truncate: Optional[int] = None,
+                 cache_salt: Optional[str] = None) -> CheckedPrompt:
+    """``prompt`` (text, token ids, or a prompt mapping) tokenized and checked; ``cache_salt``
+    (vLLM's) goes with it to the prefix cache."""
+    if cache_salt is not None:
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        elif isinstance(prompt, list):
+            prompt = {"prompt_token_ids": prompt}
+        prompt = {**prompt, "cache_salt": cache_salt}
     try:
         return processor.check(prompt, truncate)
     except InvalidRequestError as exc:

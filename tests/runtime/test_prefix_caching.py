@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from autodeploy import LLM, SamplingParams
+from autodeploy import LLM, InvalidRequestError, SamplingParams
 from autodeploy.cache.interface import CachedSequenceInterface
 from autodeploy.cache.resources import StateHandler
 from autodeploy.runtime.page_pool import PagePool
@@ -26,9 +26,9 @@ from helpers import coverage_checkpoint, hf_greedy_tokens
 PS = 4  # tokens per page in the pool tests
 
 
-def _computed(pool, tokens, pages, ids):
+def _computed(pool, tokens, pages, ids, salt=None):
     """A sequence that computed all of ``tokens`` into ``pages`` registers its full pages."""
-    pool.register(tokens, pages, len(tokens), ids)
+    pool.register(tokens, pages, len(tokens), ids, salt)
     return ids
 
 
@@ -44,6 +44,22 @@ def test_match_takes_whole_cached_pages_and_leaves_a_token_to_compute():
     assert pool.match(tokens[:8])[0] == pages[:1]  # 8 tokens: the second page would leave none to compute
     assert pool.match(tokens[:5] + [42, 6, 7, 8])[0] == pages[:1]  # differs inside the second page
     assert pool.match([42] + tokens[1:])[0] == []
+
+
+def test_a_cache_salt_shares_pages_only_with_the_same_salt():
+    """vLLM's ``cache_salt``: pages registered under a salt match only requests with that salt
+    (no salt is its own group), at every depth."""
+    pool = PagePool(16, PS, prefix_caching=True)
+    tokens = list(range(10))
+    held = {}
+    for salt in (None, "tenant-a"):
+        assert pool.match(tokens + [99], salt)[0] == []  # nothing under this salt yet
+        held[salt] = pool.allocate(3)
+        _computed(pool, tokens, held[salt], [], salt)
+    for salt in (None, "tenant-a"):
+        assert pool.match(tokens + [99], salt)[0] == held[salt][:2]
+    assert held[None][:2] != held["tenant-a"][:2]
+    assert pool.match(tokens + [99], "tenant-b")[0] == []
 
 
 def test_shared_pages_are_freed_when_the_last_holder_lets_go_and_stay_cached():
@@ -280,6 +296,21 @@ def test_requests_sharing_a_system_prompt_give_the_tokens_computed_without_it(en
     again = cached.generate(prompts[:1], _greedy())[0].token_ids
     assert again == expected[0]
     assert 0 < cached.engine.prefix_cache_hit_rate < 1
+
+
+def test_requests_share_cached_prefixes_only_under_the_same_cache_salt(engines):
+    cached, plain = engines
+    prompt = SYSTEM + QUESTIONS[1] + " (salted)"
+    expected = plain.generate([prompt], _greedy())[0].token_ids
+    sched = cached.engine.scheduler
+    cached.generate([prompt], _greedy())  # cached without a salt
+    for salt, shares in (("tenant-a", False), ("tenant-a", True), ("tenant-b", False)):
+        before = sched.prefix_hit_tokens
+        out = cached.generate([{"prompt": prompt, "cache_salt": salt}], _greedy())[0]
+        assert out.token_ids == expected
+        assert (sched.prefix_hit_tokens > before) == shares, salt
+    with pytest.raises(InvalidRequestError, match="cache_salt must be a non-empty string"):
+        cached.generate([{"prompt": prompt, "cache_salt": ""}], _greedy())
 
 
 def test_prompt_logprobs_and_n_with_a_cached_prefix(engines):

@@ -585,6 +585,23 @@ def test_prompt_logprobs_errors(server, path, extra, word):
     assert err["param"] == "prompt_logprobs" and word in err["message"]
 
 
+def test_cache_salt_separates_cached_prefixes(server):
+    """vLLM's ``cache_salt`` (a 400 before): a prompt's cached pages serve the same salt only."""
+    prompt = "Salted prefix: " + " ".join(f"w{i}" for i in range(40))
+
+    def hits(**extra):
+        before = parse_prometheus(server.http().get("/metrics").text)["autodeploy_prefix_cache_hit_tokens_total"]
+        r = server.http().post("/v1/completions", json={"model": SERVED_NAME, "prompt": prompt, "max_tokens": 1,
+                                                        "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        after = parse_prometheus(server.http().get("/metrics").text)["autodeploy_prefix_cache_hit_tokens_total"]
+        return after - before
+
+    hits(cache_salt="tenant-a")  # cached under tenant-a
+    assert hits() == 0 and hits(cache_salt="tenant-b") == 0
+    assert hits(cache_salt="tenant-a") > 0 and hits() > 0
+
+
 # ---- vLLM's stop_reason, return_token_ids, return_tokens_as_token_ids -----------------------------
 def _events(server, path, body):
     r = server.http().post(path, json={**body, "stream": True})

@@ -78,6 +78,7 @@ COMMON = {
     "truncate_prompt_tokens": field(st.integers(-3, 200)),
     "return_token_ids": field(st.booleans()),
     "return_tokens_as_token_ids": field(st.booleans()),
+    "cache_salt": field(st.text(max_size=4)),
     "user": field(st.text(max_size=10)),
 }
 COMPLETION = st.fixed_dictionaries({"prompt": field(PROMPT)}, optional={
