@@ -81,7 +81,8 @@ class LLM:
             self._engine = Engine(self.build.graph, cache, tokenizer=self.tokenizer_handle,
                                   eos_token_ids=self._eos_token_ids(),
                                   prefix_caching=self.config.enable_prefix_caching,
-                                  state_snapshots=self.config.prefix_state_snapshots)
+                                  state_snapshots=self.config.prefix_state_snapshots,
+                                  scheduling_policy=self.config.scheduling_policy)
             return
         from .runtime.step_broadcast import StepSender, agree_on_capacity
 
@@ -95,7 +96,8 @@ class LLM:
                                   eos_token_ids=self._eos_token_ids(), step_sender=self._sender,
                                   num_pages=pages, max_batch_size=sequences,
                                   prefix_caching=self.config.enable_prefix_caching,
-                                  state_snapshots=self.config.prefix_state_snapshots)
+                                  state_snapshots=self.config.prefix_state_snapshots,
+                                  scheduling_policy=self.config.scheduling_policy)
 
     def _load_tokenizer(self) -> Any:
         """The checkpoint's tokenizer, with ``chat_template`` in place of its own template if set."""
@@ -209,11 +211,13 @@ class LLM:
         prompts: Union[Prompt, Sequence[Prompt]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = False,
+        priority: Optional[Sequence[int]] = None,
     ) -> List[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs come in prompt order.
 
         A prompt the engine cannot serve raises ``InvalidRequestError`` naming it, before any
-        prompt of this call is queued.
+        prompt of this call is queued. ``priority`` (vLLM's): one integer per prompt, lower served
+        first; needs ``scheduling_policy='priority'``.
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -224,7 +228,14 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise InvalidRequestError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        requests = self.processor.prepare_all(prompts, params_list)
+        if priority is not None:
+            priority = list(priority)
+            if len(priority) != len(prompts):
+                raise InvalidRequestError(f"{len(prompts)} prompts but {len(priority)} priorities")
+            if any(priority) and self.config.scheduling_policy != "priority":
+                raise InvalidRequestError("priority: this engine serves requests in arrival order; build it with "
+                                          "scheduling_policy='priority'")
+        requests = self.processor.prepare_all(prompts, params_list, priority)
         request_ids = [self.engine.add_request(r) for r in requests]
         progress = None
         if use_tqdm:

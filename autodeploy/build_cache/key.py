@@ -107,7 +107,8 @@ def key_inputs(config: Any, factory: Any, world_size: int, rank: int) -> Dict[st
 
     settings = config.model_dump(mode="json")
     # settings of the engine, not the build
-    for runtime_only in ("build_cache", "enable_prefix_caching", "prefix_state_snapshots", "chat_template"):
+    for runtime_only in ("build_cache", "enable_prefix_caching", "prefix_state_snapshots", "chat_template",
+                         "scheduling_policy"):
         settings.pop(runtime_only, None)
     return {
         "format": CACHE_FORMAT_VERSION,

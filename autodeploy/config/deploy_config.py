@@ -78,6 +78,13 @@ class DeployConfig(BaseModel):
         "leaves one; later ones start from it) and at an n > 1 request's last whole prompt page. Unset: "
         "min(16, max_batch_size); 0: prefix caching off for such models. No effect on models without state caches.",
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs",
+        description="The order requests are served in (vLLM's): fcfs by arrival; priority by each request's "
+        "priority (lower first; LLM.generate(priority=...), the server's 'priority' field), then arrival: "
+        "admissions, steps and the sequence preempted when pages run out follow it. Under fcfs a request with "
+        "a priority other than 0 is refused.",
+    )
     skip_tokenizer_init: bool = Field(
         default=False,
         description="Never load a tokenizer: prompts must be token ids and outputs carry token ids only "

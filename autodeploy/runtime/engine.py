@@ -11,7 +11,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Literal, Optional
 
 import torch
 
@@ -137,6 +137,7 @@ class Engine:
         max_batch_size: Optional[int] = None,
         prefix_caching: bool = False,
         state_snapshots: Optional[int] = None,
+        scheduling_policy: Literal["fcfs", "priority"] = "fcfs",
     ):
         """``step_sender``: rank 0 of a tensor-parallel group sends every step to the other ranks.
         ``num_pages`` / ``max_batch_size``: schedule within fewer pages or sequences than this
@@ -144,7 +145,7 @@ class Engine:
         ``prefix_caching``: sequences start from the cached pages of a prompt prefix seen before
         (``PagePool``). ``state_snapshots``: for a model with per-sequence state caches, how many
         copies of a state at a page boundary are kept for it (``snapshot_capacity``; 0 turns
-        prefix caching off for such a model)."""
+        prefix caching off for such a model). ``scheduling_policy``: ``Scheduler``'s ``policy``."""
         self.cache = cache
         self.tokenizer = tokenizer
         self.eos_token_ids = set(int(t) for t in eos_token_ids)
@@ -159,7 +160,7 @@ class Engine:
                              prefix_caching=prefix_caching)
         self.scheduler = Scheduler(
             self.pool, max_batch_size=max_batch_size or cache.max_batch_size, max_num_tokens=cache.max_num_tokens,
-            chunked_prefill=chunked_prefill, snapshots=self.snapshots,
+            chunked_prefill=chunked_prefill, snapshots=self.snapshots, policy=scheduling_policy,
         )
         self.requests: Dict[str, _Request] = {}
         self.stats = EngineStats()
@@ -183,6 +184,9 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
+        if request.priority and self.scheduler.policy != "priority":
+            raise InvalidRequestError(f"priority {request.priority}: this engine serves requests in arrival order; "
+                                      "start it with scheduling_policy='priority' (serve --scheduling_policy priority)")
         params = request.params
         tokenizer = self.tokenizer.tokenizer if self.tokenizer is not None else None
         guides = self._guides_for(tokenizer) if params.guided is not None else None
@@ -198,7 +202,7 @@ class Engine:
                            prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
                            prompt_ranks=[None] if params.prompt_logprobs is not None and i == 0 else None,
                            hidden_states=[] if params.return_hidden_states else None,
-                           cache_salt=request.cache_salt)
+                           cache_salt=request.cache_salt, priority=request.priority)
             if tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
                                                          skip_special_tokens=params.skip_special_tokens)

@@ -44,6 +44,7 @@ class PreparedRequest:
     prompt_token_ids: List[int]
     params: SamplingParams
     cache_salt: Optional[str] = None
+    priority: int = 0  # the priority scheduling policy serves lower values first
 
 
 class TokenizerHandle:
@@ -225,15 +226,19 @@ class RequestProcessor:
             raise InvalidRequestError("cache_salt must be a non-empty string")
         return CheckedPrompt(text, self.check_prompt(ids), salt)
 
-    def prepare(self, prompt: Union[Prompt, CheckedPrompt], params: SamplingParams) -> PreparedRequest:
+    def prepare(self, prompt: Union[Prompt, CheckedPrompt], params: SamplingParams,
+                priority: int = 0) -> PreparedRequest:
         """The one place a request is checked; the engine trusts what this returns. ``bad_words``
-        become token sequences here (``bad_words_token_ids``), with the tokenizer."""
+        become token sequences here (``bad_words_token_ids``), with the tokenizer. ``priority``:
+        for the priority scheduling policy (lower is served first)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         self.check_params(params)
         checked = self.check(prompt, params.truncate_prompt_tokens)
         if params.bad_words:
             params = dataclasses.replace(params, bad_words_token_ids=list(params.bad_words_token_ids or [])
                                          + self.bad_words_token_ids(params.bad_words))
-        return PreparedRequest(checked.prompt, checked.prompt_token_ids, params, checked.cache_salt)
+        return PreparedRequest(checked.prompt, checked.prompt_token_ids, params, checked.cache_salt, priority)
 
     def bad_words_token_ids(self, words: Sequence[str]) -> List[List[int]]:
         """vLLM's reading of ``bad_words``: each word's tokens at the start of a text, and after a
@@ -248,12 +253,13 @@ class RequestProcessor:
                 out.append(list(spaced))
         return out
 
-    def prepare_all(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> List[PreparedRequest]:
+    def prepare_all(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
+                    priorities: Optional[Sequence[int]] = None) -> List[PreparedRequest]:
         """Every prompt prepared, or ``InvalidRequestError`` naming the first bad one (nothing queued)."""
         out = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                out.append(self.prepare(prompt, p))
+                out.append(self.prepare(prompt, p, priorities[i] if priorities is not None else 0))
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"prompt {i}: {exc}", code=exc.code) from None
         return out

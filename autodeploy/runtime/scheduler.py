@@ -15,6 +15,12 @@ as a chunked prefill continues; the pages each step fills are given entries afte
 released tail first, are usually still cached. The other choices of an ``n > 1`` request wait
 while the first one computes the prompt's whole pages, then start from them.
 
+Scheduling policy (vLLM's ``scheduling_policy``): ``"fcfs"`` orders everything by arrival as
+above; ``"priority"`` orders by (``Sequence.priority``, arrival), lower values first: decodes and
+prefill chunks, the waiting queue's admissions, and the preemption victim (the last in that
+order, so the least urgent, youngest sequence is recomputed). A new sequence never preempts in
+either policy: an urgent request waits for room, then goes before every less urgent one.
+
 Each running sequence also holds a state slot (``Sequence.slot``, ``0..max_batch_size-1``) for
 the per-sequence state caches (SSM, convolution, delta rule): taken when it starts running,
 given back when it finishes, is aborted or is preempted. A preempted sequence recomputes from an
@@ -32,7 +38,7 @@ other choices start). Without chunked prefill no chunk is cut and no copy is tak
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Deque, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Deque, List, Literal, Optional, Set, Tuple
 
 from ..utils.logging import get_logger
 from .page_pool import PagePool
@@ -73,8 +79,12 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_batch_size: int, max_num_tokens: int, chunked_prefill: bool = True,
-                 snapshots: Optional["StateSnapshots"] = None):
-        """``snapshots``: the state copies of a model with state caches (prefix caching only)."""
+                 snapshots: Optional["StateSnapshots"] = None, policy: Literal["fcfs", "priority"] = "fcfs"):
+        """``snapshots``: the state copies of a model with state caches (prefix caching only);
+        ``policy``: the order sequences are served in (module docstring)."""
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.policy = policy
         self.pool = pool
         self.snapshots = snapshots
         self.max_batch_size = max_batch_size
@@ -92,6 +102,17 @@ class Scheduler:
     # ---- queue ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def _order(self, seq: Sequence) -> Tuple[int, int]:
+        """Serving order: lower first (the policy's key)."""
+        return (seq.priority if self.policy == "priority" else 0, seq.arrival)
+
+    def _admission_order(self) -> List[Sequence]:
+        """The waiting queue in the order it is admitted: as queued for fcfs (preempted sequences
+        at its front), by priority then arrival for the priority policy."""
+        if self.policy == "priority":
+            return sorted(self.waiting, key=self._order)
+        return list(self.waiting)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -187,7 +208,7 @@ class Scheduler:
         ``may_preempt_self`` (a decode that cannot grow); if the youngest is already in this
         step, ``seq`` waits a step instead. Returns whether ``seq`` got its pages."""
         while not self._grow(seq, num_tokens):
-            youngest = max(self.running, key=lambda s: s.arrival)
+            youngest = max(self.running, key=self._order)  # the least urgent, youngest
             if youngest is seq:
                 if may_preempt_self:
                     self._preempt(seq)
@@ -205,15 +226,15 @@ class Scheduler:
         budget = self.max_num_tokens
         preempted: Set[int] = set()
         # 1. decodes, oldest first: one token each
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        for seq in sorted(self.running, key=self._order):
             if budget < 1 or id(seq) in preempted or not seq.is_decode:
                 continue
             if self._reserve(seq, seq.num_computed + 1, step, preempted, may_preempt_self=True):
                 step.decode.append(seq)
                 budget -= 1
         # 2. prefills: running sequences' next chunks (oldest first), then admissions (FIFO)
-        continuing = sorted((s for s in self.running if not s.is_decode), key=lambda s: s.arrival)
-        for seq in continuing + list(self.waiting):
+        continuing = sorted((s for s in self.running if not s.is_decode), key=self._order)
+        for seq in continuing + self._admission_order():
             if budget < 1:
                 break
             if id(seq) in preempted:

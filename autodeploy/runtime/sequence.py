@@ -23,6 +23,7 @@ class Sequence:
     # prefix caching: the pool's entry id of each of its full pages so far (``PagePool.register``)
     prefix_ids: List[int] = field(default_factory=list)
     cache_salt: Optional[str] = None  # prefix caching: it shares cached pages only under this salt
+    priority: int = 0  # the priority scheduling policy serves lower values first
     slot: Optional[int] = None  # its state slot while running (per-sequence state caches)
     # prefix caching with state snapshots: a page boundary where a prefill chunk ends so that a
     # copy of its state is kept there (``Scheduler``; None: no copy wanted)

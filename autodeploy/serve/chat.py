@@ -15,8 +15,8 @@ from ..runtime.request_processor import PreparedRequest
 from ..runtime.sampling_params import InvalidRequestError
 from .openapi import ChatCompletionChunk, ChatCompletionResponse, api_responses
 from .protocol import APIError, ChatCompletionRequest, template_messages
-from .requests import (check_choices, check_model, check_prompt, final_output, prepare_request, resolve_max_tokens,
-                       scored_prompt, to_sampling_params, token_namer, unless_disconnected, usage)
+from .requests import (check_choices, check_model, check_priority, check_prompt, final_output, prepare_request,
+                       resolve_max_tokens, scored_prompt, to_sampling_params, token_namer, unless_disconnected, usage)
 from .state import ServerState
 from .streaming import ChoiceDelta, StreamedRequest, stream_sse
 from .tool_calls import ToolRequestError, ToolSettings
@@ -45,6 +45,7 @@ def router(state: ServerState) -> APIRouter:
         """Answer a conversation, rendered with the tokenizer's chat template."""
         check_model(state, req.model)
         req.check_supported()
+        check_priority(state, req.priority)
         check_choices(state, 1, req.n)
         tools = req.tool_settings()
         try:
@@ -61,7 +62,8 @@ def router(state: ServerState) -> APIRouter:
         ids = checked.prompt_token_ids
         max_tokens = resolve_max_tokens(state, req.max_completion_tokens or req.max_tokens, len(ids), None)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        prepared = prepare_request(processor, checked, to_sampling_params(req, max_tokens, top), "messages")
+        prepared = prepare_request(processor, checked, to_sampling_params(req, max_tokens, top), "messages",
+                                   req.priority)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if req.stream:
             return StreamingResponse(_stream(state, req, tools, rid, prepared), media_type="text/event-stream")

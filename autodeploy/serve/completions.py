@@ -24,9 +24,9 @@ from ..runtime.detokenizer import IncrementalDetokenizer
 from ..runtime.request_processor import PreparedRequest
 from .openapi import CompletionChunk, CompletionResponse, api_responses
 from .protocol import APIError, CompletionRequest
-from .requests import (check_choices, check_model, check_prompt, final_output, gather_or_cancel, prepare_request,
-                       resolve_max_tokens, scored_prompt, to_sampling_params, token_namer, top_alternatives,
-                       unless_disconnected, usage)
+from .requests import (check_choices, check_model, check_priority, check_prompt, final_output, gather_or_cancel,
+                       prepare_request, resolve_max_tokens, scored_prompt, to_sampling_params, token_namer,
+                       top_alternatives, unless_disconnected, usage)
 from .state import ServerState
 from .streaming import ChoiceDelta, StreamedRequest, stream_sse
 
@@ -107,6 +107,7 @@ def router(state: ServerState) -> APIRouter:
         """Complete one prompt or a list of them (strings or token ids), ``n`` choices each."""
         check_model(state, req.model)
         req.check_supported()
+        check_priority(state, req.priority)
         processor = state.engine.processor
         prompts = req.prompts()
         check_choices(state, len(prompts), req.n)
@@ -118,7 +119,8 @@ def router(state: ServerState) -> APIRouter:
             max_tokens = resolve_max_tokens(state, req.max_tokens, len(checked.prompt_token_ids), 16)
             params = to_sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=_prompt_scoring(req))
             text = checked.prompt if checked.prompt is not None else (processor.decode(checked.prompt_token_ids) or "")
-            plans.append((text, checked.prompt_token_ids, prepare_request(processor, checked, params, "prompt")))
+            prepared = prepare_request(processor, checked, params, "prompt", req.priority)
+            plans.append((text, checked.prompt_token_ids, prepared))
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         if req.stream:
             return StreamingResponse(_stream(state, req, rid, plans), media_type="text/event-stream")

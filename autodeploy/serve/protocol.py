@@ -11,8 +11,8 @@ Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampli
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``bad_words``, ``prompt_logprobs``, ``allowed_token_ids``,
 ``truncate_prompt_tokens``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``cache_salt``,
-``min_tokens``, ``repetition_penalty``,
-``min_p`` and the guided decoding above: beam search, ``guided_grammar``, ``priority``, ...)
+``priority``, ``min_tokens``, ``repetition_penalty``, ``min_p`` and the guided decoding above: beam
+search, ``guided_grammar``, ...)
 are rejected with a 400 naming the parameter rather than silently ignored: a client that asks
 for them would otherwise get answers it did not ask for. Other unknown fields are accepted and
 ignored (clients send vendor extras).
@@ -106,7 +106,7 @@ _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1,), "guided_grammar": (),
     "echo": (False,),  # (chat's: a completion request has its own field)
     # what the output text or the response holds, and scheduling
-    "spaces_between_special_tokens": (True,), "logits_processors": (), "priority": (0,),
+    "spaces_between_special_tokens": (True,), "logits_processors": (),
     "mm_processor_kwargs": (), "vllm_xargs": (),
 }
 _STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
@@ -180,6 +180,8 @@ class _Common(_Body):
     guided_whitespace_pattern: Optional[str] = Field(default=None, description=(
         "With a JSON Schema: the whitespace allowed between JSON tokens, a regular expression (default: at most "
         "one space)."))
+    priority: int = Field(default=0, description=(
+        "vLLM's: lower is served first, with the server's --scheduling_policy priority (otherwise only 0)."))
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024, description=(
         "vLLM's: cached prompt prefixes are shared only with requests of the same salt (use a long random one "
         "per tenant)."))

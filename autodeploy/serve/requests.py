@@ -24,6 +24,13 @@ def check_model(state: ServerState, name: str) -> None:
                        "model", "model_not_found")
 
 
+def check_priority(state: ServerState, priority: int) -> None:
+    """A priority other than 0 needs an engine that schedules by priority (vLLM's rule)."""
+    if priority and state.scheduling_policy != "priority":
+        raise APIError(400, f"'priority' {priority}: this server serves requests in arrival order; start it with "
+                            "--scheduling_policy priority (or send priority 0)", "priority")
+
+
 def check_choices(state: ServerState, num_prompts: int, n: int) -> None:
     """At most ``--max-choices-per-request`` sequences (prompts x n) per request."""
     limit = state.max_choices_per_request
@@ -102,9 +109,9 @@ def check_prompt(processor: RequestProcessor, prompt: Any, param: str, truncate:
 
 
 def prepare_request(processor: RequestProcessor, checked: CheckedPrompt, params: SamplingParams,
-                    param: str) -> PreparedRequest:
+                    param: str, priority: int = 0) -> PreparedRequest:
     try:
-        return processor.prepare(checked, params)
+        return processor.prepare(checked, params, priority)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param, exc.code) from None
 

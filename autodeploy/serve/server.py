@@ -77,6 +77,7 @@ def build_state(llm: LLM, *, model_name: Optional[str] = None, api_key: Optional
         engine=engine, model_name=model_name or llm.config.model, api_key=api_key,
         max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit,
         max_choices_per_request=max_choices_per_request, tool_call_parser=tool_call_parser,
+        scheduling_policy=llm.config.scheduling_policy,
     )
 
 

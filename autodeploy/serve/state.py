@@ -24,6 +24,8 @@ class ServerState:
     max_choices_per_request: int = 128
     # how the model writes tool calls, for tool_choice 'auto' (``tool_parsers.PARSERS``); None: 'auto' is a 400
     tool_call_parser: Optional[str] = None
+    # the engine's (DeployConfig.scheduling_policy): a request's 'priority' other than 0 needs "priority"
+    scheduling_policy: str = "fcfs"
     created: int = field(default_factory=lambda: int(time.time()))
     # Set on SIGTERM/SIGINT: new API requests get a 503 while the ones in flight drain.
     shutting_down: bool = False

@@ -252,6 +252,31 @@ def test_out_of_vocab_allowed_token_ids_are_refused(llm):
         llm.generate(["x"], greedy(allowed_token_ids=[3, 512]))
 
 
+def test_priority_scheduling_serves_the_most_urgent_first(ref):
+    """``scheduling_policy='priority'`` (vLLM's): one sequence at a time, the lower priority value
+    runs first whatever the order of arrival; tokens are those of each prompt alone."""
+    urgent_llm = LLM("tiny-llama", **{**BASE, "max_batch_size": 1}, scheduling_policy="priority")
+    eng, finished = urgent_llm.engine, []
+    prompts = PROMPTS[:3]
+    ids = [eng.add_request(urgent_llm.processor.prepare(p, greedy(), priority=prio))
+           for p, prio in zip(prompts, (2, 0, 1))]
+    while eng.has_unfinished():
+        finished += [out.request_id for out in eng.step()]
+    assert finished == [ids[1], ids[2], ids[0]]
+    outs = urgent_llm.generate(prompts, greedy(), priority=[2, 0, 1])  # in prompt order
+    assert [o.token_ids for o in outs] == [ref[p] for p in prompts]
+
+
+def test_a_priority_needs_the_priority_policy(llm):
+    with pytest.raises(InvalidRequestError, match="scheduling_policy='priority'"):
+        llm.generate(PROMPTS[:2], greedy(), priority=[0, 1])
+    with pytest.raises(InvalidRequestError, match="scheduling_policy='priority'"):
+        llm.engine.add_request(llm.processor.prepare(PROMPTS[0], greedy(), priority=3))
+    with pytest.raises(InvalidRequestError, match="2 prompts but 1 priorities"):
+        llm.generate(PROMPTS[:2], greedy(), priority=[0])
+    assert [o.token_ids for o in llm.generate(PROMPTS[:1], greedy(), priority=[0])]  # 0 is the default
+
+
 # ---- (e) stop conditions -------------------------------------------------------------------------
 def test_max_tokens_finishes_with_length(llm, ref):
     (out,) = llm.generate([PROMPTS[0]], greedy(5))

@@ -10,9 +10,9 @@ from autodeploy.runtime.scheduler import Scheduler
 from autodeploy.runtime.sequence import Sequence
 
 
-def make_seq(arrival, prompt_len, max_tokens):
+def make_seq(arrival, prompt_len, max_tokens, priority=0):
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    return Sequence(f"r{arrival}", 0, list(range(1, prompt_len + 1)), params, arrival)
+    return Sequence(f"r{arrival}", 0, list(range(1, prompt_len + 1)), params, arrival, priority=priority)
 
 
 def pages_for(num_tokens, page_size):
@@ -22,10 +22,10 @@ def pages_for(num_tokens, page_size):
 class Driver:
     """Runs the scheduler like the engine does, checking its invariants at every step."""
 
-    def __init__(self, *, num_pages, page_size, max_batch_size, max_num_tokens, chunked_prefill=True):
+    def __init__(self, *, num_pages, page_size, max_batch_size, max_num_tokens, chunked_prefill=True, policy="fcfs"):
         self.pool = PagePool(num_pages, page_size)
         self.sched = Scheduler(self.pool, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-                               chunked_prefill=chunked_prefill)
+                               chunked_prefill=chunked_prefill, policy=policy)
         self.steps = []  # per step: list of (seq, n, kind, pages held when scheduled)
         self.preempted = []  # per step: the sequences preempted in it, youngest first
         self.finished = []
@@ -69,11 +69,13 @@ class Driver:
         assert len(slots) + len(sched.free_slots) == sched.max_batch_size
         assert len(held) + pool.num_free == pool.num_pages
 
-        # ---- preemption: the youngest running sequences, freed and queued at the front ----
+        # ---- preemption: the youngest (priority policy: least urgent, then youngest) running
+        # sequences, freed and queued at the front ----
         victims = [s for s in running_before if s not in sched.running]
         assert sched.num_preemptions - preemptions_before == len(victims)
         if victims:
-            youngest = sorted(running_before, key=lambda s: s.arrival, reverse=True)[: len(victims)]
+            urgency = (lambda s: (s.priority, s.arrival)) if sched.policy == "priority" else (lambda s: s.arrival)
+            youngest = sorted(running_before, key=urgency, reverse=True)[: len(victims)]
             assert {id(s) for s in victims} == {id(s) for s in youngest}
             assert {id(s) for s in list(sched.waiting)[: len(victims)]} == {id(s) for s in victims}
             for s in victims:
@@ -255,17 +257,19 @@ def test_prefill_waits_when_the_pool_is_full_and_resumes_later():
     assert a.finished and b.finished
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_workloads_with_a_tight_pool(seed):
+def test_random_workloads_with_a_tight_pool(seed, policy):
     rng = random.Random(seed)
     page_size, max_seq_len = 4, 32
     d = Driver(num_pages=pages_for(max_seq_len, page_size) + 2, page_size=page_size, max_batch_size=4,
-               max_num_tokens=12)
+               max_num_tokens=12, policy=policy)
     seqs = []
     pending = []
     for i in range(10):
         prompt = rng.randint(1, 20)
-        seqs.append(make_seq(i, prompt, rng.randint(1, max_seq_len - prompt)))
+        seqs.append(make_seq(i, prompt, rng.randint(1, max_seq_len - prompt),
+                             priority=rng.randint(-2, 2) if policy == "priority" else 0))
         pending.append(rng.randint(0, 20))  # arrival step
     step_no = 0
     while d.sched.has_work() or any(p >= step_no for p in pending):
@@ -278,6 +282,34 @@ def test_random_workloads_with_a_tight_pool(seed):
         assert step_no < 2000
     d.run()
     assert all(s.finished and len(s.output_token_ids) == s.params.max_tokens for s in seqs)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_priority_policy_admits_the_most_urgent_first(policy):
+    """One sequence at a time: fcfs serves the earlier one; priority the lower value."""
+    d = Driver(num_pages=8, page_size=4, max_batch_size=1, max_num_tokens=64, policy=policy)
+    late_urgent, early = make_seq(1, 8, 4, priority=-1), make_seq(0, 8, 4, priority=3)
+    d.add(early)
+    d.add(late_urgent)
+    d.run()
+    assert d.finished == ([early, late_urgent] if policy == "fcfs" else [late_urgent, early])
+
+
+def test_the_priority_policy_preempts_the_least_urgent_even_when_older():
+    d = Driver(num_pages=8, page_size=4, max_batch_size=4, max_num_tokens=64, policy="priority")
+    a, b = make_seq(0, 12, 20, priority=9), make_seq(1, 12, 20, priority=0)  # cannot both fit in 8 pages
+    d.add(a)
+    d.add(b)
+    while not any(d.preempted):
+        d.step()
+    assert [v for vs in d.preempted for v in vs] == [a]
+    d.run()
+    assert d.finished[0] is b and a.finished
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="'fcfs' or 'priority'"):
+        Scheduler(PagePool(8, 4), max_batch_size=1, max_num_tokens=8, policy="lifo")
 
 
 def test_finish_releases_a_waiting_or_running_sequence():

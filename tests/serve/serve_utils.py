@@ -53,9 +53,10 @@ SERVER_ARGS: Dict[str, List[str]] = {
     "aux": ["--api-key", API_KEY, "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
             "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)],
     "tight": ["--transforms.initialize_cache.num_pages", str(TIGHT_PAGES), "--max-choices-per-request", str(MAX_CHOICES)],
-    # function calling: the tools the template shows take ~300 of the preset tokenizer's tokens
+    # function calling: the tools the template shows take ~300 of the preset tokenizer's tokens;
+    # and the priority scheduling policy (requests' 'priority' accepted)
     "tools": ["--max_seq_len", str(TOOLS_MAX_SEQ_LEN), "--tool-call-parser", "hermes", "--chat_template",
-              TOOLS_TEMPLATE_PATH],
+              TOOLS_TEMPLATE_PATH, "--scheduling_policy", "priority"],
 }
 FIXTURE_OF = {"server": "main", "aux_server": "aux", "tight_server": "tight", "tools_server": "tools"}
 

@@ -585,6 +585,21 @@ def test_prompt_logprobs_errors(server, path, extra, word):
     assert err["param"] == "prompt_logprobs" and word in err["message"]
 
 
+def test_priority_needs_the_priority_policy(server, tools_server):
+    """vLLM's ``priority``: a 400 naming the flag on an fcfs server; served on one started with
+    ``--scheduling_policy priority`` (the order itself: tests/runtime/test_scheduler.py, test_engine.py)."""
+    body = {"model": SERVED_NAME, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    r = server.http().post("/v1/completions", json={**body, "priority": -2})
+    assert r.status_code == 400 and "--scheduling_policy priority" in r.json()["error"]["message"]
+    texts = []
+    for priority in (0, -2, 7):
+        r = tools_server.http().post("/v1/completions", json={**body, "model": tools_server.model,
+                                                              "priority": priority})
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] == texts[1] == texts[2]
+
+
 def test_cache_salt_separates_cached_prefixes(server):
     """vLLM's ``cache_salt`` (a 400 before): a prompt's cached pages serve the same salt only."""
     prompt = "Salted prefix: " + " ".join(f"w{i}" for i in range(40))
