@@ -279,6 +279,10 @@ class Scheduler:
                     continue
             step.prefill.append((seq, n))
             budget -= n
+        # a one-token chunk after the start (the rest of a prompt whose other tokens came from cached
+        # pages, or of a chunked one) is a decode to the cached graph, whose batch must list every
+        # longer or first chunk before any decode: such chunks go last among the prefills
+        step.prefill.sort(key=lambda item: item[1] == 1 and item[0].num_computed > 0)
         if not step.prefill and not step.decode:
             if self.has_work():
                 raise RuntimeError(

@@ -298,6 +298,20 @@ def test_requests_sharing_a_system_prompt_give_the_tokens_computed_without_it(en
     assert 0 < cached.engine.prefix_cache_hit_rate < 1
 
 
+def test_a_one_token_rest_after_cached_pages_runs_beside_new_prompts(engines):
+    """A prompt cached up to its last token computes a one-token chunk after the start, which the
+    cached graph reads as a decode: it goes after the other prefills of its step (before the fix
+    such a step failed: "prefill sequences must come before decode sequences")."""
+    cached, plain = engines
+    base = [(7 * i) % 500 + 3 for i in range(12)]  # three pages
+    cached.generate([{"prompt_token_ids": base + [11]}], _greedy(2))  # caches the three pages
+    prompts = [{"prompt_token_ids": base + [12]}, {"prompt_token_ids": [9, 8, 7, 6, 5, 4, 3, 2, 1, 9]}]
+    hits = cached.engine.scheduler.prefix_hit_tokens
+    got = [o.token_ids for o in cached.generate(prompts, _greedy())]
+    assert cached.engine.scheduler.prefix_hit_tokens - hits == 12
+    assert got == [o.token_ids for o in plain.generate(prompts, _greedy())]
+
+
 def test_requests_share_cached_prefixes_only_under_the_same_cache_salt(engines):
     cached, plain = engines
     prompt = SYSTEM + QUESTIONS[1] + " (salted)"

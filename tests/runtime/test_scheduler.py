@@ -48,6 +48,9 @@ class Driver:
         assert all(s.is_decode for s in step.decode)
         order = [s for s, _ in step.sequences]
         assert order == [s for s, _ in step.prefill] + step.decode  # prefill first, then decode
+        # the graph's layout: what it reads as a decode (one token after the start) comes last
+        as_decode = [n == 1 and s.num_computed > 0 for s, n in step.sequences]
+        assert as_decode == sorted(as_decode), as_decode
         assert len(set(map(id, order))) == len(order)  # no sequence twice
         for seq, n in step.sequences:
             assert seq in sched.running
