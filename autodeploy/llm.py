@@ -31,6 +31,7 @@ from .pipeline import BuildResult, build_graph
 from .runtime.engine import Engine
 from .runtime.outputs import RequestOutput
 from .runtime.request_processor import Message, Prompt, RequestProcessor, TokenizerHandle
+from .runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .runtime.sampling_params import InvalidRequestError, SamplingParams
 from .utils.errors import ConfigError
 from .utils.logging import get_logger
@@ -303,6 +304,43 @@ class LLM:
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"conversation {i}: {exc}") from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> List[BeamSearchOutput]:
+        """Beam search (vLLM's ``LLM.beam_search``; the search is HF's ``generate(num_beams=...)``,
+        ``runtime.beam_search``): each prompt's ``params.beam_width`` best hypotheses, best first.
+        Every step runs each live beam as a one-token request; prefix caching shares their history."""
+        prompts = _as_prompt_list(prompts)
+        searches = []
+        for i, prompt in enumerate(prompts):
+            try:
+                checked = self.processor.check(prompt)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"prompt {i}: {exc}", code=exc.code) from None
+            longest = len(checked.prompt_token_ids) + params.max_tokens - 1  # the last step's input
+            if longest >= self.processor.max_seq_len:
+                raise InvalidRequestError(f"prompt {i}: {len(checked.prompt_token_ids)} tokens and max_tokens "
+                                          f"{params.max_tokens} do not fit in max_seq_len {self.processor.max_seq_len}",
+                                          code="context_length_exceeded")
+            searches.append(BeamSearch(checked.prompt_token_ids, params, sorted(self._eos_token_ids())))
+        step = params.step_params()
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=params.max_tokens, desc="beam search")
+        while not all(s.done for s in searches):
+            live = [s for s in searches if not s.done]
+            inputs = [ids for s in live for ids in s.requests()]
+            outs = iter(self.generate([{"prompt_token_ids": ids} for ids in inputs], step))
+            for s in live:
+                s.advance([next(outs).outputs[0].logprobs[0] for _ in s.beams])  # type: ignore[index]
+            if progress is not None:
+                progress.update(1)
+        if progress is not None:
+            progress.close()
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return [s.output(decode) for s in searches]
 
     @property
     def summary(self) -> str:
