@@ -339,7 +339,8 @@ class LLM:
                 progress.update(1)
         if progress is not None:
             progress.close()
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        tokenizer = self.tokenizer
+        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
         return [s.output(decode) for s in searches]
 
     @property

@@ -54,8 +54,8 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """A finished hypothesis: its new tokens (the EOS that ended it included), their text, the
-    sum of their log-probabilities and the score it was ranked by."""
+    """A finished hypothesis: its new tokens (the EOS that ended it included), their text (special
+    tokens skipped), the sum of their log-probabilities and the score it was ranked by."""
 
     token_ids: List[int]
     cum_logprob: float

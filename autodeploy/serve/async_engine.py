@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, Optional, Tuple
+from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from ..runtime.engine import Engine
 from ..runtime.outputs import RequestOutput
@@ -117,6 +117,11 @@ class AsyncEngine:
             return f"{prefix}-{self._ids}"
 
     # ---- handler side --------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> List[int]:
+        """The model's end-of-sequence ids (fixed when the engine was made: safe to read here)."""
+        return sorted(self._engine.eos_token_ids)
+
     @property
     def max_seq_len(self) -> int:
         return self.processor.max_seq_len

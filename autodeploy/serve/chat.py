@@ -11,8 +11,10 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..runtime.request_processor import PreparedRequest
+from ..runtime.beam_search import BeamSearchParams
+from ..runtime.request_processor import CheckedPrompt, PreparedRequest
 from ..runtime.sampling_params import InvalidRequestError
+from .beam_search import beam_params, completion_tokens, run_beam_search
 from .openapi import ChatCompletionChunk, ChatCompletionResponse, api_responses
 from .protocol import APIError, ChatCompletionRequest, template_messages
 from .requests import (check_choices, check_model, check_priority, check_prompt, final_output, prepare_request,
@@ -61,6 +63,8 @@ def router(state: ServerState) -> APIRouter:
         checked = check_prompt(processor, prompt, "messages", req.truncate_prompt_tokens, req.cache_salt)
         ids = checked.prompt_token_ids
         max_tokens = resolve_max_tokens(state, req.max_completion_tokens or req.max_tokens, len(ids), None)
+        if req.use_beam_search:
+            return await _beam_search(state, request, req, checked, beam_params(req, max_tokens))
         top = (req.top_logprobs or 0) if req.logprobs else None
         prepared = prepare_request(processor, checked, to_sampling_params(req, max_tokens, top), "messages",
                                    req.priority)
@@ -70,6 +74,18 @@ def router(state: ServerState) -> APIRouter:
         return await _complete(state, request, req, tools, rid, prepared)
 
     return api
+
+
+async def _beam_search(state: ServerState, request: Request, req: ChatCompletionRequest, checked: CheckedPrompt,
+                       params: BeamSearchParams) -> JSONResponse:
+    """``use_beam_search``: the conversation's ``n`` best answers, best first, as the choices."""
+    rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    out = await unless_disconnected(request, run_beam_search(state, rid, checked, params, req.priority))
+    choices = [{"index": j, "message": {"role": "assistant", "content": s.text}, "logprobs": None,
+                "finish_reason": s.finish_reason, "stop_reason": None} for j, s in enumerate(out.sequences)]
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                         "model": state.model_name, "choices": choices,
+                         "usage": usage(len(checked.prompt_token_ids), completion_tokens(out))})
 
 
 async def _complete(state: ServerState, request: Request, req: ChatCompletionRequest, tools: ToolSettings, rid: str,

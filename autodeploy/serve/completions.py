@@ -21,7 +21,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..runtime.detokenizer import IncrementalDetokenizer
-from ..runtime.request_processor import PreparedRequest
+from ..runtime.beam_search import BeamSearchParams
+from ..runtime.request_processor import CheckedPrompt, PreparedRequest
+from .beam_search import beam_params, completion_tokens, run_beam_search
 from .openapi import CompletionChunk, CompletionResponse, api_responses
 from .protocol import APIError, CompletionRequest
 from .requests import (check_choices, check_model, check_priority, check_prompt, final_output, gather_or_cancel,
@@ -112,16 +114,22 @@ def router(state: ServerState) -> APIRouter:
         prompts = req.prompts()
         check_choices(state, len(prompts), req.n)
         plans: List[Plan] = []
+        beams: List[Tuple[str, CheckedPrompt, BeamSearchParams]] = []
         for p in prompts:
             if not isinstance(p, (str, list)):
                 raise APIError(400, "'prompt' must be a string, a list of strings, or token ids", "prompt")
             checked = check_prompt(processor, p, "prompt", req.truncate_prompt_tokens, req.cache_salt)
             max_tokens = resolve_max_tokens(state, req.max_tokens, len(checked.prompt_token_ids), 16)
-            params = to_sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=_prompt_scoring(req))
             text = checked.prompt if checked.prompt is not None else (processor.decode(checked.prompt_token_ids) or "")
+            if req.use_beam_search:
+                beams.append((text, checked, beam_params(req, max_tokens)))
+                continue
+            params = to_sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=_prompt_scoring(req))
             prepared = prepare_request(processor, checked, params, "prompt", req.priority)
             plans.append((text, checked.prompt_token_ids, prepared))
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        if beams:
+            return await _beam_search(state, request, req, rid, beams)
         if req.stream:
             return StreamingResponse(_stream(state, req, rid, plans), media_type="text/event-stream")
         return await _complete(state, request, req, rid, plans)
@@ -135,6 +143,22 @@ def _prompt_scoring(req: CompletionRequest) -> Optional[int]:
     if req.echo and req.logprobs is not None:
         return req.logprobs
     return 0 if req.max_tokens == 0 else None
+
+
+async def _beam_search(state: ServerState, request: Request, req: CompletionRequest, rid: str,
+                       beams: List[Tuple[str, CheckedPrompt, BeamSearchParams]]) -> JSONResponse:
+    """``use_beam_search``: each prompt's ``n`` best hypotheses, best first, as its choices."""
+    outputs = await unless_disconnected(request, gather_or_cancel(*[
+        run_beam_search(state, f"{rid}-{i}", checked, params, req.priority)
+        for i, (_, checked, params) in enumerate(beams)]))
+    choices = []
+    for i, ((text, _, _), out) in enumerate(zip(beams, outputs)):
+        choices += [{"index": i * req.n + j, "text": (text if req.echo else "") + s.text, "logprobs": None,
+                     "finish_reason": s.finish_reason, "stop_reason": None} for j, s in enumerate(out.sequences)]
+    prompt_tokens = sum(len(checked.prompt_token_ids) for _, checked, _ in beams)
+    return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
+                         "choices": choices,
+                         "usage": usage(prompt_tokens, sum(completion_tokens(out) for out in outputs))})
 
 
 async def _complete(state: ServerState, request: Request, req: CompletionRequest, rid: str,

@@ -11,8 +11,8 @@ Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampli
 extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``bad_words``, ``prompt_logprobs``, ``allowed_token_ids``,
 ``truncate_prompt_tokens``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``cache_salt``,
-``priority``, ``min_tokens``, ``repetition_penalty``, ``min_p`` and the guided decoding above: beam
-search, ``guided_grammar``, ...)
+``priority``, ``use_beam_search`` (``beam_search``), ``min_tokens``, ``repetition_penalty``, ``min_p``
+and the guided decoding above: ``guided_grammar``, ...)
 are rejected with a 400 naming the parameter rather than silently ignored: a client that asks
 for them would otherwise get answers it did not ask for. Other unknown fields are accepted and
 ignored (clients send vendor extras).
@@ -103,13 +103,19 @@ class _Body(_Strict):
 # answers it did not ask for). ``guided_decoding_backend`` is not here: it names an implementation
 # of the same constraint, so it is ignored like any unknown field.
 _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
-    "use_beam_search": (False,), "length_penalty": (1,), "guided_grammar": (),
+    "guided_grammar": (),
     "echo": (False,),  # (chat's: a completion request has its own field)
     # what the output text or the response holds, and scheduling
     "spaces_between_special_tokens": (True,), "logits_processors": (),
     "mm_processor_kwargs": (), "vllm_xargs": (),
 }
 _STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
+# what beam search reads (besides the prompt or conversation and how it is rendered)
+_BEAM_SEARCH_FIELDS = {
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "use_beam_search",
+    "length_penalty", "ignore_eos", "echo", "user", "stream", "temperature", "truncate_prompt_tokens", "cache_salt",
+    "priority", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents", "seed",
+}
 
 
 def _neutral(value: Any, neutral: tuple) -> bool:
@@ -180,6 +186,11 @@ class _Common(_Body):
     guided_whitespace_pattern: Optional[str] = Field(default=None, description=(
         "With a JSON Schema: the whitespace allowed between JSON tokens, a regular expression (default: at most "
         "one space)."))
+    use_beam_search: bool = Field(default=False, description=(
+        "vLLM's: beam search with n beams (HF's num_beams search; the n best hypotheses are the choices). Not with "
+        "stream, sampling, logprobs or output constraints."))
+    length_penalty: float = Field(default=1.0, description=(
+        "With use_beam_search: a finished hypothesis's log-probability is divided by its length to this power."))
     priority: int = Field(default=0, description=(
         "vLLM's: lower is served first, with the server's --scheduling_policy priority (otherwise only 0)."))
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024, description=(
@@ -213,6 +224,26 @@ class _Common(_Body):
         if any(not s for s in items):
             raise ValueError("stop sequences must be non-empty strings")
         return value
+
+    def _check_beam_search(self) -> None:
+        """Beam search takes only what it uses: any other field that would change the answer is a
+        400 naming it rather than ignored (a client would get answers it did not ask for)."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise APIError(400, "'length_penalty' applies to beam search; set 'use_beam_search': true",
+                               "length_penalty")
+            return
+        if self.stream:
+            raise APIError(400, "beam search returns its hypotheses once it ends; set 'stream': false", "stream")
+        if not 1 <= self.n <= 10:
+            raise APIError(400, f"'n' is the number of beams with use_beam_search: 1 to 10, got {self.n}", "n")
+        if self.temperature not in (None, 0):
+            raise APIError(400, "beam search keeps the most likely hypotheses (it does not sample): drop "
+                                "'temperature' or set it to 0", "temperature")
+        for name in sorted(self.model_fields_set - _BEAM_SEARCH_FIELDS):
+            value, default = getattr(self, name), type(self).model_fields[name].default
+            if value is not None and value != default:
+                raise APIError(400, f"'{name}' does not apply to beam search (use_beam_search); omit it", name)
 
     @property
     def include_usage(self) -> bool:
@@ -264,6 +295,7 @@ class _Common(_Body):
             if neutral is not None and not _neutral(value, neutral):
                 raise APIError(400, f"'{name}' (a vLLM extension) is not supported by this server; omit it"
                                + (f" or set it to {json.dumps(neutral[0])}" if neutral else ""), name)
+        self._check_beam_search()
         if self.stream and self.prompt_logprobs is not None:
             raise APIError(400, "'prompt_logprobs' come with the whole response; set 'stream': false (or drop them)",
                            "prompt_logprobs")

@@ -64,7 +64,7 @@ def test_beams_equal_hf_num_beams(models, model, k, length_penalty, ignore_eos):
             assert seq.token_ids == want[:len(seq.token_ids)]
             assert seq.score == pytest.approx(score, abs=1e-4)
             assert seq.score == pytest.approx(seq.cum_logprob / len(seq.token_ids) ** length_penalty, rel=1e-6)
-            assert seq.text == llm.tokenizer.decode(seq.token_ids)
+            assert seq.text == llm.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
             ends_on_eos = seq.token_ids[-1] in llm.engine.eos_token_ids and not ignore_eos
             assert seq.finish_reason == ("stop" if ends_on_eos else "length")
             assert ends_on_eos or len(seq.token_ids) == NEW

@@ -617,6 +617,44 @@ def test_cache_salt_separates_cached_prefixes(server):
     assert hits(cache_salt="tenant-a") > 0 and hits() > 0
 
 
+# ---- vLLM's use_beam_search -------------------------------------------------------------------------
+def test_beam_search_as_llm_beam_search_does(server, llm):
+    """``use_beam_search`` with n beams (a 400 before): the choices are LLM.beam_search's hypotheses,
+    best first, for each prompt of a completion and for a chat."""
+    from autodeploy.runtime.beam_search import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5)
+    refs = llm.beam_search(PROMPTS, params)
+    body = {"model": SERVED_NAME, "prompt": PROMPTS, "max_tokens": 6, "n": 3, "use_beam_search": True,
+            "length_penalty": 0.5, "temperature": 0}
+    r = server.http().post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    for i, ref in enumerate(refs):
+        want = [(s.text, s.finish_reason) for s in ref.sequences]
+        assert [(c["text"], c["finish_reason"]) for c in got["choices"][3 * i:3 * i + 3]] == want
+    assert got["usage"]["completion_tokens"] == sum(len(s.token_ids) for ref in refs for s in ref.sequences)
+    [ref] = llm.beam_search(llm.processor.chat_prompt([{"role": "user", "content": CHAT}]), params)
+    r = server.http().post("/v1/chat/completions", json={
+        "model": SERVED_NAME, "messages": [{"role": "user", "content": CHAT}], "max_tokens": 6, "n": 3,
+        "use_beam_search": True, "length_penalty": 0.5})
+    assert r.status_code == 200, r.text
+    assert [c["message"]["content"] for c in r.json()["choices"]] == [s.text for s in ref.sequences]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stream": True}, "stream"), ({"temperature": 0.7}, "temperature"), ({"logprobs": 2}, "logprobs"),
+    ({"stop": ["x"]}, "stop"), ({"guided_choice": ["a", "b"]}, "guided_choice"), ({"n": 11}, "n"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"use_beam_search": False, "length_penalty": 2}, "length_penalty"),
+])
+def test_beam_search_refuses_what_it_would_ignore(server, extra, param):
+    body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2, "n": 2, "use_beam_search": True, **extra}
+    r = server.http().post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
 # ---- vLLM's stop_reason, return_token_ids, return_tokens_as_token_ids -----------------------------
 def _events(server, path, body):
     r = server.http().post(path, json={**body, "stream": True})

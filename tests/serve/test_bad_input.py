@@ -196,7 +196,7 @@ def test_prompt_longer_than_context(healthy, llm):
 @pytest.mark.parametrize("path,field,value", [
     (CMPL, "suffix", "tail"),
     (CMPL, "best_of", 3),
-    (CHAT, "use_beam_search", True), (CMPL, "length_penalty", 0.5), (CMPL, "guided_grammar", "root ::= x"),
+    (CMPL, "guided_grammar", "root ::= x"),
     (CMPL, "mm_processor_kwargs", {"x": 1}), (CMPL, "spaces_between_special_tokens", False),
     (CHAT, "logits_processors", ["x"]),
     (CHAT, "priority", 5), (CMPL, "vllm_xargs", {"a": 1}), (CHAT, "echo", True),

@@ -79,6 +79,9 @@ COMMON = {
     "return_token_ids": field(st.booleans()),
     "return_tokens_as_token_ids": field(st.booleans()),
     "cache_salt": field(st.text(max_size=4)),
+    "use_beam_search": field(st.booleans()),
+    "length_penalty": field(st.floats(-2, 3)),
+    "priority": field(st.integers(-3, 3)),
     "user": field(st.text(max_size=10)),
 }
 COMPLETION = st.fixed_dictionaries({"prompt": field(PROMPT)}, optional={
