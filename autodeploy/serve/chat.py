@@ -81,7 +81,7 @@ async def _beam_search(state: ServerState, request: Request, req: ChatCompletion
     """``use_beam_search``: the conversation's ``n`` best answers, best first, as the choices."""
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     out = await unless_disconnected(request, run_beam_search(state, rid, checked, params, req.priority))
-    choices = [{"index": j, "message": {"role": "assistant", "content": s.text}, "logprobs": None,
+    choices = [{"index": j, "message": {"role": "assistant", "content": req.echoed() + s.text}, "logprobs": None,
                 "finish_reason": s.finish_reason, "stop_reason": None} for j, s in enumerate(out.sequences)]
     return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                          "model": state.model_name, "choices": choices,
@@ -96,12 +96,13 @@ async def _complete(state: ServerState, request: Request, req: ChatCompletionReq
     choices = []
     for c in final.outputs:
         logprobs = chat_logprobs(name, c.logprobs or [], req.top_logprobs or 0) if req.logprobs else None
-        message: Dict[str, Any] = {"role": "assistant", "content": c.text}
+        message: Dict[str, Any] = {"role": "assistant", "content": req.echoed() + c.text}
         parser = tools.parser(state.tool_call_parser)
         if parser is not None:
             content, deltas = parser.feed(c.text, final=True)
             if deltas:
-                message = {"role": "assistant", "content": content or None, "tool_calls": merge_calls(deltas)}
+                message = {"role": "assistant", "content": req.echoed() + content or None,
+                           "tool_calls": merge_calls(deltas)}
         choice = {"index": c.index, "message": message, "logprobs": logprobs,
                   "finish_reason": tools.finish_reason(c.finish_reason, parser is not None and parser.calls > 0),
                   "stop_reason": c.stop_reason}
@@ -143,6 +144,6 @@ def _stream(state: ServerState, req: ChatCompletionRequest, tools: ToolSettings,
             out["token_ids"] = d.token_ids
         return out
 
-    return stream_sse(state, rid, "chat.completion.chunk", [StreamedRequest(rid, prepared, 0, "")], choice,
+    return stream_sse(state, rid, "chat.completion.chunk", [StreamedRequest(rid, prepared, 0, req.echoed())], choice,
                       req.include_usage,
                       first_extra={"prompt_token_ids": prepared.prompt_token_ids} if req.return_token_ids else None)

@@ -7,15 +7,14 @@ naming the field.
 
 Function calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is ``tool_calls``'s.
 
-Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampling
-extensions other than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``bad_words``, ``prompt_logprobs``, ``allowed_token_ids``,
-``truncate_prompt_tokens``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``cache_salt``,
-``priority``, ``use_beam_search`` (``beam_search``), ``min_tokens``, ``repetition_penalty``, ``min_p``
-and the guided decoding above: ``guided_grammar``, ...)
-are rejected with a 400 naming the parameter rather than silently ignored: a client that asks
-for them would otherwise get answers it did not ask for. Other unknown fields are accepted and
-ignored (clients send vendor extras).
+Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampling extensions other
+than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+``bad_words``, ``prompt_logprobs``, ``allowed_token_ids``, ``truncate_prompt_tokens``,
+``return_token_ids``, ``return_tokens_as_token_ids``, ``cache_salt``, ``priority``,
+``use_beam_search`` (``beam_search``), chat's ``echo``, ``min_tokens``, ``repetition_penalty``,
+``min_p`` and the guided decoding above: ``guided_grammar``, ...) are rejected with a 400 naming the
+parameter rather than silently ignored: a client that asks for them would otherwise get answers it
+did not ask for. Other unknown fields are accepted and ignored (clients send vendor extras).
 
 Types are strict, as OpenAI's are: ``"stream": "yes"``, ``"echo": 0`` or ``"prompt": [true]``
 are 400s, not coerced (a float field still takes an integer). Text that cannot be encoded (a
@@ -104,7 +103,6 @@ class _Body(_Strict):
 # of the same constraint, so it is ignored like any unknown field.
 _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
     "guided_grammar": (),
-    "echo": (False,),  # (chat's: a completion request has its own field)
     # what the output text or the response holds, and scheduling
     "spaces_between_special_tokens": (True,), "logits_processors": (),
     "mm_processor_kwargs": (), "vllm_xargs": (),
@@ -422,6 +420,13 @@ class ChatCompletionRequest(_Common, ChatRendering):
         "'auto' (the default with tools: needs the server's --tool-call-parser), 'required', 'none', or a named "
         "function; 'required' and a named function constrain the output to calls."))
     parallel_tool_calls: Optional[bool] = Field(default=None, description="false: at most one call.")
+    echo: bool = Field(default=False, description=(
+        "vLLM's: when the last message is the assistant's (continue_final_message), the answer starts with it."))
+
+    def echoed(self) -> str:
+        """The text the answer starts with: the last message's, with ``echo`` when it is the assistant's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def tool_settings(self) -> ToolSettings:
         try:

@@ -199,7 +199,7 @@ def test_prompt_longer_than_context(healthy, llm):
     (CMPL, "guided_grammar", "root ::= x"),
     (CMPL, "mm_processor_kwargs", {"x": 1}), (CMPL, "spaces_between_special_tokens", False),
     (CHAT, "logits_processors", ["x"]),
-    (CHAT, "priority", 5), (CMPL, "vllm_xargs", {"a": 1}), (CHAT, "echo", True),
+    (CHAT, "priority", 5), (CMPL, "vllm_xargs", {"a": 1})
 ])
 def test_unsupported_params(healthy, path, field, value):
     body = {"model": SERVED_NAME, "prompt": "hi", "messages": MSGS, "max_tokens": 2, field: value}

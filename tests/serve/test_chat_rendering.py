@@ -4,6 +4,8 @@ server; ``serve_utils.TOOLS_TEMPLATE``): the setting's template is the one used,
 reach it, for ``/tokenize`` and ``/v1/chat/completions`` alike (the ids equal the tokenizer's
 ``apply_chat_template`` with the same arguments, computed here). What cannot be rendered is a 400."""
 
+import json
+
 import httpx
 import pytest
 from transformers import AutoTokenizer
@@ -56,6 +58,27 @@ def test_tokenize_and_chat_render_as_the_template_does(tools_server, tokenizer, 
         assert expected != _ids(tokenizer, MSGS, add_generation_prompt=True)
 
 
+def _streamed_content(server, body):
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={"model": MODEL, **body, "stream": True},
+                      timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+
+
+@pytest.mark.parametrize("last", ["assistant", "user"])
+def test_echo_starts_the_answer_with_the_assistants_last_message(tools_server, last):
+    """vLLM's chat ``echo`` (a 400 before): with the conversation ending on the assistant's
+    message (continue_final_message), the answer starts with it; after a user's, nothing is added."""
+    msgs = MSGS if last == "assistant" else MSGS[:1]
+    render = {"add_generation_prompt": False, "continue_final_message": True} if last == "assistant" else {}
+    body = {"messages": msgs, "max_tokens": 4, "temperature": 0, **render}
+    plain = _post(tools_server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    echoed = _post(tools_server, "/v1/chat/completions", {**body, "echo": True}).json()
+    prefix = "Blue, or" if last == "assistant" else ""
+    assert echoed["choices"][0]["message"]["content"] == prefix + plain
+    assert _streamed_content(tools_server, {**body, "echo": True}) == prefix + plain
+
+
 def test_the_servers_chat_template_is_used(tools_server, tokenizer):
     r = _post(tools_server, "/tokenize", {"messages": MSGS[:1], "chat_template_kwargs": {"greeting": "Hi"}})
     assert tokenizer.decode(r.json()["tokens"]).startswith("Hi\n<|user|>")  # the preset's own has no greeting
@@ -66,12 +89,9 @@ def test_the_servers_chat_template_is_used(tools_server, tokenizer):
     ({"continue_final_message": True}, "messages", "add_generation_prompt"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
     ({"chat_template": "{{ messages }}"}, "chat_template", "--chat_template"),
-    ({"echo": True}, "echo", "echo"),
 ])
 def test_what_cannot_be_rendered_is_a_400(tools_server, fields, param, words):
     for path in ("/v1/chat/completions", "/tokenize"):
-        if path == "/tokenize" and param == "echo":
-            continue
         r = _post(tools_server, path, {"messages": MSGS, "max_tokens": 1, **fields})
         assert r.status_code == 400, (path, r.text)
         assert r.json()["error"]["param"] == param and words in r.json()["error"]["message"], (path, r.text)
