@@ -415,10 +415,11 @@ def _add_serve_parser(sub: Any, common: argparse.ArgumentParser, epilog: str) ->
     p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask for")
     p.add_argument("--max-choices-per-request", type=int, default=128,
                    help="most sequences one request may ask for, prompts x n (default 128); more is a 400")
-    p.add_argument("--tool-call-parser", default=None, metavar="{hermes,llama3_json,pythonic}",
+    p.add_argument("--tool-call-parser", default=None, metavar="{hermes,llama3_json,pythonic,mistral}",
                    help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, Qwen 2.5/3, Hermes and "
-                        "the presets; llama3_json: Llama 3.1/3.2's JSON calls; pythonic: [f(a=1), g()], Llama 3.2/4): "
-                        "enables tool_choice 'auto'")
+                        "the presets; llama3_json: Llama 3.1/3.2's JSON calls; pythonic: [f(a=1), g()], Llama 3.2/4; "
+                        "mistral: [TOOL_CALLS] and a JSON array or name[ARGS]{...}, Mistral/Mixtral): enables "
+                        "tool_choice 'auto'")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown (default 30; then they are cut with "
                         "a 503 or a final error event)")

@@ -4,6 +4,7 @@ template), assistant messages out, whole or streamed, with the chat logprobs for
 calls come back as ``tool_calls`` (``tool_calls`` and ``tool_parsers`` say how).
 """
 
+import dataclasses
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
@@ -66,8 +67,10 @@ def router(state: ServerState) -> APIRouter:
         if req.use_beam_search:
             return await _beam_search(state, request, req, checked, beam_params(req, max_tokens))
         top = (req.top_logprobs or 0) if req.logprobs else None
-        prepared = prepare_request(processor, checked, to_sampling_params(req, max_tokens, top), "messages",
-                                   req.priority)
+        params = to_sampling_params(req, max_tokens, top)
+        if tools.keeps_special_tokens(state.tool_call_parser):
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        prepared = prepare_request(processor, checked, params, "messages", req.priority)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if req.stream:
             return StreamingResponse(_stream(state, req, tools, rid, prepared), media_type="text/event-stream")

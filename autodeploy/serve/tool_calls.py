@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .tool_parsers import NamedCall, RequiredCalls, ToolCallParser, make_parser
+from .tool_parsers import KEEP_SPECIAL_TOKENS, NamedCall, RequiredCalls, ToolCallParser, make_parser
 
 
 class _Model(BaseModel):
@@ -122,9 +122,9 @@ class ToolSettings:
         """``auto`` needs to know how the model writes calls: the server's ``--tool-call-parser``."""
         if self.choice == "auto" and server_parser is None:
             raise ToolRequestError(
-                "'tool_choice': 'auto' needs the server started with --tool-call-parser (hermes, llama3_json or "
-                "pythonic: the format the model writes calls in); or ask for 'required' or a named function, which "
-                "constrain the output instead", "tool_choice")
+                "'tool_choice': 'auto' needs the server started with --tool-call-parser (hermes, llama3_json, "
+                "pythonic or mistral: the format the model writes calls in); or ask for 'required' or a named "
+                "function, which constrain the output instead", "tool_choice")
 
     def parser(self, server_parser: Optional[str]) -> Optional[ToolCallParser]:
         """A new parser for one choice of the answer (None: the answer is plain content)."""
@@ -136,6 +136,11 @@ class ToolSettings:
             self.check_parser(server_parser)
             return make_parser(server_parser, self.single)  # type: ignore[arg-type]
         return None
+
+    def keeps_special_tokens(self, server_parser: Optional[str]) -> bool:
+        """Whether the answer's text must keep special tokens: the parser reads a marker that is one
+        (Mistral's ``[TOOL_CALLS]``), as vLLM does for it."""
+        return self.choice == "auto" and server_parser in KEEP_SPECIAL_TOKENS
 
     def finish_reason(self, reason: Optional[str], made_calls: bool) -> Optional[str]:
         """OpenAI's: ``tool_calls`` when the model ended its turn with calls it chose to make (a

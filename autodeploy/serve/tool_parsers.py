@@ -14,6 +14,11 @@ whole answer is one ``feed(text, final=True)`` and a stream is many: the two can
 - ``pythonic`` (Llama 3.2 / 4's pythonic calls): the whole answer is a Python list of calls,
   ``[get_weather(city="Paris"), get_time()]``, arguments given by keyword as literals (read with
   ``ast``, never evaluated). An answer that does not parse that way is content, whole.
+- ``mistral`` (Mistral / Mixtral instruct models): text, then ``[TOOL_CALLS]`` and the calls to the
+  end of the answer, either a JSON array of ``{"name", "arguments"}`` (v0.3 tokenizers) or
+  ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]`` (v11 and later). The marker is
+  a special token: the server keeps special tokens in such answers' text (as vLLM does). What
+  follows a marker that does not parse that way is content, marker included.
 - ``NamedCall``: ``tool_choice`` named one function; the output (constrained to its parameters'
   schema) is the arguments, streamed as they come.
 - ``RequiredCalls``: ``tool_choice: "required"``; the output (constrained to a JSON array of
@@ -29,7 +34,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-PARSERS = ("hermes", "llama3_json", "pythonic")
+PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+# the parsers whose marker is a special token: answers they read keep special tokens in their text
+KEEP_SPECIAL_TOKENS = ("mistral",)
 
 
 def new_call_id() -> str:
@@ -202,6 +209,37 @@ class PythonicParser(_WholeAnswerParser):
         return _pythonic_calls(text)
 
 
+class MistralParser(ToolCallParser):
+    """Content until the first ``[TOOL_CALLS]``; from there to the end, the calls."""
+
+    MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self, single: bool = False):
+        super().__init__(single)
+        self._buffer = ""  # a partial marker, or everything from the marker on
+        self._calls_follow = False  # the marker was seen
+
+    def feed(self, text: str, final: bool = False) -> Feed:
+        self._buffer += text
+        content = ""
+        if not self._calls_follow:
+            at = self._buffer.find(self.MARKER)
+            if at < 0:
+                keep = 0 if final else _partial_suffix(self._buffer, self.MARKER)
+                sent, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                return self._content(sent, final=final), []
+            content, self._buffer, self._calls_follow = self._content(self._buffer[:at]), self._buffer[at:], True
+        if not final:
+            return content, []
+        calls = _mistral_calls(self._buffer)
+        if calls is None:  # not calls after all: content, marker included
+            return content + self._content(self._buffer, final=True), []
+        deltas: List[ToolCallDelta] = []
+        for name, arguments in calls:
+            deltas += self._call(name, arguments)
+        return content + self._content("", call_follows=True), deltas
+
+
 class NamedCall(ToolCallParser):
     """The whole output is the arguments of one named function, streamed as they come."""
 
@@ -264,6 +302,8 @@ def make_parser(kind: str, single: bool = False) -> ToolCallParser:
         return Llama3JsonParser(single)
     if kind == "pythonic":
         return PythonicParser(single)
+    if kind == "mistral":
+        return MistralParser(single)
     raise ValueError(f"unknown tool-call parser {kind!r}; one of {list(PARSERS)}")
 
 
@@ -336,3 +376,32 @@ def _pythonic_calls(text: str) -> Optional[List[Tuple[str, Any]]]:
             return None
         calls.append((node.func.id, arguments))
     return calls
+
+
+def _mistral_calls(text: str) -> Optional[List[Tuple[str, Any]]]:
+    """The calls after ``[TOOL_CALLS]`` (``text`` starts with it): a JSON array of ``{"name",
+    "arguments"}``, or ``name[ARGS]{...}`` after each marker; None when it is neither."""
+    body = text[len(MistralParser.MARKER):].strip()
+    if body.startswith("["):
+        try:
+            items = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(items, list) or not items:
+            return None
+        calls = [_named_object(json.dumps(item), ("arguments",)) for item in items]
+        return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+    out: List[Tuple[str, Any]] = []
+    for part in text.split(MistralParser.MARKER)[1:]:
+        name, found, arguments = part.partition(MistralParser.ARGS)
+        name = name.strip()
+        if not found or not name or any(c.isspace() or c in "[]{}" for c in name):
+            return None
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return None
+        if not isinstance(parsed, dict):
+            return None
+        out.append((name, parsed))
+    return out or None

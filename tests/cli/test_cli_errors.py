@@ -127,8 +127,9 @@ SETTING_CASES = {
                                  ["--max-request-bytes 0 must be at least 1"]),
     "serve_zero_choices": (["serve", "--model", "tiny-llama", "--max-choices-per-request", "0"],
                            ["--max-choices-per-request 0 must be at least 1"]),
-    "serve_unknown_tool_call_parser": (["serve", "--model", "tiny-llama", "--tool-call-parser", "mistral"],
-                                       ["--tool-call-parser 'mistral'", "['hermes', 'llama3_json', 'pythonic']"]),
+    "serve_unknown_tool_call_parser": (["serve", "--model", "tiny-llama", "--tool-call-parser", "granite"],
+                                       ["--tool-call-parser 'granite'",
+                                        "['hermes', 'llama3_json', 'pythonic', 'mistral']"]),
     # checked before the build: minutes of work are not thrown away at the end
     "export_out_unwritable": (["export", "--model", "tiny-llama", "--out", "/proc/no-such-dir/graph"],
                               ["--out /proc/no-such-dir/graph: cannot write there"]),

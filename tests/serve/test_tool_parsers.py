@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from autodeploy.serve.tool_calls import ChatTool, ToolSettings
 from autodeploy.serve.tool_parsers import (HermesParser, Llama3JsonParser, NamedCall, RequiredCalls, ToolCallDelta,
                                            make_parser, merge_calls)
 
@@ -99,6 +100,39 @@ def test_pythonic(text, content, calls, step):
     assert got == (content, calls)
 
 
+MISTRAL = [
+    # v0.3: a JSON array after the marker; text before it is content
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]', "",
+     [("f", '{"a": 1}'), ("g", "{}")]),
+    ('Checking.\n[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', "Checking.", [("f", '{"a": 1}')]),
+    # v11+: name[ARGS]{...} after each marker
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', "",
+     [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    ("plain [TOOL answer [", "plain [TOOL answer [", []),  # a partial marker mid-text is content
+    ("ends with [TOOL_CA", "ends with [TOOL_CA", []),
+    ('x [TOOL_CALLS] [{"name": "f", "argu', 'x [TOOL_CALLS] [{"name": "f", "argu', []),  # cut off
+    ("[TOOL_CALLS]f[ARGS][1]", "[TOOL_CALLS]f[ARGS][1]", []),  # arguments not an object
+    ("[TOOL_CALLS]two words[ARGS]{}", "[TOOL_CALLS]two words[ARGS]{}", []),
+    ('[TOOL_CALLS] {"name": "f"}', '[TOOL_CALLS] {"name": "f"}', []),  # neither format
+]
+
+
+@pytest.mark.parametrize("text, content, calls", MISTRAL)
+@pytest.mark.parametrize("step", [0, 1, 5])
+def test_mistral(text, content, calls, step):
+    parser = make_parser("mistral")
+    got = _whole(parser, text) if step == 0 else _streamed(parser, text, step)
+    assert got == (content, calls)
+
+
+def test_mistral_streams_content_before_the_marker_as_it_comes():
+    parser = make_parser("mistral")
+    assert parser.feed("Let me check [TOO") == ("Let me check", [])  # the space and a partial marker held
+    assert parser.feed('L_CALLS][{"name": "f", "arguments": {}}]') == ("", [])
+    content, deltas = parser.feed("", final=True)
+    assert content == "" and _plain(merge_calls(deltas)) == [("f", "{}")]
+
+
 REQUIRED = [
     ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', "", [("f", '{"a": 1}'), ("g", "{}")]),
     ('[ {"name": "f", "parameters": {"a": [1, 2]}} ]', "", [("f", '{"a": [1, 2]}')]),
@@ -132,11 +166,12 @@ def test_named_call_streams_its_arguments():
     assert ToolCallDelta(0, "x").to_dict() == {"index": 0, "function": {"arguments": "x"}}
 
 
-@pytest.mark.parametrize("kind", ["hermes", "llama3_json", "pythonic"])
+@pytest.mark.parametrize("kind", ["hermes", "llama3_json", "pythonic", "mistral"])
 def test_single_keeps_the_first_call(kind):
     text = {"hermes": f"<tool_call>{CALL_F}</tool_call><tool_call>{{\"name\": \"g\"}}</tool_call>",
             "llama3_json": '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}',
-            "pythonic": "[f(a=1), g()]"}[kind]
+            "pythonic": "[f(a=1), g()]",
+            "mistral": '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]'}[kind]
     assert _whole(make_parser(kind, single=True), text) == ("", [("f", '{"a": 1}')])
     assert len(_whole(make_parser(kind), text)[1]) == 2
 
@@ -148,9 +183,18 @@ def test_required_single_keeps_the_first_call():
 
 def test_unknown_parser():
     with pytest.raises(ValueError, match="hermes"):
-        make_parser("mistral")
+        make_parser("granite")
 
 
 def test_arguments_keep_non_ascii_text():
     _, calls = _whole(HermesParser(), '<tool_call>{"name": "f", "arguments": {"city": "Zürich"}}</tool_call>')
     assert calls == [("f", '{"city": "Zürich"}')] and json.loads(calls[0][1]) == {"city": "Zürich"}
+
+
+@pytest.mark.parametrize("parser, choice, keeps", [
+    ("mistral", None, True), ("mistral", "required", False), ("mistral", "none", False), ("hermes", None, False)])
+def test_only_the_mistral_parser_keeps_special_tokens_in_the_answer(parser, choice, keeps):
+    """Mistral's ``[TOOL_CALLS]`` is a special token: under ``auto`` with that parser the server
+    decodes the answer with special tokens (``chat.py``), as vLLM does; nothing else changes."""
+    tool = ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}})
+    assert ToolSettings([tool], choice, None).keeps_special_tokens(parser) is keeps
