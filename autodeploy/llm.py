@@ -311,7 +311,8 @@ class LLM:
         ``runtime.beam_search``): each prompt's ``params.beam_width`` best hypotheses, best first.
         Every step runs each live beam as a one-token request; prefix caching shares their history."""
         prompts = _as_prompt_list(prompts)
-        searches = []
+        searches: List[BeamSearch] = []
+        salts: List[Optional[str]] = []  # a prompt's cache_salt goes with each of its beams' requests
         for i, prompt in enumerate(prompts):
             try:
                 checked = self.processor.check(prompt)
@@ -323,6 +324,7 @@ class LLM:
                                           f"{params.max_tokens} do not fit in max_seq_len {self.processor.max_seq_len}",
                                           code="context_length_exceeded")
             searches.append(BeamSearch(checked.prompt_token_ids, params, sorted(self._eos_token_ids())))
+            salts.append(checked.cache_salt)
         step = params.step_params()
         progress = None
         if use_tqdm:
@@ -330,10 +332,11 @@ class LLM:
 
             progress = tqdm(total=params.max_tokens, desc="beam search")
         while not all(s.done for s in searches):
-            live = [s for s in searches if not s.done]
-            inputs = [ids for s in live for ids in s.requests()]
-            outs = iter(self.generate([{"prompt_token_ids": ids} for ids in inputs], step))
-            for s in live:
+            live = [(s, salt) for s, salt in zip(searches, salts) if not s.done]
+            inputs = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
+                      for s, salt in live for ids in s.requests()]
+            outs = iter(self.generate(inputs, step))
+            for s, _ in live:
                 s.advance([next(outs).outputs[0].logprobs[0] for _ in s.beams])  # type: ignore[index]
             if progress is not None:
                 progress.update(1)
