@@ -88,10 +88,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_strings", [self.stop] if isinstance(self.stop, str) else list(self.stop or []))
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         if isinstance(self.guided, dict):
-            unknown = sorted(set(self.guided) - {"json", "regex", "choice", "json_object", "whitespace_pattern"})
+            unknown = sorted(set(self.guided) - {"json", "regex", "choice", "grammar", "json_object",
+                                                 "whitespace_pattern"})
             if unknown:
                 raise InvalidRequestError(f"invalid sampling parameter: guided has no field(s) {unknown}; "
-                                          "it takes json, regex, choice, json_object and whitespace_pattern")
+                                          "it takes json, regex, choice, grammar, json_object and whitespace_pattern")
             object.__setattr__(self, "guided", GuidedDecodingParams(**self.guided))
         self.validate()
         object.__setattr__(self, "adjusts_logits", self.repetition_penalty != 1 or self.frequency_penalty != 0

@@ -1,20 +1,18 @@
 """OpenAI request bodies, validated, and the error shape every failure is reported in.
 
 Structured output: OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's
-``guided_json``, ``guided_regex``, ``guided_choice`` and ``structured_outputs`` (one of them per
-request) become ``GuidedDecodingParams``, compiled here so that a bad schema or pattern is a 400
-naming the field.
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` and ``structured_outputs``
+(one of them per request) become ``GuidedDecodingParams``, compiled here so that a bad schema,
+pattern or grammar is a 400 naming the field.
 
 Function calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is ``tool_calls``'s.
 
-Parameters the engine does not implement (suffix, best_of > n, and vLLM's sampling extensions other
-than ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``bad_words``, ``prompt_logprobs``, ``allowed_token_ids``, ``truncate_prompt_tokens``,
-``return_token_ids``, ``return_tokens_as_token_ids``, ``cache_salt``, ``priority``,
-``use_beam_search`` (``beam_search``), chat's ``echo``, ``min_tokens``, ``repetition_penalty``,
-``min_p`` and the guided decoding above: ``guided_grammar``, ...) are rejected with a 400 naming the
-parameter rather than silently ignored: a client that asks for them would otherwise get answers it
-did not ask for. Other unknown fields are accepted and ignored (clients send vendor extras).
+Parameters the engine does not implement (``suffix``, ``best_of`` other than ``n``, and vLLM's
+``spaces_between_special_tokens``, ``logits_processors``, ``mm_processor_kwargs`` and
+``vllm_xargs``: ``_UNSUPPORTED_EXTRAS``) are rejected with a 400 naming the parameter unless their
+value changes nothing, rather than silently ignored: a client that asks for them would otherwise
+get answers it did not ask for. Other unknown fields are accepted and ignored (clients send vendor
+extras).
 
 Types are strict, as OpenAI's are: ``"stream": "yes"``, ``"echo": 0`` or ``"prompt": [true]``
 are 400s, not coerced (a float field still takes an integer). Text that cannot be encoded (a
@@ -102,12 +100,11 @@ class _Body(_Strict):
 # answers it did not ask for). ``guided_decoding_backend`` is not here: it names an implementation
 # of the same constraint, so it is ignored like any unknown field.
 _UNSUPPORTED_EXTRAS: Dict[str, tuple] = {
-    "guided_grammar": (),
     # what the output text or the response holds, and scheduling
     "spaces_between_special_tokens": (True,), "logits_processors": (),
     "mm_processor_kwargs": (), "vllm_xargs": (),
 }
-_STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "json_object")
+_STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 # what beam search reads (besides the prompt or conversation and how it is rendered)
 _BEAM_SEARCH_FIELDS = {
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "use_beam_search",
@@ -177,10 +174,12 @@ class _Common(_Body):
     response_format: Optional[ResponseFormat] = None
     guided_json: Optional[Union[Dict[str, Any], str]] = Field(default=None, description="A JSON Schema (vLLM).")
     guided_regex: Optional[str] = Field(default=None, description="A regular expression the output matches (vLLM).")
+    guided_grammar: Optional[str] = Field(default=None, description=(
+        "A GBNF grammar the output matches from its 'root' rule (vLLM's); rules may not refer back to themselves."))
     guided_choice: Optional[List[str]] = Field(default=None, min_length=1,
                                                description="The output is one of these strings (vLLM).")
     structured_outputs: Optional[Dict[str, Any]] = Field(default=None, description=(
-        "vLLM's newer form: one of 'json' (a schema), 'regex', 'choice' or 'json_object'."))
+        "vLLM's newer form: one of 'json' (a schema), 'regex', 'choice', 'grammar' or 'json_object'."))
     guided_whitespace_pattern: Optional[str] = Field(default=None, description=(
         "With a JSON Schema: the whitespace allowed between JSON tokens, a regular expression (default: at most "
         "one space)."))
@@ -260,7 +259,8 @@ class _Common(_Body):
                 raise APIError(400, "response_format of type 'json_schema' needs 'json_schema': {'name': ..., "
                                     "'schema': {...}}", "response_format")
             asked.append(("response_format", {"json": fmt.json_schema.schema_}))
-        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
             if getattr(self, name) is not None:
                 asked.append((name, {key: getattr(self, name)}))
         if self.structured_outputs:

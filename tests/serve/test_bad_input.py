@@ -151,7 +151,8 @@ def test_completion_out_of_range(healthy, body, param):
     ({"guided_regex": "a(b"}, "guided_regex"), ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": '{"type": '}, "guided_json"), ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
     ({"guided_choice": ["a"], "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),  # x is no rule
+    ({"guided_grammar": 'root ::= "(" root ")" | "x"'}, "guided_grammar"),  # recursive
     ({"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs"),
 ])
 def test_chat_out_of_range(healthy, body, param):
@@ -196,7 +197,6 @@ def test_prompt_longer_than_context(healthy, llm):
 @pytest.mark.parametrize("path,field,value", [
     (CMPL, "suffix", "tail"),
     (CMPL, "best_of", 3),
-    (CMPL, "guided_grammar", "root ::= x"),
     (CMPL, "mm_processor_kwargs", {"x": 1}), (CMPL, "spaces_between_special_tokens", False),
     (CHAT, "logits_processors", ["x"]),
     (CHAT, "priority", 5), (CMPL, "vllm_xargs", {"a": 1})

@@ -1,6 +1,6 @@
 """Structured output on the real server: OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-``structured_outputs`` give the answer the Python API gives with the same ``guided`` parameters
+``guided_grammar`` / ``structured_outputs`` give the answer the Python API gives with the same ``guided`` parameters
 (greedy and seeded), whole and streamed, and the answer satisfies the constraint where it
 finished. Malformed constraints are 400s (``test_bad_input``)."""
 
@@ -18,6 +18,7 @@ PROMPT = "The quick brown fox"
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]}},
           "required": ["ok", "size"]}
 MAX_TOKENS = 40
+GRAMMAR = 'root ::= word ("-" [0-9]{2})?\nword ::= [a-z]{2,5}'
 # (request fields, the same constraint for the Python API)
 CASES = [
     pytest.param({"guided_json": SCHEMA}, {"json": SCHEMA}, id="guided_json"),
@@ -28,6 +29,8 @@ CASES = [
     pytest.param({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}},
                  {"json": SCHEMA}, id="response_format-json_schema"),
     pytest.param({"response_format": {"type": "json_object"}}, {"json_object": True}, id="response_format-json_object"),
+    pytest.param({"guided_grammar": GRAMMAR}, {"grammar": GRAMMAR}, id="guided_grammar"),
+    pytest.param({"structured_outputs": {"grammar": GRAMMAR}}, {"grammar": GRAMMAR}, id="structured_outputs-grammar"),
 ]
 
 
@@ -53,6 +56,8 @@ def _check(guided, text):
         assert text in guided["choice"]
     elif "regex" in guided:
         assert re.fullmatch(guided["regex"], text)
+    elif "grammar" in guided:
+        assert re.fullmatch(r"[a-z]{2,5}(-[0-9]{2})?", text)  # GRAMMAR's language, by hand
     else:
         value = json.loads(text)
         assert isinstance(value, dict)

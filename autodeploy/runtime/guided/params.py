@@ -8,6 +8,8 @@ Exactly one of:
 * ``regex``: the output matches the regular expression in full (``regex_dfa``'s subset of
   Python's syntax);
 * ``choice``: the output is one of these strings;
+* ``grammar``: a GBNF grammar (vLLM's ``guided_grammar``) whose rules never refer back to
+  themselves: the output matches its ``root`` rule (``grammar``: a recursive one is refused);
 * ``json_object``: the output is one JSON object, any keys (OpenAI's JSON mode).
 
 ``whitespace_pattern`` (vLLM's name; with ``json`` only) is the regular expression of the
@@ -30,6 +32,7 @@ from .errors import GuidedDecodingError
 from .json_automaton import JsonObjectAutomaton
 
 SCHEMA_WHITESPACE = "[ ]?"
+_KINDS = ("json", "regex", "choice", "grammar")
 _REGEX_SPECIAL = set('\\.^$*+?{}[]|()-/"')
 _ESCAPED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
@@ -44,21 +47,23 @@ class GuidedDecodingParams:
     json: Optional[Union[Dict[str, Any], str, bool]] = None
     regex: Optional[str] = None
     choice: Optional[List[str]] = None
+    grammar: Optional[str] = None
     json_object: bool = False
     whitespace_pattern: Optional[str] = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        given = [name for name in _KINDS if getattr(self, name) is not None]
         if self.json_object is True:
             given.append("json_object")
         elif self.json_object is not False:
             raise GuidedDecodingError(f"guided json_object must be true or false, got {self.json_object!r}")
         if len(given) != 1:
             raise GuidedDecodingError(
-                "guided decoding takes exactly one of json (a JSON Schema), regex, choice or json_object; "
+                "guided decoding takes exactly one of json (a JSON Schema), regex, choice, grammar or json_object; "
                 + (f"got {', '.join(given)}" if given else "got none"))
-        if self.regex is not None and not isinstance(self.regex, str):
-            raise GuidedDecodingError(f"guided regex must be a string, got {type(self.regex).__name__}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise GuidedDecodingError(f"guided {name} must be a string, got {type(getattr(self, name)).__name__}")
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or any(not isinstance(c, str) or not c for c in self.choice)):
             raise GuidedDecodingError("guided choice must be a non-empty list of non-empty strings")
@@ -72,7 +77,7 @@ class GuidedDecodingParams:
 
     @property
     def kind(self) -> str:
-        return next(n for n in ("json", "regex", "choice") if getattr(self, n) is not None) \
+        return next(n for n in _KINDS if getattr(self, n) is not None) \
             if not self.json_object else "json_object"
 
     def source(self) -> str:
@@ -84,6 +89,8 @@ class GuidedDecodingParams:
             return self.json if isinstance(self.json, str) else json.dumps(self.json)
         if self.regex is not None:
             return self.regex
+        if self.grammar is not None:
+            return self.grammar
         return json.dumps(list(self.choice or []))
 
     def automaton(self) -> Any:
@@ -101,6 +108,10 @@ def _compile(kind: str, source: str, whitespace: str) -> Any:
         return RegexAutomaton(source)
     if kind == "choice":
         return RegexAutomaton("|".join(f"(?:{escape_regex(c)})" for c in json.loads(source)))
+    if kind == "grammar":
+        from .grammar import grammar_to_regex
+
+        return RegexAutomaton(grammar_to_regex(source))
     from .json_schema import schema_to_regex
 
     return RegexAutomaton(schema_to_regex(source, whitespace=whitespace))
