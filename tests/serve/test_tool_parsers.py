@@ -6,8 +6,7 @@ import json
 import pytest
 
 from autodeploy.serve.tool_calls import ChatTool, ToolSettings
-from autodeploy.serve.tool_parsers import (HermesParser, Llama3JsonParser, NamedCall, RequiredCalls, ToolCallDelta,
-                                           make_parser, merge_calls)
+from autodeploy.serve.tool_parsers import HermesParser, NamedCall, RequiredCalls, ToolCallDelta, make_parser, merge_calls
 
 
 def _whole(parser, text):
@@ -51,13 +50,6 @@ HERMES = [
 ]
 
 
-@pytest.mark.parametrize("text, content, calls", HERMES)
-@pytest.mark.parametrize("step", [0, 1, 2, 7])  # 0: whole
-def test_hermes(text, content, calls, step):
-    got = _whole(HermesParser(), text) if step == 0 else _streamed(HermesParser(), text, step)
-    assert got == (content, calls)
-
-
 LLAMA3 = [
     ('{"name": "f", "parameters": {"a": 1}}', "", [("f", '{"a": 1}')]),
     ('  <|python_tag|>{"name": "f", "arguments": {}}; {"name": "g", "parameters": {"b": "x"}}', "",
@@ -69,13 +61,6 @@ LLAMA3 = [
     ('{"name": "f", "parameters": {', '{"name": "f", "parameters": {', []),  # cut off
     ("   ", "   ", []),
 ]
-
-
-@pytest.mark.parametrize("text, content, calls", LLAMA3)
-@pytest.mark.parametrize("step", [0, 1, 3])
-def test_llama3_json(text, content, calls, step):
-    got = _whole(Llama3JsonParser(), text) if step == 0 else _streamed(Llama3JsonParser(), text, step)
-    assert got == (content, calls)
 
 
 PYTHONIC = [
@@ -90,14 +75,6 @@ PYTHONIC = [
     ("[1, 2]", "[1, 2]", []),
     ("[f(a={1, 2})]", "[f(a={1, 2})]", []),  # a set has no JSON form
 ]
-
-
-@pytest.mark.parametrize("text, content, calls", PYTHONIC)
-@pytest.mark.parametrize("step", [0, 1, 4])
-def test_pythonic(text, content, calls, step):
-    parser = make_parser("pythonic")
-    got = _whole(parser, text) if step == 0 else _streamed(parser, text, step)
-    assert got == (content, calls)
 
 
 MISTRAL = [
@@ -117,10 +94,14 @@ MISTRAL = [
 ]
 
 
-@pytest.mark.parametrize("text, content, calls", MISTRAL)
-@pytest.mark.parametrize("step", [0, 1, 5])
-def test_mistral(text, content, calls, step):
-    parser = make_parser("mistral")
+FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3, "pythonic": PYTHONIC, "mistral": MISTRAL}
+
+
+@pytest.mark.parametrize("kind, text, content, calls", [(kind, *case) for kind, cases in FORMATS.items()
+                                                        for case in cases])
+@pytest.mark.parametrize("step", [0, 1, 3, 7])  # 0: whole
+def test_each_format_whole_and_in_pieces(kind, text, content, calls, step):
+    parser = make_parser(kind)
     got = _whole(parser, text) if step == 0 else _streamed(parser, text, step)
     assert got == (content, calls)
 
