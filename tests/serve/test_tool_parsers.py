@@ -6,7 +6,8 @@ import json
 import pytest
 
 from autodeploy.serve.tool_calls import ChatTool, ToolSettings
-from autodeploy.serve.tool_parsers import HermesParser, NamedCall, RequiredCalls, ToolCallDelta, make_parser, merge_calls
+from autodeploy.serve.tool_parsers import (HermesParser, NamedCall, RequiredCalls, ToolCallDelta, make_parser,
+                                           merge_calls)
 
 
 def _whole(parser, text):
