@@ -83,7 +83,8 @@ def test_beam_width_1_is_greedy(models):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(beam_width=0), "beam_width must be an integer in"), (dict(beam_width=11), "at most 20"),
-    (dict(beam_width=2, max_tokens=0), "max_tokens must be"), (dict(beam_width=2, length_penalty="x"), "length_penalty"),
+    (dict(beam_width=2, max_tokens=0), "max_tokens must be"),
+    (dict(beam_width=2, length_penalty="x"), "length_penalty"),
 ])
 def test_bad_params(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):

@@ -106,9 +106,8 @@ class _Parser:
         rules: Dict[str, str] = {}
         while self._peek() is not None:
             if not self._rule_starts():
-                tok = self._peek()
-                raise GuidedDecodingError(f"expected a rule ('name ::= ...') at position {tok[2]}, got "  # type: ignore[index]
-                                          f"{tok[1]!r}")  # type: ignore[index]
+                _, text, pos = self.tokens[self.i]
+                raise GuidedDecodingError(f"expected a rule ('name ::= ...') at position {pos}, got {text!r}")
             name = self.tokens[self.i][1]
             if name in rules:
                 raise GuidedDecodingError(f"the grammar defines rule '{name}' twice")
