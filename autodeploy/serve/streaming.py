@@ -94,14 +94,13 @@ class ChoiceStreamer:
         self.sent_prompt = [False] * n  # the prompt's log-probabilities went out with a delta
         self.finished = [False] * n
         self.completion_tokens = 0  # known once the request finished
-        self.opened = False  # the choices' opening chunks went out
-        self.started = [False] * n  # a choice's first delta went out
+        self.started = [False] * n  # a choice's first chunk (its opening one, if any) went out
 
     def opening(self) -> List[ChoiceDelta]:
         text = self.request.opening
         if text is None:
             return []
-        self.opened = True
+        self.started = [True] * len(self.texts)
         return [ChoiceDelta(self.request.first_index + j, text, opening=True, first=True)
                 for j in range(len(self.texts))]
 
@@ -116,8 +115,7 @@ class ChoiceStreamer:
                 steps = c.logprobs[self.sent_tokens[c.index]:] if c.logprobs else None
                 new_ids = c.token_ids[self.sent_tokens[c.index]:]
                 self.sent_tokens[c.index] = len(c.token_ids)
-                first = not (self.opened or self.started[c.index])
-                self.started[c.index] = True
+                first, self.started[c.index] = not self.started[c.index], True
                 self.finished[c.index] = c.finish_reason is not None
                 scored = None
                 if out.prompt_logprobs is not None and not self.sent_prompt[c.index]:
