@@ -326,6 +326,10 @@ class LLM:
             searches.append(BeamSearch(checked.prompt_token_ids, params, sorted(self._eos_token_ids())))
             salts.append(checked.cache_salt)
         step = params.step_params()
+        if not self.engine.pool.prefix_caching:
+            logger.warning("beam search without prefix caching computes every beam's whole history again at each "
+                           "step (%d steps at most); build with enable_prefix_caching=True (the default) to share it",
+                           params.max_tokens)
         progress = None
         if use_tqdm:
             from tqdm import tqdm

@@ -91,6 +91,19 @@ def test_bad_params(kwargs, match):
         BeamSearchParams(**kwargs)
 
 
+def test_without_prefix_caching_the_same_beams_and_a_warning(models, caplog):
+    """The search is the same without prefix caching (only slower: every step computes every beam's
+    whole history), and says so."""
+    llm, _ = models["preset"]
+    plain = LLM("demo", **SETTINGS, enable_prefix_caching=False)
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    with caplog.at_level("WARNING"):
+        [got] = plain.beam_search(PROMPTS[0], params)
+    assert "without prefix caching" in caplog.text
+    [want] = llm.beam_search(PROMPTS[0], params)
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in want.sequences]
+
+
 def test_a_prompt_that_cannot_grow_is_refused_before_any_step(models):
     llm, _ = models["preset"]
     with pytest.raises(InvalidRequestError, match="prompt 1: .* do not fit in max_seq_len 64"):
