@@ -312,19 +312,12 @@ class LLM:
         Every step runs each live beam as a one-token request; prefix caching shares their history."""
         prompts = _as_prompt_list(prompts)
         searches: List[BeamSearch] = []
-        salts: List[Optional[str]] = []  # a prompt's cache_salt goes with each of its beams' requests
+        eos = sorted(self._eos_token_ids())
         for i, prompt in enumerate(prompts):
             try:
-                checked = self.processor.check(prompt)
+                searches.append(BeamSearch(self.processor.check(prompt), params, eos, self.processor.max_seq_len))
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"prompt {i}: {exc}", code=exc.code) from None
-            longest = len(checked.prompt_token_ids) + params.max_tokens - 1  # the last step's input
-            if longest >= self.processor.max_seq_len:
-                raise InvalidRequestError(f"prompt {i}: {len(checked.prompt_token_ids)} tokens and max_tokens "
-                                          f"{params.max_tokens} do not fit in max_seq_len {self.processor.max_seq_len}",
-                                          code="context_length_exceeded")
-            searches.append(BeamSearch(checked.prompt_token_ids, params, sorted(self._eos_token_ids())))
-            salts.append(checked.cache_salt)
         step = params.step_params()
         if not self.engine.pool.prefix_caching:
             logger.warning("beam search without prefix caching computes every beam's whole history again at each "
@@ -336,19 +329,15 @@ class LLM:
 
             progress = tqdm(total=params.max_tokens, desc="beam search")
         while not all(s.done for s in searches):
-            live = [(s, salt) for s, salt in zip(searches, salts) if not s.done]
-            inputs = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
-                      for s, salt in live for ids in s.requests()]
-            outs = iter(self.generate(inputs, step))
-            for s, _ in live:
+            live = [s for s in searches if not s.done]
+            outs = iter(self.generate([beam for s in live for beam in s.requests()], step))
+            for s in live:
                 s.advance([next(outs).outputs[0].logprobs[0] for _ in s.beams])  # type: ignore[index]
             if progress is not None:
                 progress.update(1)
         if progress is not None:
             progress.close()
-        tokenizer = self.tokenizer
-        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
-        return [s.output(decode) for s in searches]
+        return [s.output(self.tokenizer) for s in searches]
 
     @property
     def summary(self) -> str:

@@ -18,9 +18,10 @@ hypotheses, best first. Log-probabilities are the model's own (no penalties or t
 """
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import InvalidRequestError
+from .request_processor import CheckedPrompt
 from .sampling_params import SamplingParams
 
 @dataclass(frozen=True)
@@ -77,10 +78,17 @@ class _Beam:
 
 
 class BeamSearch:
-    """The beams of one prompt (module docstring)."""
+    """The beams of one prompt (module docstring). The prompt and ``max_tokens`` must leave the last
+    step's input inside ``max_seq_len`` (an ``InvalidRequestError`` before any step otherwise)."""
 
-    def __init__(self, prompt_token_ids: Sequence[int], params: BeamSearchParams, eos_token_ids: Sequence[int]):
-        self.prompt = list(prompt_token_ids)
+    def __init__(self, prompt: CheckedPrompt, params: BeamSearchParams, eos_token_ids: Sequence[int],
+                 max_seq_len: int):
+        self.prompt = list(prompt.prompt_token_ids)
+        if len(self.prompt) + params.max_tokens - 1 >= max_seq_len:
+            raise InvalidRequestError(f"the prompt has {len(self.prompt)} tokens and beam search's max_tokens is "
+                                      f"{params.max_tokens}: they do not fit in max_seq_len {max_seq_len}",
+                                      code="context_length_exceeded")
+        self.cache_salt = prompt.cache_salt  # goes with every beam's request
         self.params = params
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
         self.beams: List[_Beam] = [_Beam([], 0.0)]
@@ -88,9 +96,10 @@ class BeamSearch:
         self.improvable = True  # HF's early-stop heuristic not met yet
         self.done = False
 
-    def requests(self) -> List[List[int]]:
-        """The token ids each live beam runs this step (prompt and its tokens so far)."""
-        return [self.prompt + beam.token_ids for beam in self.beams]
+    def requests(self) -> List[CheckedPrompt]:
+        """What each live beam runs this step: the prompt and its tokens so far (checked once, for
+        the prompt: they stay inside ``max_seq_len``)."""
+        return [CheckedPrompt(None, self.prompt + beam.token_ids, self.cache_salt) for beam in self.beams]
 
     def advance(self, next_logprobs: Sequence[Dict[int, float]]) -> None:
         """One step, given each beam's ``{token: log-probability}`` of its best next tokens
@@ -118,9 +127,10 @@ class BeamSearch:
             self.improvable = best_possible > self.finished[-1][0]
         self.done = not self.beams or not self.improvable
 
-    def output(self, decode: Optional[Callable[[List[int]], str]] = None) -> BeamSearchOutput:
-        """The finished hypotheses, best first (``decode`` gives their text)."""
+    def output(self, tokenizer: Optional[Any] = None) -> BeamSearchOutput:
+        """The finished hypotheses, best first, with their text (special tokens skipped) when there
+        is a tokenizer."""
         return BeamSearchOutput(self.prompt, [
             BeamSearchSequence(beam.token_ids, beam.cum_logprob, score, reason,
-                               decode(beam.token_ids) if decode is not None else "")
+                               tokenizer.decode(beam.token_ids, skip_special_tokens=True) if tokenizer else "")
             for score, beam, reason in self.finished])
