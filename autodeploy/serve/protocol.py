@@ -175,7 +175,7 @@ class _Common(_Body):
     guided_json: Optional[Union[Dict[str, Any], str]] = Field(default=None, description="A JSON Schema (vLLM).")
     guided_regex: Optional[str] = Field(default=None, description="A regular expression the output matches (vLLM).")
     guided_grammar: Optional[str] = Field(default=None, description=(
-        "A GBNF grammar the output matches from its 'root' rule (vLLM's); rules may not refer back to themselves."))
+        "A GBNF grammar the output matches from its 'root' rule (vLLM's); rules may recurse, though not on the left."))
     guided_choice: Optional[List[str]] = Field(default=None, min_length=1,
                                                description="The output is one of these strings (vLLM).")
     structured_outputs: Optional[Dict[str, Any]] = Field(default=None, description=(

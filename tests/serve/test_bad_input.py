@@ -152,7 +152,7 @@ def test_completion_out_of_range(healthy, body, param):
     ({"guided_json": '{"type": '}, "guided_json"), ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
     ({"guided_choice": ["a"], "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),  # x is no rule
-    ({"guided_grammar": 'root ::= "(" root ")" | "x"'}, "guided_grammar"),  # recursive
+    ({"guided_grammar": 'root ::= root ")" | "x"'}, "guided_grammar"),  # left-recursive
     ({"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs"),
 ])
 def test_chat_out_of_range(healthy, body, param):

@@ -19,6 +19,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"
           "required": ["ok", "size"]}
 MAX_TOKENS = 40
 GRAMMAR = 'root ::= word ("-" [0-9]{2})?\nword ::= [a-z]{2,5}'
+NESTED = 'root ::= "(" root ")" | [a-z]{1,8}'  # recursive: the pushdown recognizer
 # (request fields, the same constraint for the Python API)
 CASES = [
     pytest.param({"guided_json": SCHEMA}, {"json": SCHEMA}, id="guided_json"),
@@ -31,6 +32,7 @@ CASES = [
     pytest.param({"response_format": {"type": "json_object"}}, {"json_object": True}, id="response_format-json_object"),
     pytest.param({"guided_grammar": GRAMMAR}, {"grammar": GRAMMAR}, id="guided_grammar"),
     pytest.param({"structured_outputs": {"grammar": GRAMMAR}}, {"grammar": GRAMMAR}, id="structured_outputs-grammar"),
+    pytest.param({"guided_grammar": NESTED}, {"grammar": NESTED}, id="guided_grammar-recursive"),
 ]
 
 
@@ -56,6 +58,9 @@ def _check(guided, text):
         assert text in guided["choice"]
     elif "regex" in guided:
         assert re.fullmatch(guided["regex"], text)
+    elif guided.get("grammar") == NESTED:
+        m = re.fullmatch(r"(\(*)[a-z]{1,8}(\)*)", text)
+        assert m and len(m.group(1)) == len(m.group(2))  # NESTED's language, by hand
     elif "grammar" in guided:
         assert re.fullmatch(r"[a-z]{2,5}(-[0-9]{2})?", text)  # GRAMMAR's language, by hand
     else:

@@ -1,22 +1,25 @@
-"""A GBNF grammar (llama.cpp's, the EBNF form vLLM's ``guided_grammar`` takes) as a regular
-expression for ``regex_dfa``, when the grammar is regular.
+"""GBNF grammars (llama.cpp's EBNF, the form vLLM's ``guided_grammar`` takes): the reader, and the
+choice of recognizer.
 
-Guided decoding here runs on finite automata, so a grammar is accepted when no rule refers back to
-itself, directly or through others: its rules are then inlined into one regular expression, from
-``root``. A recursive grammar (nested brackets, arithmetic) is refused with an error naming the
-rule, never approximated.
+A grammar whose rules never refer back to themselves describes a regular language: its rules are
+inlined into one regular expression from ``root`` and run on ``regex_dfa`` (whose masks come from
+a transition table, the fastest path). A recursive grammar (nested brackets, arithmetic, JSON) runs
+on ``grammar_automaton``'s pushdown recognizer instead; ``grammar_automaton()`` here picks.
 
 Syntax read: ``name ::= ...`` rules (names of letters, digits, ``-`` and ``_``; a rule runs until
 the next ``name ::=``), ``"literals"`` (escapes ``\\n \\r \\t \\\\ \\" \\xNN \\uNNNN
 \\UNNNNNNNN``), character classes ``[a-z_]`` and ``[^"\\\\]`` (the same escapes, ``\\]`` and
-``\\-``), rule references, ``( ... )``, ``|``, the repeats ``* + ?`` and ``{n}`` ``{n,}``
-``{n,m}``, and ``#`` comments to the end of the line.
+``\\-``; a ``-`` first or last is itself), rule references, ``( ... )``, ``|``, the repeats
+``* + ?`` and ``{n}`` ``{n,}`` ``{n,m}``, and ``#`` comments to the end of the line.
 """
 
 import re
-from typing import Dict, List, Optional, Tuple
+from collections import namedtuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from .errors import GuidedDecodingError
+
+MAX_REPEAT = 1000  # the largest n or m of {n,m}, as for regular expressions
 
 _TOKEN = re.compile(r"""
     (?P<space>\s+|\#[^\n]*)
@@ -29,16 +32,88 @@ _TOKEN = re.compile(r"""
 """, re.VERBOSE)
 _SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", '"': '"', "]": "]", "[": "[", "-": "-"}
 _HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+_SIMPLE_REPEATS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
+MAX_CODE_POINT = 0x10FFFF
 Token = Tuple[str, str, int]  # (kind, text, position)
+Ranges = Tuple[Tuple[int, int], ...]  # sorted, disjoint inclusive code point ranges
+
+# The parse tree: a literal, a character class (its code point ranges, after any negation), a rule
+# reference, a sequence, alternatives, a repeat (high None: unbounded)
+Literal = namedtuple("Literal", "text")
+CharClass = namedtuple("CharClass", "ranges")
+RuleRef = namedtuple("RuleRef", "name")
+Sequence = namedtuple("Sequence", "items")
+Alternatives = namedtuple("Alternatives", "options")
+Repeat = namedtuple("Repeat", "item low high")
+Node = Union[Literal, CharClass, RuleRef, Sequence, Alternatives, Repeat]
 
 
-def grammar_to_regex(grammar: str) -> str:
-    """The regular expression of ``grammar``'s ``root`` rule (``GuidedDecodingError`` naming the
-    problem otherwise)."""
+def parse_grammar(grammar: str) -> Dict[str, Node]:
+    """The grammar's rules by name (``GuidedDecodingError`` naming the problem when it cannot be
+    read, has no ``root`` or refers to a rule it does not define)."""
     rules = _Parser(_tokens(grammar)).rules()
     if "root" not in rules:
         raise GuidedDecodingError(f"the grammar has no 'root' rule (it has {sorted(rules)}); the output matches root")
-    return _Inliner(rules).regex("root", [])
+    for name, node in rules.items():
+        for ref in _references(node):
+            if ref not in rules:
+                raise GuidedDecodingError(f"rule '{name}' refers to rule '{ref}', which the grammar does not define")
+    return rules
+
+
+def recursion(rules: Dict[str, Node]) -> Optional[List[str]]:
+    """A cycle of rules reachable from ``root`` (``[a, b, a]``: a refers to b, b back to a), or None
+    when the grammar is not recursive."""
+    done: Dict[str, bool] = {}
+
+    def visit(name: str, path: List[str]) -> Optional[List[str]]:
+        if name in path:
+            return path[path.index(name):] + [name]
+        if name in done:
+            return None
+        for ref in _references(rules[name]):
+            cycle = visit(ref, path + [name])
+            if cycle:
+                return cycle
+        done[name] = True
+        return None
+
+    return visit("root", [])
+
+
+def grammar_to_regex(grammar: str) -> str:
+    """The regular expression of a non-recursive grammar's ``root`` rule (``GuidedDecodingError``
+    naming the cycle for a recursive one)."""
+    rules = parse_grammar(grammar)
+    cycle = recursion(rules)
+    if cycle:
+        raise GuidedDecodingError(f"the grammar is recursive ({' -> '.join(cycle)}): no regular expression describes "
+                                  "it")
+    return _Regex(rules).of(RuleRef("root"))
+
+
+def grammar_automaton(grammar: str) -> Any:
+    """The recognizer of ``grammar``: a DFA when it is regular, a pushdown recognizer otherwise."""
+    rules = parse_grammar(grammar)
+    if recursion(rules) is None:
+        from .regex_dfa import RegexAutomaton
+
+        return RegexAutomaton(_Regex(rules).of(RuleRef("root")))
+    from .grammar_automaton import GrammarAutomaton
+
+    return GrammarAutomaton(rules)
+
+
+def _references(node: Node) -> List[str]:
+    """The rule names ``node`` refers to, in order."""
+    if isinstance(node, RuleRef):
+        return [node.name]
+    if isinstance(node, Repeat):
+        return _references(node.item)
+    if isinstance(node, (Sequence, Alternatives)):
+        children = node.items if isinstance(node, Sequence) else node.options
+        return [name for child in children for name in _references(child)]
+    return []
 
 
 def _tokens(grammar: str) -> List[Token]:
@@ -72,6 +147,8 @@ def _unescape(body: str, pos: int) -> List[Tuple[str, bool]]:
             digits = body[i + 2:i + 2 + _HEX_ESCAPES[e]]
             if len(digits) != _HEX_ESCAPES[e] or not all(d in "0123456789abcdefABCDEF" for d in digits):
                 raise GuidedDecodingError(f"bad escape \\{e}{digits} in the grammar at position {pos}")
+            if int(digits, 16) > MAX_CODE_POINT:
+                raise GuidedDecodingError(f"escape \\{e}{digits} in the grammar at position {pos} is past U+10FFFF")
             out.append((chr(int(digits, 16)), True))
             i += 2 + len(digits)
         else:
@@ -79,15 +156,57 @@ def _unescape(body: str, pos: int) -> List[Tuple[str, bool]]:
     return out
 
 
-def _regex_char(c: str) -> str:
-    """One character as the regular expression syntax writes it (inside or outside a class)."""
-    if c == "\n":
-        return "\\n"
-    if c in "\r\t":
-        return {"\r": "\\r", "\t": "\\t"}[c]
-    if c in '\\.^$*+?{}[]|()-/"':
-        return "\\" + c
-    return c if c.isprintable() else f"\\U{ord(c):08x}"
+def _class_ranges(text: str, pos: int) -> Ranges:
+    """The code points a class ``[...]`` / ``[^...]`` matches, as sorted disjoint ranges."""
+    negated = text.startswith("[^")
+    chars = _unescape(text[2 if negated else 1:-1], pos)
+    if not chars:
+        raise GuidedDecodingError(f"an empty character class in the grammar at position {pos}")
+    spans: List[Tuple[int, int]] = []
+    i = 0
+    while i < len(chars):
+        lo = ord(chars[i][0])
+        if i + 2 < len(chars) and chars[i + 1] == ("-", False):  # a range; a '-' first or last is itself
+            hi = ord(chars[i + 2][0])
+            if hi < lo:
+                raise GuidedDecodingError(f"a reversed range {chars[i][0]!r}-{chars[i + 2][0]!r} in the grammar's "
+                                          f"class at position {pos}")
+            spans.append((lo, hi))
+            i += 3
+        else:
+            spans.append((lo, lo))
+            i += 1
+    merged: List[Tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    if not negated:
+        return tuple(merged)
+    out, nxt = [], 0
+    for lo, hi in merged:
+        if lo > nxt:
+            out.append((nxt, lo - 1))
+        nxt = hi + 1
+    if nxt <= MAX_CODE_POINT:
+        out.append((nxt, MAX_CODE_POINT))
+    return tuple(out)
+
+
+def _repeat(text: str, pos: int) -> Tuple[int, Optional[int]]:
+    if text in _SIMPLE_REPEATS:
+        return _SIMPLE_REPEATS[text]
+    body = text[1:-1].replace(" ", "")
+    low_text, _, high_text = body.partition(",")
+    low = int(low_text)
+    high = low if "," not in body else (int(high_text) if high_text else None)
+    if low > MAX_REPEAT or (high is not None and high > MAX_REPEAT):
+        raise GuidedDecodingError(f"repeat {text} in the grammar at position {pos}: counts above {MAX_REPEAT} are "
+                                  "not supported")
+    if high is not None and high < low:
+        raise GuidedDecodingError(f"repeat {text} in the grammar at position {pos}: the maximum is below the minimum")
+    return low, high
 
 
 class _Parser:
@@ -102,8 +221,8 @@ class _Parser:
         first, second = self._peek(), self._peek(1)
         return first is not None and first[0] == "name" and second is not None and second[0] == "define"
 
-    def rules(self) -> Dict[str, str]:
-        rules: Dict[str, str] = {}
+    def rules(self) -> Dict[str, Node]:
+        rules: Dict[str, Node] = {}
         while self._peek() is not None:
             if not self._rule_starts():
                 _, text, pos = self.tokens[self.i]
@@ -115,7 +234,7 @@ class _Parser:
             rules[name] = self._alternatives(top=True)
         return rules
 
-    def _alternatives(self, top: bool) -> str:
+    def _alternatives(self, top: bool) -> Node:
         options = [self._sequence()]
         while self._peek() is not None and self._peek()[1] == "|":  # type: ignore[index]
             self.i += 1
@@ -125,64 +244,69 @@ class _Parser:
             if tok is None or tok[1] != ")":
                 raise GuidedDecodingError("a '(' of the grammar is never closed")
             self.i += 1
-        return options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")"
+        return options[0] if len(options) == 1 else Alternatives(tuple(options))
 
-    def _sequence(self) -> str:
-        items: List[str] = []
+    def _sequence(self) -> Node:
+        items: List[Node] = []
         while True:
             tok = self._peek()
             if tok is None or tok[1] in ("|", ")") or self._rule_starts():
-                return "".join(items)
+                return items[0] if len(items) == 1 else Sequence(tuple(items))
             kind, text, pos = tok
             self.i += 1
+            item: Node
             if kind == "string":
-                item = "".join(_regex_char(c) for c, _ in _unescape(text[1:-1], pos))
-                item = f"(?:{item})" if len(text) > 3 else item
+                item = Literal("".join(c for c, _ in _unescape(text[1:-1], pos)))
             elif kind == "cls":
-                item = self._class(text, pos)
+                item = CharClass(_class_ranges(text, pos))
             elif kind == "name":
-                item = "\x00" + text + "\x00"  # a reference, inlined later
+                item = RuleRef(text)
             elif text == "(":
-                item = "(?:" + self._alternatives(top=False) + ")"
+                item = self._alternatives(top=False)
             else:
                 raise GuidedDecodingError(f"unexpected {text!r} in the grammar at position {pos}")
             while self._peek() is not None and (self._peek()[0] == "repeat"  # type: ignore[index]
-                                                or self._peek()[1] in ("*", "+", "?")):  # type: ignore[index]
-                suffix = self._peek()[1].replace(" ", "")  # type: ignore[index]
+                                                or self._peek()[1] in _SIMPLE_REPEATS):  # type: ignore[index]
+                _, suffix, suffix_pos = self.tokens[self.i]
                 self.i += 1
-                item = f"(?:{item}){suffix}"
+                item = Repeat(item, *_repeat(suffix, suffix_pos))
             items.append(item)
 
-    @staticmethod
-    def _class(text: str, pos: int) -> str:
-        negated = text.startswith("[^")
-        chars = _unescape(text[2 if negated else 1:-1], pos)
-        if not chars:
-            raise GuidedDecodingError(f"an empty character class in the grammar at position {pos}")
-        body = []
-        for c, escaped in chars:
-            body.append("-" if c == "-" and not escaped else _regex_char(c))
-        return "[" + ("^" if negated else "") + "".join(body) + "]"
+
+def _regex_char(cp: int) -> str:
+    """One code point as the regular expression syntax writes it (inside or outside a class)."""
+    c = chr(cp)
+    if c in "\n\r\t":
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}[c]
+    if c in '\\.^$*+?{}[]|()-/"':
+        return "\\" + c
+    return c if c.isprintable() else f"\\U{cp:08x}"
 
 
-class _Inliner:
-    def __init__(self, rules: Dict[str, str]):
+class _Regex:
+    """A non-recursive grammar's rules written out as one regular expression (each rule once)."""
+
+    def __init__(self, rules: Dict[str, Node]):
         self.rules = rules
         self.done: Dict[str, str] = {}
 
-    def regex(self, name: str, path: List[str]) -> str:
-        if name in self.done:
-            return self.done[name]
-        if name in path:
-            cycle = " -> ".join(path[path.index(name):] + [name])
-            raise GuidedDecodingError(
-                f"the grammar is recursive ({cycle}): only grammars whose rules never refer back to themselves "
-                "are supported (guided decoding runs on finite automata); unroll the recursion to a bounded depth, or "
-                "use a JSON Schema or a regex")
-        if name not in self.rules:
-            raise GuidedDecodingError(f"the grammar refers to rule '{name}', which it does not define")
-        parts = self.rules[name].split("\x00")
-        out = "".join(self.regex(p, path + [name]) if k % 2 else p for k, p in enumerate(parts))
-        self.done[name] = f"(?:{out})"
-        return self.done[name]
-
+    def of(self, node: Node) -> str:
+        if isinstance(node, Literal):
+            text = "".join(_regex_char(ord(c)) for c in node.text)
+            return f"(?:{text})" if len(node.text) != 1 else text
+        if isinstance(node, CharClass):
+            if not node.ranges:
+                return "[^\\s\\S]"  # matches nothing: regex_dfa names the problem
+            body = "".join(_regex_char(lo) if lo == hi else f"{_regex_char(lo)}-{_regex_char(hi)}"
+                           for lo, hi in node.ranges)
+            return f"[{body}]"
+        if isinstance(node, RuleRef):
+            if node.name not in self.done:
+                self.done[node.name] = f"(?:{self.of(self.rules[node.name])})"
+            return self.done[node.name]
+        if isinstance(node, Sequence):
+            return "".join(self.of(item) for item in node.items)
+        if isinstance(node, Alternatives):
+            return "(?:" + "|".join(self.of(option) for option in node.options) + ")"
+        high = "" if node.high is None else str(node.high)
+        return f"(?:{self.of(node.item)}){{{node.low},{high}}}"

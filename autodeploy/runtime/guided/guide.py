@@ -67,10 +67,15 @@ class Guide:
         tokens = self._masks.tokens_first if self.first else self._masks.tokens
         data = tokens[token] if 0 <= token < len(tokens) else None
         state = self.state
-        for byte in data or b"":
-            state = self._masks.automaton.step(state, byte)
-            if state is None:
-                break
+        try:
+            for byte in data or b"":
+                state = self._masks.automaton.step(state, byte)
+                if state is None:
+                    break
+        except GuidedDecodingError as exc:  # a pushdown recognizer's limits (nesting, ambiguity)
+            logger.warning("guided decoding stops this sequence: %s", exc)
+            self.failed, self.error = True, str(exc)
+            return True
         if not data or state is None:
             logger.warning("guided decoding: token %d does not continue the constrained output; "
                            "the sequence ends here", token)

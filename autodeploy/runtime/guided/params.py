@@ -8,8 +8,9 @@ Exactly one of:
 * ``regex``: the output matches the regular expression in full (``regex_dfa``'s subset of
   Python's syntax);
 * ``choice``: the output is one of these strings;
-* ``grammar``: a GBNF grammar (vLLM's ``guided_grammar``) whose rules never refer back to
-  themselves: the output matches its ``root`` rule (``grammar``: a recursive one is refused);
+* ``grammar``: a GBNF grammar (vLLM's ``guided_grammar``): the output matches its ``root`` rule
+  (a regular one runs as a regular expression, a recursive one on a pushdown recognizer; left
+  recursion is refused, see ``grammar_automaton``);
 * ``json_object``: the output is one JSON object, any keys (OpenAI's JSON mode).
 
 ``whitespace_pattern`` (vLLM's name; with ``json`` only) is the regular expression of the
@@ -109,9 +110,9 @@ def _compile(kind: str, source: str, whitespace: str) -> Any:
     if kind == "choice":
         return RegexAutomaton("|".join(f"(?:{escape_regex(c)})" for c in json.loads(source)))
     if kind == "grammar":
-        from .grammar import grammar_to_regex
+        from .grammar import grammar_automaton
 
-        return RegexAutomaton(grammar_to_regex(source))
+        return grammar_automaton(source)
     from .json_schema import schema_to_regex
 
     return RegexAutomaton(schema_to_regex(source, whitespace=whitespace))

@@ -1,7 +1,8 @@
 """GBNF grammars (vLLM's ``guided_grammar``) read as regular expressions: each grammar's language
 equals a regular expression written by hand for it (``re.fullmatch`` over members, near-misses and
-random strings), recursion and other errors are refused naming the problem, and generation under a
-grammar gives the same greedy tokens as under the hand-written regex."""
+random strings), a recursive grammar goes to the pushdown recognizer (``test_grammar_automaton``),
+what cannot be read or run is refused naming the problem, and generation under a grammar gives the
+same greedy tokens as under the hand-written regex."""
 
 import random
 import re
@@ -10,7 +11,9 @@ import pytest
 
 from autodeploy import LLM, InvalidRequestError, SamplingParams
 from autodeploy.runtime.guided.errors import GuidedDecodingError
-from autodeploy.runtime.guided.grammar import grammar_to_regex
+from autodeploy.runtime.guided.grammar import grammar_automaton, grammar_to_regex
+from autodeploy.runtime.guided.grammar_automaton import GrammarAutomaton
+from autodeploy.runtime.guided.regex_dfa import RegexAutomaton
 
 GRAMMARS = {
     # (grammar, the same language by hand, members)
@@ -44,20 +47,38 @@ def test_the_language_equals_the_hand_written_regex(name):
     assert all(re.fullmatch(converted, m) for m in members)
 
 
-@pytest.mark.parametrize("grammar, message", [
+@pytest.mark.parametrize("grammar, cycle", [
     ('root ::= "(" root ")" | "x"', r"recursive \(root -> root\)"),
     ('root ::= a\na ::= "x" b\nb ::= "y" a?', r"recursive \(a -> b -> a\)"),
+])
+def test_a_recursive_grammar_has_no_regex_and_runs_on_the_pushdown_recognizer(grammar, cycle):
+    with pytest.raises(GuidedDecodingError, match=cycle):
+        grammar_to_regex(grammar)
+    assert isinstance(grammar_automaton(grammar), GrammarAutomaton)
+    assert isinstance(grammar_automaton('root ::= a "x"\na ::= [a-z]+'), RegexAutomaton)  # a regular one does not
+    SamplingParams(guided={"grammar": grammar})  # a valid request
+
+
+@pytest.mark.parametrize("grammar, message", [
+    ('root ::= root "x" | "x"', r"left-recursive \(root -> root\)"),
+    ('root ::= a\na ::= b? "x"\nb ::= "(" a ")" | a', r"left-recursive \(a -> b -> a\)"),
+    ('root ::= "(" x* ")"\nx ::= root?', "left-recursive .* a '\\*' or '\\+' over something that can be empty"),
+    ('root ::= "a" root', "rule 'root' of the grammar can never end"),
+    ('root ::= "(" root ")" | [^\\x00-\\U0010FFFF]', "has a character class that matches no character"),
     ('answer ::= "x"', "no 'root' rule"),
-    ('root ::= missing', "rule 'missing', which it does not define"),
+    ('root ::= missing', "rule 'root' refers to rule 'missing', which the grammar does not define"),
+    ('root ::= [z-a]', "a reversed range 'z'-'a'"),
+    ('root ::= "x"{2000}', "counts above 1000"),
+    ('root ::= "x"{3,2}', "maximum is below the minimum"),
     ('root ::= ("x"', "never closed"),
     (r'root ::= "\q"', r"unknown escape \\q"),
     ('root ::= "x"\nroot ::= "y"', "defines rule 'root' twice"),
     ('root ::= "x" ::=', "cannot be read|expected a rule|unexpected"),
     ('root ::= []', "empty character class"),
 ])
-def test_what_cannot_be_read_is_refused(grammar, message):
+def test_what_cannot_be_read_or_run_is_refused(grammar, message):
     with pytest.raises(GuidedDecodingError, match=message):
-        grammar_to_regex(grammar)
+        grammar_automaton(grammar)
     with pytest.raises(InvalidRequestError, match=message):  # and is a request error, at once
         SamplingParams(guided={"grammar": grammar})
 
