@@ -99,7 +99,8 @@ CHAT = st.fixed_dictionaries({"messages": field(st.lists(MESSAGE, max_size=3))},
     "response_format": field(st.fixed_dictionaries({"type": field(st.sampled_from(["text", "json_object"]))})),
     "guided_regex": field(st.text(alphabet="ab()[]*+?|{}^$.\\-,0123456789", max_size=8)),
     "guided_choice": field(st.lists(st.text(max_size=3), max_size=3)),
-    "guided_grammar": field(st.sampled_from(["root ::= ", 'root ::= "a" | b\nb ::= [0-9]+'])
+    "guided_grammar": field(st.sampled_from(["root ::= ", 'root ::= "a" | b\nb ::= [0-9]+',
+                                             'root ::= "(" root ")" | "x"'])
                             .flatmap(lambda head: st.text(alphabet='" |()[]ab-z*+?{}0123\\#\n:=', max_size=12)
                                      .map(lambda tail: head + tail))),
     "guided_json": field(st.one_of(JUNK, st.fixed_dictionaries({"type": field(st.sampled_from(
