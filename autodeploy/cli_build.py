@@ -344,7 +344,8 @@ def cmd_serve(args: argparse.Namespace, overrides: Sequence[str]) -> int:
                 ranks = f" on {config.world_size} ranks" if config.world_size > 1 else ""
                 print(f"\nserving '{name}' at http://{args.host}:{sock.getsockname()[1]}/v1{auth}{ranks}", flush=True)
                 serve(llm, host=args.host, port=args.port, sock=sock, model_name=name, api_key=args.api_key,
-                      shutdown_timeout=args.shutdown_timeout, **limits)
+                      shutdown_timeout=args.shutdown_timeout, trust_request_chat_template=args.trust_request_chat_template,
+                      **limits)
             finally:
                 llm.shutdown()
             if llm.rank_failure is not None:
@@ -420,6 +421,10 @@ def _add_serve_parser(sub: Any, common: argparse.ArgumentParser, epilog: str) ->
                         "the presets; llama3_json: Llama 3.1/3.2's JSON calls; pythonic: [f(a=1), g()], Llama 3.2/4; "
                         "mistral: [TOOL_CALLS] and a JSON array or name[ARGS]{...}, Mistral/Mixtral): enables "
                         "tool_choice 'auto'")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own 'chat_template' (vLLM's flag; off: such a request is a 400). A "
+                        "template is code the server runs: Jinja's sandbox keeps it from the machine, not from "
+                        "running long, so only for clients you trust")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown (default 30; then they are cut with "
                         "a 503 or a final error event)")

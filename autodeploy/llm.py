@@ -284,6 +284,7 @@ class LLM:
         tools: Optional[Sequence[Mapping[str, Any]]] = None,
         continue_final_message: bool = False,
         chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+        chat_template: Optional[str] = None,
     ) -> List[RequestOutput]:
         """Apply the chat template (the tokenizer's, or the ``chat_template`` setting) to one
         conversation or a list of them. ``tools``: function definitions (OpenAI's ``{"type":
@@ -291,7 +292,8 @@ class LLM:
         model; the calls it writes are in the text (the server's ``--tool-call-parser`` finds them;
         ``SamplingParams.guided`` can force them). ``continue_final_message`` (with
         ``add_generation_prompt=False``): the model continues the last, assistant, message.
-        ``chat_template_kwargs``: more template variables (e.g. Qwen 3's ``enable_thinking``)."""
+        ``chat_template_kwargs``: more template variables (e.g. Qwen 3's ``enable_thinking``).
+        ``chat_template``: a Jinja template for these conversations instead of the deployment's."""
         if not messages:
             raise InvalidRequestError("chat() needs at least one message")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
@@ -300,7 +302,7 @@ class LLM:
             try:
                 prompts.append(self.processor.chat_prompt(  # type: ignore[arg-type]
                     conversation, add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
-                    template_kwargs=chat_template_kwargs))
+                    template_kwargs=chat_template_kwargs, chat_template=chat_template))
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"conversation {i}: {exc}") from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -137,14 +137,16 @@ class RequestProcessor:
     def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                     tools: Optional[Sequence[Mapping[str, Any]]] = None, *, continue_final_message: bool = False,
                     documents: Optional[Sequence[Mapping[str, Any]]] = None,
-                    template_kwargs: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+                    template_kwargs: Optional[Mapping[str, Any]] = None,
+                    chat_template: Optional[str] = None) -> Dict[str, Any]:
         """One conversation rendered with the tokenizer's chat template, as a prompt mapping
         (the template adds the special tokens, so none are added when tokenizing). ``tools``:
         function definitions (OpenAI's ``{"type": "function", "function": {...}}``) the template
         shows the model; ``documents``: for templates that cite them; ``continue_final_message``:
         the last (assistant) message is left open for the model to go on with;
-        ``template_kwargs``: more variables for the template (e.g. Qwen 3's ``enable_thinking``).
-        A template that refuses the conversation (many raise on roles out of order) is an
+        ``template_kwargs``: more variables for the template (e.g. Qwen 3's ``enable_thinking``);
+        ``chat_template``: a Jinja template used instead of the tokenizer's, for this conversation
+        only (transformers renders it in Jinja's sandbox). A template that refuses the conversation (many raise on roles out of order) is an
         ``InvalidRequestError`` with its message."""
         if not messages:
             raise InvalidRequestError("the conversation has no messages")
@@ -152,7 +154,7 @@ class RequestProcessor:
             raise InvalidRequestError("continue_final_message continues the last message; it cannot also open a new "
                                       "one: set add_generation_prompt to false")
         tokenizer = self.tokenizer.require("a chat conversation")
-        if getattr(tokenizer, "chat_template", None) is None:
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("this model's tokenizer has no chat template; send plain prompts instead "
                                       "(or give one: the chat_template setting)")
         import jinja2
@@ -161,7 +163,8 @@ class RequestProcessor:
             text = tokenizer.apply_chat_template(
                 list(messages), tools=list(tools) if tools else None, documents=list(documents) if documents else None,
                 tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **dict(template_kwargs or {}))
+                continue_final_message=continue_final_message,
+                **({"chat_template": chat_template} if chat_template is not None else {}), **dict(template_kwargs or {}))
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise InvalidRequestError(f"the chat template cannot render this conversation: {exc}") from None
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]}

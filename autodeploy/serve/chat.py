@@ -58,7 +58,7 @@ def router(state: ServerState) -> APIRouter:
         processor = state.engine.processor
         try:
             prompt = processor.chat_prompt(template_messages(req.messages), tools=tools.template_tools(),
-                                           **req.template_options())
+                                           **req.template_options(state.trust_request_chat_template))
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), "messages") from None
         checked = check_prompt(processor, prompt, "messages", req.truncate_prompt_tokens, req.cache_salt)

@@ -110,6 +110,7 @@ _BEAM_SEARCH_FIELDS = {
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "use_beam_search",
     "length_penalty", "ignore_eos", "echo", "user", "stream", "temperature", "truncate_prompt_tokens", "cache_salt",
     "priority", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents", "seed",
+    "chat_template",
 }
 
 
@@ -391,22 +392,25 @@ class ChatRendering(_Strict):
         "More variables for the chat template (e.g. Qwen 3's enable_thinking)."))
     documents: Optional[List[Dict[str, Any]]] = Field(default=None, max_length=64, description=(
         "Documents for templates that cite them (each a mapping, e.g. title and text)."))
+    chat_template: Optional[str] = Field(default=None, min_length=1, max_length=1 << 16, description=(
+        "A Jinja chat template for this request instead of the server's; only on a server started with "
+        "--trust-request-chat-template (vLLM's rule), else a 400."))
 
-    def template_options(self) -> Dict[str, Any]:
+    def template_options(self, trust_template: bool) -> Dict[str, Any]:
         """Keyword arguments of ``RequestProcessor.chat_prompt``; a 400 for a request's own
-        ``chat_template`` (a client's template is not run on the server: the server's is
-        ``--chat_template``) or a reserved name in ``chat_template_kwargs``."""
-        if (self.model_extra or {}).get("chat_template") is not None:
-            raise APIError(400, "a request's own 'chat_template' is not accepted; the server renders with its "
-                                "tokenizer's template or the one it was started with (--chat_template)",
-                           "chat_template")
+        ``chat_template`` unless the server trusts them (``trust_template``: a template is code the
+        server runs, sandboxed but unbounded in time) or a reserved name in ``chat_template_kwargs``."""
+        if self.chat_template is not None and not trust_template:
+            raise APIError(400, "a request's own 'chat_template' runs only on a server started with "
+                                "--trust-request-chat-template; this one renders with its tokenizer's template or "
+                                "the one it was started with (--chat_template)", "chat_template")
         reserved = sorted(set(self.chat_template_kwargs or {}) & set(_RESERVED_TEMPLATE_KWARGS))
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {reserved}: they are the request's own fields",
                            "chat_template_kwargs")
         return {"add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message, "documents": self.documents,
-                "template_kwargs": self.chat_template_kwargs}
+                "template_kwargs": self.chat_template_kwargs, "chat_template": self.chat_template}
 
 
 class ChatCompletionRequest(_Common, ChatRendering):

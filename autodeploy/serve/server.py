@@ -63,7 +63,8 @@ def check_settings(*, shutdown_timeout: float = 30.0, max_request_bytes: int = 1
 
 def build_state(llm: LLM, *, model_name: Optional[str] = None, api_key: Optional[str] = None,
                 max_request_bytes: int = 1 << 20, max_tokens_limit: Optional[int] = None,
-                max_choices_per_request: int = 128, tool_call_parser: Optional[str] = None) -> ServerState:
+                max_choices_per_request: int = 128, tool_call_parser: Optional[str] = None,
+                trust_request_chat_template: bool = False) -> ServerState:
     check_settings(max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit,
                    max_choices_per_request=max_choices_per_request, tool_call_parser=tool_call_parser)
     if llm.tokenizer is None:
@@ -77,7 +78,7 @@ def build_state(llm: LLM, *, model_name: Optional[str] = None, api_key: Optional
         engine=engine, model_name=model_name or llm.config.model, api_key=api_key,
         max_request_bytes=max_request_bytes, max_tokens_limit=max_tokens_limit,
         max_choices_per_request=max_choices_per_request, tool_call_parser=tool_call_parser,
-        scheduling_policy=llm.config.scheduling_policy,
+        scheduling_policy=llm.config.scheduling_policy, trust_request_chat_template=trust_request_chat_template,
     )
 
 

@@ -26,6 +26,8 @@ class ServerState:
     tool_call_parser: Optional[str] = None
     # the engine's (DeployConfig.scheduling_policy): a request's 'priority' other than 0 needs "priority"
     scheduling_policy: str = "fcfs"
+    # run a request's own 'chat_template' (--trust-request-chat-template); else such a request is a 400
+    trust_request_chat_template: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     # Set on SIGTERM/SIGINT: new API requests get a 503 while the ones in flight drain.
     shutting_down: bool = False

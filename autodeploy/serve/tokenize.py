@@ -76,7 +76,7 @@ def router(state: ServerState) -> APIRouter:
         try:
             if isinstance(req, TokenizeChatRequest):
                 prompt = processor.chat_prompt(template_messages(req.messages), tools=template_tools(req.tools),
-                                               **req.template_options())
+                                               **req.template_options(state.trust_request_chat_template))
                 ids = prompt["prompt_token_ids"]
             else:
                 tokenizer = processor.tokenizer.require("tokenizing")

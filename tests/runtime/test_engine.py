@@ -579,6 +579,16 @@ def test_chat_template_replaces_the_tokenizers(tmp_path):
     assert read_chat_template(template) == read_chat_template(str(path)) == template
 
 
+def test_a_chat_calls_own_template_replaces_the_deployments(llm):
+    """``LLM.chat(chat_template=...)`` (vLLM's argument): these conversations only."""
+    messages = [{"role": "user", "content": "hi"}]
+    (out,) = llm.chat(messages, SamplingParams(max_tokens=1, temperature=0),
+                      chat_template="{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}::")
+    assert out.prompt == "<user>hi::"
+    (again,) = llm.chat(messages, SamplingParams(max_tokens=1, temperature=0))
+    assert again.prompt == llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 @pytest.mark.parametrize("given, message", [
     ("/no/such/template.jinja", "neither a file nor Jinja template text"),
     ("{% for m in messages %}", "not a valid Jinja template"),

@@ -85,8 +85,9 @@ def tight_server():
 
 @pytest.fixture(scope="module")
 def tools_server():
-    """A server with --tool-call-parser hermes, --max_seq_len 512 (room for the tools' text) and
-    --chat_template (serve_utils.TOOLS_TEMPLATE)."""
+    """A server with --tool-call-parser hermes, --max_seq_len 512 (room for the tools' text),
+    --chat_template (serve_utils.TOOLS_TEMPLATE), --scheduling_policy priority and
+    --trust-request-chat-template."""
     return _get_server("tools").wait_ready()
 
 

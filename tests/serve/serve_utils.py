@@ -54,9 +54,9 @@ SERVER_ARGS: Dict[str, List[str]] = {
             "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)],
     "tight": ["--transforms.initialize_cache.num_pages", str(TIGHT_PAGES), "--max-choices-per-request", str(MAX_CHOICES)],
     # function calling: the tools the template shows take ~300 of the preset tokenizer's tokens;
-    # and the priority scheduling policy (requests' 'priority' accepted)
+    # the priority scheduling policy (requests' 'priority' accepted), requests' own chat templates
     "tools": ["--max_seq_len", str(TOOLS_MAX_SEQ_LEN), "--tool-call-parser", "hermes", "--chat_template",
-              TOOLS_TEMPLATE_PATH, "--scheduling_policy", "priority"],
+              TOOLS_TEMPLATE_PATH, "--scheduling_policy", "priority", "--trust-request-chat-template"],
 }
 FIXTURE_OF = {"server": "main", "aux_server": "aux", "tight_server": "tight", "tools_server": "tools"}
 

@@ -2,7 +2,9 @@
 server; ``serve_utils.TOOLS_TEMPLATE``): the setting's template is the one used, and vLLM's
 ``chat_template_kwargs``, ``documents``, ``add_generation_prompt`` and ``continue_final_message``
 reach it, for ``/tokenize`` and ``/v1/chat/completions`` alike (the ids equal the tokenizer's
-``apply_chat_template`` with the same arguments, computed here). What cannot be rendered is a 400."""
+``apply_chat_template`` with the same arguments, computed here); a request's own ``chat_template``
+renders where the server trusts them (``--trust-request-chat-template``) and is a 400 elsewhere.
+What cannot be rendered is a 400."""
 
 import json
 
@@ -12,7 +14,7 @@ from transformers import AutoTokenizer
 
 from autodeploy.models.presets import preset_dir
 
-from serve_utils import MODEL, TOOLS_TEMPLATE
+from serve_utils import MODEL, SERVED_NAME, TOOLS_TEMPLATE
 
 MSGS = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, or"}]
 
@@ -79,6 +81,35 @@ def test_echo_starts_the_answer_with_the_assistants_last_message(tools_server, l
     assert _streamed_content(tools_server, {**body, "echo": True}) == prefix + plain
 
 
+REQUEST_TEMPLATE = ("{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+
+
+def test_a_requests_own_template_renders_on_a_server_that_trusts_them(tools_server, tokenizer):
+    """vLLM's ``chat_template`` with ``--trust-request-chat-template`` (the tools server has it):
+    the request's template renders its conversation, ``/tokenize`` and chat alike."""
+    expected = tokenizer(tokenizer.apply_chat_template(MSGS, tokenize=False, chat_template=REQUEST_TEMPLATE,
+                                                       add_generation_prompt=True), add_special_tokens=False)
+    assert tokenizer.decode(expected["input_ids"]).startswith("[USER] Name a colour.\n[ASSISTANT] Blue, or")
+    r = _post(tools_server, "/tokenize", {"messages": MSGS, "chat_template": REQUEST_TEMPLATE})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == expected["input_ids"]
+    r = _post(tools_server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1, "chat_template": REQUEST_TEMPLATE})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(expected["input_ids"])
+    r = _post(tools_server, "/tokenize", {"messages": MSGS})  # the next request: the server's own again
+    assert r.json()["tokens"] == _ids(tokenizer, MSGS, add_generation_prompt=True)
+
+
+def test_a_requests_own_template_is_a_400_on_a_server_that_does_not_trust_them(server):
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = httpx.post(f"{server.url}{path}", json={"model": SERVED_NAME, "messages": MSGS, "max_tokens": 1,
+                                                     "chat_template": REQUEST_TEMPLATE}, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "chat_template" and "--trust-request-chat-template" in error["message"], r.text
+
+
 def test_the_servers_chat_template_is_used(tools_server, tokenizer):
     r = _post(tools_server, "/tokenize", {"messages": MSGS[:1], "chat_template_kwargs": {"greeting": "Hi"}})
     assert tokenizer.decode(r.json()["tokens"]).startswith("Hi\n<|user|>")  # the preset's own has no greeting
@@ -88,7 +119,8 @@ def test_the_servers_chat_template_is_used(tools_server, tokenizer):
     ({"chat_template_kwargs": {"greeting": "fail"}}, "messages", "no such greeting"),  # the template raises
     ({"continue_final_message": True}, "messages", "add_generation_prompt"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
-    ({"chat_template": "{{ messages }}"}, "chat_template", "--chat_template"),
+    ({"chat_template": "{{ raise_exception('not this one') }}"}, "messages", "not this one"),
+    ({"chat_template": "{% for m in messages %}{{ m.content }"}, "messages", "cannot render"),  # syntax error
 ])
 def test_what_cannot_be_rendered_is_a_400(tools_server, fields, param, words):
     for path in ("/v1/chat/completions", "/tokenize"):
