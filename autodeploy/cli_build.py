@@ -344,8 +344,8 @@ def cmd_serve(args: argparse.Namespace, overrides: Sequence[str]) -> int:
                 ranks = f" on {config.world_size} ranks" if config.world_size > 1 else ""
                 print(f"\nserving '{name}' at http://{args.host}:{sock.getsockname()[1]}/v1{auth}{ranks}", flush=True)
                 serve(llm, host=args.host, port=args.port, sock=sock, model_name=name, api_key=args.api_key,
-                      shutdown_timeout=args.shutdown_timeout, trust_request_chat_template=args.trust_request_chat_template,
-                      **limits)
+                      shutdown_timeout=args.shutdown_timeout,
+                      trust_request_chat_template=args.trust_request_chat_template, **limits)
             finally:
                 llm.shutdown()
             if llm.rank_failure is not None:

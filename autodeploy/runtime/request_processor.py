@@ -146,8 +146,9 @@ class RequestProcessor:
         the last (assistant) message is left open for the model to go on with;
         ``template_kwargs``: more variables for the template (e.g. Qwen 3's ``enable_thinking``);
         ``chat_template``: a Jinja template used instead of the tokenizer's, for this conversation
-        only (transformers renders it in Jinja's sandbox). A template that refuses the conversation (many raise on roles out of order) is an
-        ``InvalidRequestError`` with its message."""
+        only (transformers renders it in Jinja's sandbox). A template that refuses the
+        conversation (many raise on roles out of order) is an ``InvalidRequestError`` with its
+        message."""
         if not messages:
             raise InvalidRequestError("the conversation has no messages")
         if continue_final_message and add_generation_prompt:
@@ -164,7 +165,8 @@ class RequestProcessor:
                 list(messages), tools=list(tools) if tools else None, documents=list(documents) if documents else None,
                 tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                **({"chat_template": chat_template} if chat_template is not None else {}), **dict(template_kwargs or {}))
+                **({"chat_template": chat_template} if chat_template is not None else {}),
+                **dict(template_kwargs or {}))
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise InvalidRequestError(f"the chat template cannot render this conversation: {exc}") from None
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]}

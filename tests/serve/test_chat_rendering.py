@@ -94,7 +94,8 @@ def test_a_requests_own_template_renders_on_a_server_that_trusts_them(tools_serv
     r = _post(tools_server, "/tokenize", {"messages": MSGS, "chat_template": REQUEST_TEMPLATE})
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == expected["input_ids"]
-    r = _post(tools_server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1, "chat_template": REQUEST_TEMPLATE})
+    r = _post(tools_server, "/v1/chat/completions",
+              {"messages": MSGS, "max_tokens": 1, "chat_template": REQUEST_TEMPLATE})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(expected["input_ids"])
     r = _post(tools_server, "/tokenize", {"messages": MSGS})  # the next request: the server's own again
