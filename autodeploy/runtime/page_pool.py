@@ -11,6 +11,16 @@ the same salt, so one tenant cannot learn from timing what another's prompts wer
 compared by their tokens, never by a hash alone, and ids are never reused, so a match is exact:
 the page holds what computing the tokens would write.
 
+Tail pages: a sequence's last page is rarely full, and the next request often goes on from
+exactly where it stopped (a beam search's next step, a conversation's next turn: the prompt is
+the last prompt, its answer and more). So when a sequence ends, a partly filled last page it
+alone holds keeps a *tail entry* (the prefix before it, its computed tokens). A later sequence
+that matched the whole pages before it and goes on with those tokens (and more) gets a page of
+its own with the tail page's contents copied in (``match_tail``: it writes past them, so the
+tail page stays as it was for others), instead of computing them again. An unheld tail page is
+handed out again before any cached whole page (least recently released first): most sequences
+are never continued, and a whole page serves every request sharing the prefix.
+
 Pages are reference-counted: a matched page is shared, read-only (a sequence writes only past
 its matched pages, into pages of its own). A page nobody holds any more keeps its contents and
 its entry, and is handed out again (its entry dropped) only when no never-used page is left,
@@ -25,23 +35,32 @@ from typing import Dict, List, Optional, Tuple, Union
 
 # (id of the previous page's entry, for the first page 0 or the cache salt (a str: never an id); this page's tokens)
 Key = Tuple[Union[int, str], Tuple[int, ...]]
+MAX_TAILS_PER_PREFIX = 64  # tail entries after one prefix (a beam search leaves 2 x beam width per step)
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False):
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False, tail_pages: bool = False):
+        """``tail_pages`` (with ``prefix_caching``): keep the partly filled last pages of ended
+        sequences for ``match_tail`` (module docstring); the caller copies matched ones."""
         self.num_pages = num_pages
         self.page_size = page_size
         self.prefix_caching = prefix_caching
+        self.tail_pages = prefix_caching and tail_pages
         self._free: List[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self._refs: List[int] = [0] * num_pages
         self._page_of: Dict[Key, int] = {}  # entry -> the page holding it
         self._entry_of: Dict[int, Tuple[Key, int]] = {}  # page -> (its entry, the entry's id)
         self._cached: "OrderedDict[int, None]" = OrderedDict()  # unheld pages with an entry, least recent first
         self._ids = itertools.count(1)
+        # tail entries: prefix before -> {computed tokens of the page: page}, and page -> its entry
+        self._tails: Dict[Union[int, str], "OrderedDict[Tuple[int, ...], int]"] = {}
+        self._tail_of: Dict[int, Key] = {}
+        self._cached_tails: "OrderedDict[int, None]" = OrderedDict()  # unheld tail pages, least recent first
+        self.num_tail_hits = 0  # tail pages matched (for tests and logs)
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + len(self._cached)
+        return len(self._free) + len(self._cached) + len(self._cached_tails)
 
     @property
     def num_used(self) -> int:
@@ -62,7 +81,10 @@ class PagePool:
         for _ in range(count):
             if self._free:
                 page = self._free.pop()
-            else:  # reuse the least recently released cached page: its entry goes
+            elif self._cached_tails:  # then the least recently released tail page: its entry goes
+                page, _ = self._cached_tails.popitem(last=False)
+                self._drop_tail(page)
+            else:  # then the least recently released cached page: its entry goes
                 page, _ = self._cached.popitem(last=False)
                 key, _ = self._entry_of.pop(page)
                 del self._page_of[key]
@@ -77,6 +99,8 @@ class PagePool:
                 continue
             if page in self._entry_of:
                 self._cached[page] = None
+            elif page in self._tail_of:
+                self._cached_tails[page] = None
             else:
                 self._free.append(page)
 
@@ -115,3 +139,59 @@ class PagePool:
                 self._page_of[key] = holder
                 self._entry_of[holder] = (key, next(self._ids))
             ids.append(self._entry_of[holder][1])
+
+    # ---- tail pages --------------------------------------------------------------------------
+    def keep_tail(self, token_ids: List[int], pages: List[int], num_computed: int, ids: List[int],
+                  salt: Optional[str] = None) -> None:
+        """Before an ending sequence's pages are freed: give its partly filled last computed page
+        a tail entry, when it alone holds that page and every whole page before has an entry."""
+        whole, filled = divmod(num_computed, self.page_size)
+        if not self.tail_pages or filled == 0 or len(ids) != whole or len(pages) <= whole:
+            return
+        page = pages[whole]
+        if self._refs[page] != 1 or page in self._entry_of or page in self._tail_of:
+            return
+        prefix: Union[int, str] = ids[-1] if ids else (salt or 0)
+        tokens = tuple(token_ids[whole * self.page_size:num_computed])
+        tails = self._tails.setdefault(prefix, OrderedDict())
+        if tokens in tails:  # the same tail is kept already (its page is as good)
+            return
+        tails[tokens] = page
+        self._tail_of[page] = (prefix, tokens)
+        if len(tails) > MAX_TAILS_PER_PREFIX:
+            oldest = next(iter(tails.values()))
+            if self._refs[oldest] == 0:  # unheld: back to the never-used pages
+                del self._cached_tails[oldest]
+                self._free.append(oldest)
+            self._drop_tail(oldest)
+
+    def match_tail(self, token_ids: List[int], ids: List[int], salt: Optional[str] = None) -> Optional[Tuple[int, int]]:
+        """After ``match`` gave the whole pages ``ids``: the tail page holding the most of the
+        tokens that follow (leaving at least one to compute), now held by the caller until its
+        contents are copied (then ``free`` it), and how many tokens it holds; None: no tail fits."""
+        if not self.tail_pages:
+            return None
+        start = len(ids) * self.page_size
+        tails = self._tails.get(ids[-1] if ids else (salt or 0))
+        if not tails:
+            return None
+        best: Optional[Tuple[int, int]] = None
+        room = min(self.page_size - 1, len(token_ids) - 1 - start)
+        for tokens, page in tails.items():
+            if len(tokens) <= room and (best is None or len(tokens) > best[1]) \
+                    and tuple(token_ids[start:start + len(tokens)]) == tokens:
+                best = (page, len(tokens))
+        if best is not None:
+            self.num_tail_hits += 1
+            page = best[0]
+            if self._refs[page] == 0:
+                del self._cached_tails[page]
+            self._refs[page] += 1
+            tails.move_to_end(self._tail_of[page][1])
+        return best
+
+    def _drop_tail(self, page: int) -> None:
+        prefix, tokens = self._tail_of.pop(page)
+        del self._tails[prefix][tokens]
+        if not self._tails[prefix]:
+            del self._tails[prefix]

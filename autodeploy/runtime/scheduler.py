@@ -9,8 +9,10 @@ No request is dropped: one sequence always fits because the pool holds at least 
 ``max_seq_len`` sequence.
 
 With prefix caching (``PagePool.prefix_caching``) a sequence being admitted first takes the
-cached pages that hold the start of its tokens (``PagePool.match``) and computes only the rest,
-as a chunked prefill continues; the pages each step fills are given entries after it ran
+cached pages that hold the start of its tokens (``PagePool.match``), then a copy of a tail page
+that holds some of the next ones (``PagePool.match_tail``; the step that admits it lists the
+copy in ``ScheduledStep.page_copies``, which the model runner makes before the forward, and lets
+the tail page go after it), and computes only the rest, as a chunked prefill continues; the pages each step fills are given entries after it ran
 (``mark_computed``). A preempted sequence matches again when it is readmitted: its own pages,
 released tail first, are usually still cached. The other choices of an ``n > 1`` request wait
 while the first one computes the prompt's whole pages, then start from them.
@@ -54,6 +56,8 @@ logger = get_logger(__name__)
 class ScheduledStep:
     prefill: List[Tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
     decode: List[Sequence] = field(default_factory=list)
+    # (source, destination) pages whose contents are copied before the step runs (tail pages)
+    page_copies: List[Tuple[int, int]] = field(default_factory=list)
 
     @property
     def sequences(self) -> List[Tuple[Sequence, int]]:
@@ -120,6 +124,9 @@ class Scheduler:
     def mark_computed(self, step: ScheduledStep) -> None:
         """The step ran: its tokens are in the cache."""
         for seq, n in step.sequences:
+            if seq.tail_copy is not None:  # copied before the step ran: the tail page is let go
+                self.pool.free([seq.tail_copy[0]])
+                seq.tail_copy = None
             seq.num_computed += n
             if self.pool.prefix_caching:
                 self.pool.register(seq.token_ids, seq.pages, seq.num_computed, seq.prefix_ids, seq.cache_salt)
@@ -134,10 +141,19 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._keep_tail(seq)
         self._release_pages(seq)
         self._release_slot(seq)
 
+    def _keep_tail(self, seq: Sequence) -> None:
+        """An ending or preempted sequence's partly filled last page keeps a tail entry."""
+        if self.pool.tail_pages and seq.tail_copy is None:
+            self.pool.keep_tail(seq.token_ids, seq.pages, seq.num_computed, seq.prefix_ids, seq.cache_salt)
+
     def _release_pages(self, seq: Sequence) -> None:
+        if seq.tail_copy is not None:  # admitted with a copy that never ran
+            self.pool.free([seq.tail_copy[0]])
+            seq.tail_copy = None
         self.pool.free(seq.pages)
         seq.pages = []
         seq.prefix_ids = []
@@ -168,6 +184,14 @@ class Scheduler:
             pages, ids = pages[:keep], ids[:keep]
         seq.pages, seq.prefix_ids = pages, ids
         seq.num_computed = len(pages) * self.pool.page_size
+        tail = self.pool.match_tail(seq.token_ids, ids, seq.cache_salt)
+        if tail is not None:
+            if self.pool.num_free < 1:
+                self.pool.free([tail[0]])
+                return
+            seq.tail_copy = (tail[0], self.pool.allocate(1)[0])
+            seq.pages.append(seq.tail_copy[1])
+            seq.num_computed += tail[1]
 
     def _unmatch(self, seq: Sequence) -> None:
         """A sequence that matched cached pages but is not admitted this step lets them go (it
@@ -186,6 +210,7 @@ class Scheduler:
         logger.info("KV pool full: preempted request %s (choice %d, %d tokens computed, %d pages freed); "
                     "it will be recomputed", seq.request_id, seq.index, seq.num_computed, len(seq.pages))
         self.running.remove(seq)
+        self._keep_tail(seq)
         self._release_pages(seq)
         self._release_slot(seq)
         seq.num_computed = 0
@@ -278,6 +303,8 @@ class Scheduler:
                 if not self._reserve(seq, seq.num_computed + n, step, preempted, may_preempt_self=False):
                     continue
             step.prefill.append((seq, n))
+            if admitting and seq.tail_copy is not None:
+                step.page_copies.append(seq.tail_copy)
             budget -= n
         # a one-token chunk after the start (the rest of a prompt whose other tokens came from cached
         # pages, or of a chunked one) is a decode to the cached graph, whose batch must list every

@@ -1,7 +1,7 @@
 """One sequence being generated (a request with ``n`` completions has ``n`` of them)."""
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -22,6 +22,9 @@ class Sequence:
     pages: List[int] = field(default_factory=list)
     # prefix caching: the pool's entry id of each of its full pages so far (``PagePool.register``)
     prefix_ids: List[int] = field(default_factory=list)
+    # prefix caching: (tail page, its own page) when it starts from a copy of a tail page
+    # (``PagePool.match_tail``): the step that admits it copies the page, then lets the tail go
+    tail_copy: Optional[Tuple[int, int]] = None
     cache_salt: Optional[str] = None  # prefix caching: it shares cached pages only under this salt
     priority: int = 0  # the priority scheduling policy serves lower values first
     slot: Optional[int] = None  # its state slot while running (per-sequence state caches)

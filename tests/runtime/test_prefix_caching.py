@@ -1,7 +1,8 @@
 """Prefix caching: a sequence starts from the cached pages of a prefix computed before.
 
-The pool's rules by hand (match, sharing, eviction order, ids never reused); the scheduler under
-a random workload of shared prefixes with a small pool, checking with a simulated cache that
+The pool's rules by hand (match, sharing, eviction order, ids never reused, tail pages); the
+scheduler under a random workload of shared prefixes and of requests going on from where an
+earlier one ended (its tail page copied) with a small pool, checking with a simulated cache that
 every position a step reads holds that position's token (so no page is ever read with another
 prefix's contents, written while shared, or leaked), and with a simulated state cache that every
 sequence resumes from the state of its own prefix; and the engine on the real tiny-llama preset
@@ -131,6 +132,55 @@ def test_pages_computed_side_by_side_keep_one_entry():
     assert pool.match(tokens)[0] == first[:2]
 
 
+def _ended(pool, tokens, num_computed, salt=None):
+    """A sequence that computed ``num_computed`` of ``tokens`` and ends: its tail page is kept."""
+    pages = pool.allocate(pool.pages_for(len(tokens)))
+    ids = []
+    pool.register(tokens, pages, num_computed, ids, salt)
+    pool.keep_tail(tokens, pages, num_computed, ids, salt)
+    pool.free(pages)
+    return pages, ids
+
+
+def test_a_tail_page_is_matched_by_a_sequence_going_on_from_it():
+    pool = PagePool(16, PS, prefix_caching=True, tail_pages=True)
+    tokens = list(range(11))  # pages [0-3] [4-7], and [8 9 10] computed in the third
+    pages, _ = _ended(pool, tokens + [99], 11)  # its last token (99) was sampled, not computed
+    assert pool.num_free == 16 and pool.num_cached == 2
+    follow = tokens + [99, 5]
+    held, ids = pool.match(follow)
+    assert held == pages[:2] and pool.match_tail(follow, ids) == (pages[2], 3)
+    assert pool.num_free == 13 and pool.num_tail_hits == 1  # the tail page is held until it is copied
+    pool.free(held + [pages[2]])
+    assert pool.num_free == 16
+    assert pool.match_tail(tokens[:10] + [7, 7], ids) is None  # differs inside the tail
+    assert pool.match_tail(tokens, ids) is None  # its 3 tokens would leave none to compute
+    _ended(pool, tokens[:9] + [42, 42], 9)  # a shorter tail after the same pages: [8]
+    assert pool.match_tail(tokens + [0], ids) == (pages[2], 3)  # the longest that fits
+    pool.free([pages[2]])
+    short = pool.match_tail(tokens[:9] + [5, 5], ids)
+    assert short[1] == 1 and short[0] != pages[2]
+    pool.free([short[0]])
+    assert pool.num_free == 16 and pool.num_tail_hits == 3
+
+
+def test_a_first_page_tail_is_shared_only_under_its_salt():
+    pool = PagePool(8, PS, prefix_caching=True, tail_pages=True)
+    _ended(pool, [1, 2, 3], 3, "a")
+    assert pool.match_tail([1, 2, 3, 4], [], "b") is None and pool.match_tail([1, 2, 3, 4], []) is None
+    assert pool.match_tail([1, 2, 3, 4], [], "a")[1] == 3
+
+
+def test_tail_pages_are_handed_out_before_cached_whole_pages():
+    pool = PagePool(4, PS, prefix_caching=True, tail_pages=True)
+    tokens = list(range(6))  # one whole page and a tail of 2
+    pages, ids = _ended(pool, tokens, 6)
+    assert pool.allocate(2) == [2, 3]  # the never-used pages first
+    assert pool.allocate(1) == [pages[1]]  # then the tail page (its entry goes), not the whole one
+    assert pool.match_tail(tokens + [7], ids) is None and pool.match(tokens + [7])[0] == pages[:1]
+    assert not PagePool(8, PS, prefix_caching=False, tail_pages=True).tail_pages
+
+
 # ---- the scheduler, simulated ------------------------------------------------------------------
 class SimulatedCache:
     """What each page slot holds: the keys/values a step wrote there, named by what they depend
@@ -172,10 +222,10 @@ class SimulatedState:
         row[0] = count + n
 
 
-def _run_workload(seed, num_pages, prefix_caching=True, steps_limit=3000, snapshots=None):
+def _run_workload(seed, num_pages, prefix_caching=True, steps_limit=3000, snapshots=None, tail_pages=True):
     rng = random.Random(seed)
     page_size = 4
-    pool = PagePool(num_pages, page_size, prefix_caching=prefix_caching)
+    pool = PagePool(num_pages, page_size, prefix_caching=prefix_caching, tail_pages=tail_pages and snapshots is None)
     state = SimulatedState(4, page_size) if snapshots is not None else None
     store = StateSnapshots(state.cache, snapshots) if state is not None else None
     sched = Scheduler(pool, max_batch_size=4, max_num_tokens=24, snapshots=store)
@@ -204,6 +254,9 @@ def _run_workload(seed, num_pages, prefix_caching=True, steps_limit=3000, snapsh
                 holders.setdefault(page, set()).add(seq.request_id)
         for page, writers in writing.items():
             assert len(writers) == 1 and holders[page] == set(writers), f"page {page} written while shared"
+        for src, dst in step.page_copies:  # what the model runner does first
+            assert sum(dst in s.pages for s in sched.running) == 1  # a page of the copying sequence's own
+            cache.slots[dst] = list(cache.slots[src])
         for seq, n in step.sequences:
             cache.write(seq, seq.num_computed, n)
         for seq, n in step.sequences:
@@ -213,18 +266,28 @@ def _run_workload(seed, num_pages, prefix_caching=True, steps_limit=3000, snapsh
         sched.mark_computed(step)
         for seq, n in step.sequences:
             if seq.remaining == 0:
-                seq.append_token(rng.randrange(50))
+                # what it generates and what follows it depend on it alone, not on the schedule
+                own = random.Random(f"{seed}-{seq.request_id}-{seq.index}-{seq.num_tokens}")
+                seq.append_token(own.randrange(50))
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     seq.finish_reason = "length"
                     sched.finish(seq)
+                    # the next turn: all it had, and maybe more (as a beam search's next step), within the pool
+                    follow = seq.token_ids + [own.randrange(50) for _ in range(own.randrange(0, 4))]
+                    max_tokens = own.randrange(1, 5)
+                    if own.random() < 0.5 and len(follow) + max_tokens <= 28:
+                        sched.add(Sequence(f"{seq.request_id}.{seq.index}", 0, follow,
+                                           Params(max_tokens=max_tokens, temperature=0), arrival))
+                        arrival += 1
     assert pool.num_free == num_pages
     return sched
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_shared_prefixes_read_only_their_own_tokens(seed):
-    roomy = _run_workload(seed, num_pages=64)
-    assert roomy.prefix_hit_tokens > 0
+    roomy = _run_workload(seed, num_pages=128)  # room for tail pages to wait for their next turn
+    assert roomy.prefix_hit_tokens > _run_workload(seed, num_pages=128, tail_pages=False).prefix_hit_tokens > 0
+    assert roomy.pool.num_tail_hits > 0
     tight = _run_workload(seed, num_pages=8)  # eviction and preemption
     assert tight.num_preemptions > 0 or tight.prefix_hit_tokens > 0
 
@@ -296,6 +359,27 @@ def test_requests_sharing_a_system_prompt_give_the_tokens_computed_without_it(en
     again = cached.generate(prompts[:1], _greedy())[0].token_ids
     assert again == expected[0]
     assert 0 < cached.engine.prefix_cache_hit_rate < 1
+
+
+@pytest.mark.parametrize("extra", [0, 3])
+def test_a_request_going_on_from_an_ended_one_starts_from_a_copy_of_its_tail_page(engines, extra):
+    """The next turn (``extra`` more tokens) or a beam search's next step (none): everything the
+    ended request computed comes from the cache, its partly filled last page copied; tokens and
+    log-probabilities equal the engine without prefix caching."""
+    cached, plain = engines
+    prompt = SYSTEM + QUESTIONS[extra % 3]
+    n = next(k for k in (9, 10, 11) if (len(cached.tokenizer(prompt)["input_ids"]) + k - 1) % 4)  # a partial page
+    first = cached.generate([prompt], _greedy(n))[0]
+    follow = {"prompt_token_ids": first.prompt_token_ids + first.token_ids + list(range(100, 100 + extra))}
+    pool, sched = cached.engine.pool, cached.engine.scheduler
+    tails, hits = pool.num_tail_hits, sched.prefix_hit_tokens
+    (ours,) = cached.generate([follow], _greedy(8, logprobs=1))
+    (ref,) = plain.generate([follow], _greedy(8, logprobs=1))
+    assert pool.num_tail_hits == tails + 1
+    assert sched.prefix_hit_tokens - hits == len(first.prompt_token_ids) + n - 1  # all it computed
+    assert ours.token_ids == ref.token_ids
+    for a, b in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
 def test_a_one_token_rest_after_cached_pages_runs_beside_new_prompts(engines):
