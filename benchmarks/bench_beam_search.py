@@ -108,8 +108,9 @@ def table(data: Dict[str, Any]) -> str:
              "| engine | beam width | search [ms] | new tokens/s (per beam x width) | vs HF eager | same best |",
              "|---|---|---|---|---|---|"]
     for row in data["rows"]:
-        lines.append(f"| {row['engine']} | {row['beam_width']} | {row['ms']:.0f} ({row['min_ms']:.0f}-{row['max_ms']:.0f})"
-                     f" | {row['tok_s']:.0f} | {row['vs_hf_eager']:.2f}x | {row['same_best']}/{row['searches']} |")
+        spread = f"{row['ms']:.0f} ({row['min_ms']:.0f}-{row['max_ms']:.0f})"
+        lines.append(f"| {row['engine']} | {row['beam_width']} | {spread} | {row['tok_s']:.0f} | "
+                     f"{row['vs_hf_eager']:.2f}x | {row['same_best']}/{row['searches']} |")
     return "\n".join(lines) + "\n"
 
 

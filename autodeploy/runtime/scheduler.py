@@ -12,9 +12,10 @@ With prefix caching (``PagePool.prefix_caching``) a sequence being admitted firs
 cached pages that hold the start of its tokens (``PagePool.match``), then a copy of a tail page
 that holds some of the next ones (``PagePool.match_tail``; the step that admits it lists the
 copy in ``ScheduledStep.page_copies``, which the model runner makes before the forward, and lets
-the tail page go after it), and computes only the rest, as a chunked prefill continues; the pages each step fills are given entries after it ran
-(``mark_computed``). A preempted sequence matches again when it is readmitted: its own pages,
-released tail first, are usually still cached. The other choices of an ``n > 1`` request wait
+the tail page go after it), and computes only the rest, as a chunked prefill continues; the
+pages each step fills are given entries after it ran (``mark_computed``). A preempted sequence
+matches again when it is readmitted: its own pages, released tail first, are usually still
+cached. The other choices of an ``n > 1`` request wait
 while the first one computes the prompt's whole pages, then start from them.
 
 Scheduling policy (vLLM's ``scheduling_policy``): ``"fcfs"`` orders everything by arrival as
@@ -184,11 +185,9 @@ class Scheduler:
             pages, ids = pages[:keep], ids[:keep]
         seq.pages, seq.prefix_ids = pages, ids
         seq.num_computed = len(pages) * self.pool.page_size
-        tail = self.pool.match_tail(seq.token_ids, ids, seq.cache_salt)
+        # a tail page and a page to copy it into (two free pages: the tail may be one of them)
+        tail = self.pool.match_tail(seq.token_ids, ids, seq.cache_salt) if self.pool.num_free >= 2 else None
         if tail is not None:
-            if self.pool.num_free < 1:
-                self.pool.free([tail[0]])
-                return
             seq.tail_copy = (tail[0], self.pool.allocate(1)[0])
             seq.pages.append(seq.tail_copy[1])
             seq.num_computed += tail[1]
