@@ -15,9 +15,11 @@ Tail pages: a sequence's last page is rarely full, and the next request often go
 exactly where it stopped (a beam search's next step, a conversation's next turn: the prompt is
 the last prompt, its answer and more). So when a sequence ends, a partly filled last page it
 alone holds keeps a *tail entry* (the prefix before it, its computed tokens). A later sequence
-that matched the whole pages before it and goes on with those tokens (and more) gets a page of
-its own with the tail page's contents copied in (``match_tail``: it writes past them, so the
-tail page stays as it was for others), instead of computing them again. An unheld tail page is
+that matched the whole pages before it and goes on with the first ``k`` of those tokens gets a
+page of its own with the tail page's contents copied in (``match_tail``), and computes from
+position ``k`` on: a position's keys and values depend only on the tokens up to it, so the first
+``k`` are right whatever followed them (it overwrites the rest, so the tail page stays as it was
+for others). The same prompt sent again thus computes only its last token. An unheld tail page is
 handed out again before any cached whole page (least recently released first): most sequences
 are never continued, and a whole page serves every request sharing the prefix.
 
@@ -154,7 +156,7 @@ class PagePool:
         prefix: Union[int, str] = ids[-1] if ids else (salt or 0)
         tokens = tuple(token_ids[whole * self.page_size:num_computed])
         tails = self._tails.setdefault(prefix, OrderedDict())
-        if tokens in tails:  # the same tail is kept already (its page is as good)
+        if any(kept[:len(tokens)] == tokens for kept in tails):  # a kept tail starts so: it serves as well
             return
         tails[tokens] = page
         self._tail_of[page] = (prefix, tokens)
@@ -166,9 +168,10 @@ class PagePool:
             self._drop_tail(oldest)
 
     def match_tail(self, token_ids: List[int], ids: List[int], salt: Optional[str] = None) -> Optional[Tuple[int, int]]:
-        """After ``match`` gave the whole pages ``ids``: the tail page holding the most of the
-        tokens that follow (leaving at least one to compute), now held by the caller until its
-        contents are copied (then ``free`` it), and how many tokens it holds; None: no tail fits."""
+        """After ``match`` gave the whole pages ``ids``: the tail page whose tokens start with the
+        most of the tokens that follow (leaving at least one to compute), now held by the caller
+        until its contents are copied (then ``free`` it), and how many of its tokens are used;
+        None: no tail shares a first token."""
         if not self.tail_pages:
             return None
         start = len(ids) * self.page_size
@@ -176,11 +179,15 @@ class PagePool:
         if not tails:
             return None
         best: Optional[Tuple[int, int]] = None
-        room = min(self.page_size - 1, len(token_ids) - 1 - start)
+        wanted = token_ids[start:start + min(self.page_size - 1, len(token_ids) - 1 - start)]
         for tokens, page in tails.items():
-            if len(tokens) <= room and (best is None or len(tokens) > best[1]) \
-                    and tuple(token_ids[start:start + len(tokens)]) == tokens:
-                best = (page, len(tokens))
+            shared = 0
+            for have, want in zip(tokens, wanted):
+                if have != want:
+                    break
+                shared += 1
+            if shared and (best is None or shared > best[1]):
+                best = (page, shared)
         if best is not None:
             self.num_tail_hits += 1
             page = best[0]

@@ -237,4 +237,5 @@ class AsyncEngine:
         scheduler = self._engine.scheduler
         store = self._engine.snapshots
         self.metrics.set_prefix_cache(scheduler.prefix_query_tokens, scheduler.prefix_hit_tokens,
-                                      store.num_saved if store else 0, store.num_restored if store else 0)
+                                      store.num_saved if store else 0, store.num_restored if store else 0,
+                                      pool.num_tail_hits)

@@ -40,7 +40,7 @@ class Metrics:
         self.generation_tokens = 0
         self.preemptions = 0
         # prefix caching: tokens queried and hit (PagePool), and a state-cache model's state copies
-        self.prefix_cache = {"queried": 0, "hit": 0, "state_saved": 0, "state_restored": 0}
+        self.prefix_cache = {"queried": 0, "hit": 0, "state_saved": 0, "state_restored": 0, "tail_pages": 0}
         self.gauges = {"running": 0, "waiting": 0, "pages_used": 0, "pages_free": 0}
         self.ttft = _Histogram(_LATENCY_BUCKETS)
         self.itl = _Histogram(_LATENCY_BUCKETS)
@@ -65,12 +65,13 @@ class Metrics:
         with self._lock:
             self.preemptions = total
 
-    def set_prefix_cache(self, queried: int, hit: int, state_saved: int = 0, state_restored: int = 0) -> None:
-        """The scheduler's prefix-caching token counts and the state snapshot store's copies (their
-        one source), copied after each step."""
+    def set_prefix_cache(self, queried: int, hit: int, state_saved: int = 0, state_restored: int = 0,
+                         tail_pages: int = 0) -> None:
+        """The scheduler's prefix-caching token counts, the state snapshot store's copies and the
+        pool's tail pages matched (their one sources), copied after each step."""
         with self._lock:
             self.prefix_cache = {"queried": queried, "hit": hit, "state_saved": state_saved,
-                                 "state_restored": state_restored}
+                                 "state_restored": state_restored, "tail_pages": tail_pages}
 
     def observe_ttft(self, seconds: float) -> None:
         with self._lock:
@@ -123,6 +124,10 @@ class Metrics:
                 "# TYPE autodeploy_prefix_cache_state_copies_total counter",
                 f'autodeploy_prefix_cache_state_copies_total{{op="saved"}} {self.prefix_cache["state_saved"]}',
                 f'autodeploy_prefix_cache_state_copies_total{{op="restored"}} {self.prefix_cache["state_restored"]}',
+                "# HELP autodeploy_prefix_cache_tail_pages_total Sequences that started from a copy of an ended "
+                "sequence's partly filled last page (its hit tokens are counted above).",
+                "# TYPE autodeploy_prefix_cache_tail_pages_total counter",
+                f"autodeploy_prefix_cache_tail_pages_total {self.prefix_cache['tail_pages']}",
                 "# HELP autodeploy_time_to_first_token_seconds Arrival to first generated token.",
                 "# TYPE autodeploy_time_to_first_token_seconds histogram",
                 *self.ttft.render("autodeploy_time_to_first_token_seconds"),

@@ -153,15 +153,16 @@ def test_a_tail_page_is_matched_by_a_sequence_going_on_from_it():
     assert pool.num_free == 13 and pool.num_tail_hits == 1  # the tail page is held until it is copied
     pool.free(held + [pages[2]])
     assert pool.num_free == 16
-    assert pool.match_tail(tokens[:10] + [7, 7], ids) is None  # differs inside the tail
-    assert pool.match_tail(tokens, ids) is None  # its 3 tokens would leave none to compute
-    _ended(pool, tokens[:9] + [42, 42], 9)  # a shorter tail after the same pages: [8]
-    assert pool.match_tail(tokens + [0], ids) == (pages[2], 3)  # the longest that fits
+    assert pool.match_tail(tokens[:10] + [7, 7], ids) == (pages[2], 2)  # the tokens before the two part
     pool.free([pages[2]])
-    short = pool.match_tail(tokens[:9] + [5, 5], ids)
-    assert short[1] == 1 and short[0] != pages[2]
-    pool.free([short[0]])
-    assert pool.num_free == 16 and pool.num_tail_hits == 3
+    assert pool.match_tail(tokens, ids) == (pages[2], 2)  # the same tokens again: all but the last one
+    pool.free([pages[2]])
+    assert pool.match_tail(tokens[:8] + [7, 7], ids) is None  # no first token in common
+    _ended(pool, tokens[:9] + [42, 42], 9)  # a tail that a kept one starts with ([8]): not kept again
+    other, _ = _ended(pool, tokens[:8] + [50, 51, 52], 11)  # another tail after the same pages
+    assert pool.match_tail(tokens[:8] + [50, 51, 0, 1], ids) == (other[2], 2)  # the one sharing the most
+    pool.free([other[2]])
+    assert pool.num_free == 16 and pool.num_tail_hits == 4 and len(pool._tails[ids[-1]]) == 2
 
 
 def test_a_first_page_tail_is_shared_only_under_its_salt():
@@ -367,7 +368,7 @@ def test_a_request_going_on_from_an_ended_one_starts_from_a_copy_of_its_tail_pag
     ended request computed comes from the cache, its partly filled last page copied; tokens and
     log-probabilities equal the engine without prefix caching."""
     cached, plain = engines
-    prompt = SYSTEM + QUESTIONS[extra % 3]
+    prompt = SYSTEM + f"(turn {extra}) " + QUESTIONS[0]  # a prompt no other test sends
     n = next(k for k in (9, 10, 11) if (len(cached.tokenizer(prompt)["input_ids"]) + k - 1) % 4)  # a partial page
     first = cached.generate([prompt], _greedy(n))[0]
     follow = {"prompt_token_ids": first.prompt_token_ids + first.token_ids + list(range(100, 100 + extra))}

@@ -191,8 +191,8 @@ def test_preemptions_counted_and_logged(tight_server):
 
 
 def test_prefix_cache_hits_counted(server):
-    """The same long prompt twice: the second request reads the first one's full pages from the
-    prefix cache, and /metrics counts those tokens."""
+    """The same long prompt twice: the second request reads the first one's full pages and the
+    start of its tail page from the prefix cache, and /metrics counts those tokens."""
     prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 4)  # ~45 tokens of MAX_SEQ_LEN 128
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0}
     server.wait_idle()
@@ -205,4 +205,6 @@ def test_prefix_cache_hits_counted(server):
     queried = after["autodeploy_prefix_cache_queried_tokens_total"] - before["autodeploy_prefix_cache_queried_tokens_total"]
     hit = after["autodeploy_prefix_cache_hit_tokens_total"] - before["autodeploy_prefix_cache_hit_tokens_total"]
     assert queried == 2 * tokens
-    assert hit == (tokens - 1) // 16 * 16 > 0  # the second request's whole pages but the last token's
+    assert hit == tokens - 1  # the first one's whole pages and its tail page: all but the last token
+    tails = after["autodeploy_prefix_cache_tail_pages_total"] - before["autodeploy_prefix_cache_tail_pages_total"]
+    assert tails == 1
