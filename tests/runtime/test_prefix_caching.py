@@ -362,22 +362,26 @@ def test_requests_sharing_a_system_prompt_give_the_tokens_computed_without_it(en
     assert 0 < cached.engine.prefix_cache_hit_rate < 1
 
 
-@pytest.mark.parametrize("extra", [0, 3])
-def test_a_request_going_on_from_an_ended_one_starts_from_a_copy_of_its_tail_page(engines, extra):
-    """The next turn (``extra`` more tokens) or a beam search's next step (none): everything the
-    ended request computed comes from the cache, its partly filled last page copied; tokens and
-    log-probabilities equal the engine without prefix caching."""
+@pytest.mark.parametrize("cut, extra", [(0, 0), (0, 3), (2, 2)])
+def test_a_request_going_on_from_an_ended_one_starts_from_a_copy_of_its_tail_page(engines, cut, extra):
+    """A beam search's next step (the whole history), the next turn (``extra`` more tokens) or a
+    request that parts from the ended one inside its last page (``cut`` of its tokens dropped):
+    every token the two share and the ended one computed comes from the cache, its partly filled
+    last page copied; tokens and log-probabilities equal the engine without prefix caching."""
     cached, plain = engines
-    prompt = SYSTEM + f"(turn {extra}) " + QUESTIONS[0]  # a prompt no other test sends
-    n = next(k for k in (9, 10, 11) if (len(cached.tokenizer(prompt)["input_ids"]) + k - 1) % 4)  # a partial page
+    prompt = SYSTEM + f"(turn {cut} {extra}) " + QUESTIONS[0]  # a prompt no other test sends
+    num_prompt = len(cached.tokenizer(prompt)["input_ids"])
+    # the ended one's computed tokens fill 3 of its last page's 4 (so that 2 dropped part inside it)
+    n = next(k for k in (9, 10, 11, 12) if (num_prompt + k - 1) % 4 == 3)
     first = cached.generate([prompt], _greedy(n))[0]
-    follow = {"prompt_token_ids": first.prompt_token_ids + first.token_ids + list(range(100, 100 + extra))}
+    kept = first.token_ids[:len(first.token_ids) - cut]
+    follow = {"prompt_token_ids": first.prompt_token_ids + kept + list(range(100, 100 + extra))}
     pool, sched = cached.engine.pool, cached.engine.scheduler
     tails, hits = pool.num_tail_hits, sched.prefix_hit_tokens
     (ours,) = cached.generate([follow], _greedy(8, logprobs=1))
     (ref,) = plain.generate([follow], _greedy(8, logprobs=1))
     assert pool.num_tail_hits == tails + 1
-    assert sched.prefix_hit_tokens - hits == len(first.prompt_token_ids) + n - 1  # all it computed
+    assert sched.prefix_hit_tokens - hits == num_prompt + min(len(kept), n - 1)  # shared and computed
     assert ours.token_ids == ref.token_ids
     for a, b in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs):
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
