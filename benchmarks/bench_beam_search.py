@@ -30,8 +30,11 @@ from typing import Any, Callable, Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import torch  # noqa: E402
+
+from _report import grouped_bars  # noqa: E402
 
 from autodeploy.bench.runner import cpu_name, git_commit  # noqa: E402
 
@@ -115,30 +118,10 @@ def table(data: Dict[str, Any]) -> str:
 
 
 def plot(data: Dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot", flush=True)
-        return
-    rows = data["rows"]
-    widths = sorted({r["beam_width"] for r in rows})
-    engines = list(dict.fromkeys(r["engine"] for r in rows))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bar = 0.8 / len(engines)
-    for i, name in enumerate(engines):
-        vals = [next(r["ms"] for r in rows if r["engine"] == name and r["beam_width"] == w) for w in widths]
-        ax.bar([x + i * bar for x in range(len(widths))], vals, bar, label=name)
-    ax.set_xticks([x + bar * (len(engines) - 1) / 2 for x in range(len(widths))])
-    ax.set_xticklabels([f"beam {w}" for w in widths])
-    ax.set_ylabel(f"one search of {data['meta']['max_tokens']} tokens [ms]")
-    ax.set_title(f"beam search ({data['meta']['model']}, {data['meta']['prompt_len']}-token prompts)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}", flush=True)
+    widths = sorted({r["beam_width"] for r in data["rows"]})
+    grouped_bars(path, data["rows"], "beam_width", "ms", [f"beam {w}" for w in widths],
+                 f"one search of {data['meta']['max_tokens']} tokens [ms]",
+                 f"beam search ({data['meta']['model']}, {data['meta']['prompt_len']}-token prompts)")
 
 
 def main() -> int:

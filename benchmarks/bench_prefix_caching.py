@@ -32,8 +32,11 @@ from typing import Any, Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import torch  # noqa: E402
+
+from _report import grouped_bars  # noqa: E402
 
 from autodeploy.bench.engines import AutoDeployEngine, HFEngine  # noqa: E402
 from autodeploy.bench.runner import cpu_name, git_commit  # noqa: E402
@@ -95,31 +98,11 @@ def table(data: Dict[str, Any]) -> str:
 
 
 def plot(data: Dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot", flush=True)
-        return
-    rows = data["rows"]
-    prefixes = sorted({r["prefix"] for r in rows})
-    engines = list(dict.fromkeys(r["engine"] for r in rows))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(engines)
-    for i, name in enumerate(engines):
-        vals = [next(r["later_ms"] for r in rows if r["engine"] == name and r["prefix"] == p) for p in prefixes]
-        ax.bar([x + i * width for x in range(len(prefixes))], vals, width, label=name)
-    ax.set_xticks([x + width * (len(engines) - 1) / 2 for x in range(len(prefixes))])
-    ax.set_xticklabels([f"prefix {p}" for p in prefixes])
-    ax.set_ylabel("time to first token [ms]")
-    ax.set_yscale("log")
-    ax.set_title(f"shared prefix + {data['meta']['question_len']}-token question ({_name(data['meta']['model'])})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}", flush=True)
+    prefixes = sorted({r["prefix"] for r in data["rows"]})
+    grouped_bars(path, data["rows"], "prefix", "later_ms", [f"prefix {p}" for p in prefixes],
+                 "time to first token [ms]",
+                 f"shared prefix + {data['meta']['question_len']}-token question ({_name(data['meta']['model'])})",
+                 log=True)
 
 
 def main() -> int:

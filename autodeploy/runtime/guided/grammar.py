@@ -4,7 +4,8 @@ choice of recognizer.
 A grammar whose rules never refer back to themselves describes a regular language: its rules are
 inlined into one regular expression from ``root`` and run on ``regex_dfa`` (whose masks come from
 a transition table, the fastest path). A recursive grammar (nested brackets, arithmetic, JSON) runs
-on ``grammar_automaton``'s pushdown recognizer instead; ``grammar_automaton()`` here picks.
+on ``grammar_automaton``'s pushdown recognizer instead; ``grammar_automaton.grammar_recognizer()``
+picks.
 
 Syntax read: ``name ::= ...`` rules (names of letters, digits, ``-`` and ``_``; a rule runs until
 the next ``name ::=``), ``"literals"`` (escapes ``\\n \\r \\t \\\\ \\" \\xNN \\uNNNN
@@ -15,9 +16,10 @@ the next ``name ::=``), ``"literals"`` (escapes ``\\n \\r \\t \\\\ \\" \\xNN \\u
 
 import re
 from collections import namedtuple
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from .errors import GuidedDecodingError
+from .regex_parser import Ranges, negate_ranges, normalize_ranges
 
 MAX_REPEAT = 1000  # the largest n or m of {n,m}, as for regular expressions
 
@@ -35,7 +37,6 @@ _HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 _SIMPLE_REPEATS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
 MAX_CODE_POINT = 0x10FFFF
 Token = Tuple[str, str, int]  # (kind, text, position)
-Ranges = Tuple[Tuple[int, int], ...]  # sorted, disjoint inclusive code point ranges
 
 # The parse tree: a literal, a character class (its code point ranges, after any negation), a rule
 # reference, a sequence, alternatives, a repeat (high None: unbounded)
@@ -84,24 +85,16 @@ def recursion(rules: Dict[str, Node]) -> Optional[List[str]]:
 def grammar_to_regex(grammar: str) -> str:
     """The regular expression of a non-recursive grammar's ``root`` rule (``GuidedDecodingError``
     naming the cycle for a recursive one)."""
-    rules = parse_grammar(grammar)
+    return rules_to_regex(parse_grammar(grammar))
+
+
+def rules_to_regex(rules: Dict[str, Node]) -> str:
+    """``grammar_to_regex`` for rules already read."""
     cycle = recursion(rules)
     if cycle:
         raise GuidedDecodingError(f"the grammar is recursive ({' -> '.join(cycle)}): no regular expression describes "
                                   "it")
     return _Regex(rules).of(RuleRef("root"))
-
-
-def grammar_automaton(grammar: str) -> Any:
-    """The recognizer of ``grammar``: a DFA when it is regular, a pushdown recognizer otherwise."""
-    rules = parse_grammar(grammar)
-    if recursion(rules) is None:
-        from .regex_dfa import RegexAutomaton
-
-        return RegexAutomaton(_Regex(rules).of(RuleRef("root")))
-    from .grammar_automaton import GrammarAutomaton
-
-    return GrammarAutomaton(rules)
 
 
 def _references(node: Node) -> List[str]:
@@ -176,22 +169,8 @@ def _class_ranges(text: str, pos: int) -> Ranges:
         else:
             spans.append((lo, lo))
             i += 1
-    merged: List[Tuple[int, int]] = []
-    for lo, hi in sorted(spans):
-        if merged and lo <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
-        else:
-            merged.append((lo, hi))
-    if not negated:
-        return tuple(merged)
-    out, nxt = [], 0
-    for lo, hi in merged:
-        if lo > nxt:
-            out.append((nxt, lo - 1))
-        nxt = hi + 1
-    if nxt <= MAX_CODE_POINT:
-        out.append((nxt, MAX_CODE_POINT))
-    return tuple(out)
+    merged = normalize_ranges(spans)
+    return negate_ranges(merged) if negated else merged
 
 
 def _repeat(text: str, pos: int) -> Tuple[int, Optional[int]]:

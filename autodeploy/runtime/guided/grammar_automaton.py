@@ -22,10 +22,11 @@ rules raises ``GuidedDecodingError`` (the guide then ends the sequence with a wa
 """
 
 from bisect import bisect_right
-from typing import Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from .errors import GuidedDecodingError
-from .grammar import Alternatives, CharClass, Literal, Node, Ranges, Repeat, RuleRef, Sequence
+from .grammar import (Alternatives, CharClass, Literal, Node, Ranges, Repeat, RuleRef, Sequence, parse_grammar,
+                      recursion, rules_to_regex)
 
 MAX_STACKS = 1024  # readings of an ambiguous text kept at once
 MAX_DEPTH = 512  # rules open at once (the nesting depth of the text, roughly)
@@ -37,6 +38,17 @@ _SURROGATES = (0xD800, 0xDFFF)
 Stack = Tuple[int, ...]
 State = Tuple[FrozenSet[Stack], bytes]
 Symbol = Tuple[int, object]  # (_SET, ranges) or (_REF, rule id)
+
+
+def grammar_recognizer(grammar: str) -> Any:
+    """The recognizer of a GBNF ``grammar``: a DFA when it is regular (the faster masks), the
+    pushdown ``GrammarAutomaton`` when it is recursive."""
+    rules = parse_grammar(grammar)
+    if recursion(rules) is None:
+        from .regex_dfa import RegexAutomaton
+
+        return RegexAutomaton(rules_to_regex(rules))
+    return GrammarAutomaton(rules)
 
 
 def _utf8_span(pending: bytes) -> Optional[Tuple[int, int]]:

@@ -110,9 +110,9 @@ def _compile(kind: str, source: str, whitespace: str) -> Any:
     if kind == "choice":
         return RegexAutomaton("|".join(f"(?:{escape_regex(c)})" for c in json.loads(source)))
     if kind == "grammar":
-        from .grammar import grammar_automaton
+        from .grammar_automaton import grammar_recognizer
 
-        return grammar_automaton(source)
+        return grammar_recognizer(source)
     from .json_schema import schema_to_regex
 
     return RegexAutomaton(schema_to_regex(source, whitespace=whitespace))

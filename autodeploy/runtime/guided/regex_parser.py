@@ -34,7 +34,7 @@ def _shown(pattern: str) -> str:
     return repr(pattern if len(pattern) <= 80 else pattern[:77] + "...")
 
 
-def _normalize(ranges: List[Tuple[int, int]]) -> Ranges:
+def normalize_ranges(ranges: List[Tuple[int, int]]) -> Ranges:
     """Sorted, merged ranges, so that equal sets compare (and cache) equal."""
     merged: List[Tuple[int, int]] = []
     for lo, hi in sorted(ranges):
@@ -45,7 +45,7 @@ def _normalize(ranges: List[Tuple[int, int]]) -> Ranges:
     return tuple(merged)
 
 
-def _negate(ranges: Ranges) -> Ranges:
+def negate_ranges(ranges: Ranges) -> Ranges:
     """All code points not in ``ranges``: what ``[^...]`` and ``\\D \\W \\S`` match."""
     out, nxt = [], 0
     for lo, hi in ranges:
@@ -58,13 +58,13 @@ def _negate(ranges: Ranges) -> Ranges:
 
 
 _DIGIT = ((0x30, 0x39),)
-_WORD = _normalize([(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)])
+_WORD = normalize_ranges([(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)])
 _SPACE = ((0x09, 0x0D), (0x20, 0x20))
 _CLASS_ESCAPES: Dict[str, Ranges] = {
-    "d": _DIGIT, "D": _negate(_DIGIT), "w": _WORD, "W": _negate(_WORD),
-    "s": _SPACE, "S": _negate(_SPACE),
+    "d": _DIGIT, "D": negate_ranges(_DIGIT), "w": _WORD, "W": negate_ranges(_WORD),
+    "s": _SPACE, "S": negate_ranges(_SPACE),
 }
-_DOT = _negate(((0x0A, 0x0A),))
+_DOT = negate_ranges(((0x0A, 0x0A),))
 _SIMPLE_QUANTIFIERS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
 _CHAR_ESCAPES = {"n": 0x0A, "t": 0x09, "r": 0x0D, "f": 0x0C, "v": 0x0B, "a": 0x07}
 _ANCHOR_ESCAPES = {"b": "word boundary", "B": "non-word boundary", "A": "start-of-text anchor",
@@ -313,8 +313,8 @@ class _Parser:
                 item = ((lo, hi),)
             ranges.extend(item)
         self.pos += 1
-        result = _normalize(ranges)
-        return _negate(result) if negated else result
+        result = normalize_ranges(ranges)
+        return negate_ranges(result) if negated else result
 
     def class_item(self) -> Tuple[Ranges, Optional[int]]:
         if self.peek() == "\\":

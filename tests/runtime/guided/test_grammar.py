@@ -11,8 +11,8 @@ import pytest
 
 from autodeploy import LLM, InvalidRequestError, SamplingParams
 from autodeploy.runtime.guided.errors import GuidedDecodingError
-from autodeploy.runtime.guided.grammar import grammar_automaton, grammar_to_regex
-from autodeploy.runtime.guided.grammar_automaton import GrammarAutomaton
+from autodeploy.runtime.guided.grammar import grammar_to_regex
+from autodeploy.runtime.guided.grammar_automaton import GrammarAutomaton, grammar_recognizer
 from autodeploy.runtime.guided.regex_dfa import RegexAutomaton
 
 GRAMMARS = {
@@ -54,8 +54,8 @@ def test_the_language_equals_the_hand_written_regex(name):
 def test_a_recursive_grammar_has_no_regex_and_runs_on_the_pushdown_recognizer(grammar, cycle):
     with pytest.raises(GuidedDecodingError, match=cycle):
         grammar_to_regex(grammar)
-    assert isinstance(grammar_automaton(grammar), GrammarAutomaton)
-    assert isinstance(grammar_automaton('root ::= a "x"\na ::= [a-z]+'), RegexAutomaton)  # a regular one does not
+    assert isinstance(grammar_recognizer(grammar), GrammarAutomaton)
+    assert isinstance(grammar_recognizer('root ::= a "x"\na ::= [a-z]+'), RegexAutomaton)  # a regular one does not
     SamplingParams(guided={"grammar": grammar})  # a valid request
 
 
@@ -78,7 +78,7 @@ def test_a_recursive_grammar_has_no_regex_and_runs_on_the_pushdown_recognizer(gr
 ])
 def test_what_cannot_be_read_or_run_is_refused(grammar, message):
     with pytest.raises(GuidedDecodingError, match=message):
-        grammar_automaton(grammar)
+        grammar_recognizer(grammar)
     with pytest.raises(InvalidRequestError, match=message):  # and is a request error, at once
         SamplingParams(guided={"grammar": grammar})
 

@@ -20,8 +20,7 @@ import pytest
 
 from autodeploy import LLM, SamplingParams
 from autodeploy.runtime.guided.errors import GuidedDecodingError
-from autodeploy.runtime.guided.grammar import grammar_automaton
-from autodeploy.runtime.guided.grammar_automaton import MAX_DEPTH, GrammarAutomaton
+from autodeploy.runtime.guided.grammar_automaton import MAX_DEPTH, GrammarAutomaton, grammar_recognizer
 from autodeploy.runtime.guided.regex_dfa import RegexAutomaton
 from autodeploy.runtime.guided.token_masks import TokenMasks
 from autodeploy.runtime.guided.vocab import vocab_of
@@ -72,7 +71,7 @@ def _brackets_reference(text: str):
 
 
 def test_nested_brackets_are_followed_byte_by_byte():
-    automaton = grammar_automaton(BRACKETS)
+    automaton = grammar_recognizer(BRACKETS)
     assert isinstance(automaton, GrammarAutomaton)
     rng = random.Random(0)
     texts = ["", "a", "(a)[b]", "([([x])])", "(]", "((", "a)", "[a(b]c)"]
@@ -94,7 +93,7 @@ def _is_arithmetic(text: str) -> bool:
 
 
 def test_arithmetic_is_what_pythons_parser_reads_as_sums_and_products():
-    automaton = grammar_automaton(ARITHMETIC)
+    automaton = grammar_recognizer(ARITHMETIC)
     rng = random.Random(1)
     texts = ["1+2", "(1+2)*30", "((7))", "(1", "1+", "", "2*(3+(4-5))/6", "-1", "1//2", "(1)(2)", "01"]
     texts += ["".join(rng.choice("1230+-*/()") for _ in range(rng.randint(1, 10))) for _ in range(6000)]
@@ -108,7 +107,7 @@ def test_arithmetic_is_what_pythons_parser_reads_as_sums_and_products():
 @pytest.mark.parametrize("name", sorted(REGULAR))
 def test_a_regular_language_is_refused_and_accepted_where_its_dfa_does(name):
     grammar, regex = REGULAR[name]
-    pushdown, dfa = grammar_automaton(grammar), RegexAutomaton(regex)
+    pushdown, dfa = grammar_recognizer(grammar), RegexAutomaton(regex)
     assert isinstance(pushdown, GrammarAutomaton)
     pieces = [p.encode() for p in ["one", "two", "three", ",", "é", "€", "😀", "🙏", "à", "ÿ", '"', "\\", "n", "x"]]
     pieces += [b"\xc3", b"\xe2\x82", b"\xf0\x9f", b"\xff", b"\xed\xa0\x80",  # cut and invalid UTF-8:
@@ -120,7 +119,7 @@ def test_a_regular_language_is_refused_and_accepted_where_its_dfa_does(name):
 
 
 def test_a_long_repeat_keeps_its_stack_and_deep_nesting_is_an_error():
-    automaton = grammar_automaton(BRACKETS)
+    automaton = grammar_recognizer(BRACKETS)
     state = automaton.initial
     for byte in b"(" + b"x" * 5000:  # a repeat continues in place: the stack does not grow with the text
         state = automaton.step(state, byte)
@@ -138,7 +137,7 @@ def llm():
 def test_token_masks_equal_the_dfas(llm, name):
     grammar, regex = REGULAR[name]
     vocab = vocab_of(llm.tokenizer)
-    ours, ref = TokenMasks(grammar_automaton(grammar), vocab), TokenMasks(RegexAutomaton(regex), vocab)
+    ours, ref = TokenMasks(grammar_recognizer(grammar), vocab), TokenMasks(RegexAutomaton(regex), vocab)
     width = len(vocab.tokens)
     rng = random.Random(3)
     for _ in range(4):  # random token walks through the language
@@ -179,7 +178,7 @@ def test_generation_under_recursive_grammars_gives_their_texts(llm):
                 assert check(o.text), (grammar, o.text)
                 finished += 1
             else:  # cut off: still the start of a text of the grammar
-                assert _first_refusal(grammar_automaton(grammar), o.text.encode())[0] == len(o.text.encode())
+                assert _first_refusal(grammar_recognizer(grammar), o.text.encode())[0] == len(o.text.encode())
     assert finished >= 3
     assert not re.fullmatch(r"\s*", "".join(o.text for o in outs))
 
