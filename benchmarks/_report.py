@@ -2,6 +2,7 @@
 commit) recorded beside the rows, under ``benchmarks/results/<prefix>-<time>.json``; and the
 grouped bar chart several benchmarks draw."""
 
+import argparse
 import json
 import os
 import time
@@ -55,3 +56,34 @@ def grouped_bars(path: str, rows: List[Dict[str, Any]], group: str, value: str, 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}", flush=True)
+
+
+def add_output_args(p: argparse.ArgumentParser, name: str) -> None:
+    """``--out`` and ``--png`` of a benchmark whose files are named ``name`` (see ``resolve_outputs``)."""
+    p.add_argument("--out", help="directory of the JSON and markdown (default: benchmarks/results; with --smoke "
+                   ".cache/bench/smoke-results)")
+    p.add_argument("--png", help=f"where the plot goes (default: benchmarks/{name}.png; with --smoke beside the "
+                   "results)")
+
+
+def resolve_outputs(args: argparse.Namespace, name: str) -> None:
+    """Fill in ``args.out`` and ``args.png``: a smoke run's files go under ``.cache`` (never into the
+    repository's results)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args.out = args.out or os.path.join(repo, *((".cache", "bench", "smoke-results") if args.smoke
+                                               else ("benchmarks", "results")))
+    args.png = args.png or (os.path.join(args.out, f"{name}.png") if args.smoke
+                            else os.path.join(repo, "benchmarks", f"{name}.png"))
+
+
+def write_results(out: str, name: str, data: Dict[str, Any], markdown: str) -> str:
+    """``data`` as ``<out>/<name>-<time>.json`` and ``markdown`` beside it (also printed); returns the
+    path without its extension."""
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown)
+    print(markdown, flush=True)
+    return stem

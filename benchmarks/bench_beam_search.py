@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import torch  # noqa: E402
 
-from _report import grouped_bars  # noqa: E402
+from _report import add_output_args, grouped_bars, resolve_outputs, write_results  # noqa: E402
 
 from autodeploy.bench.runner import cpu_name, git_commit  # noqa: E402
 
@@ -135,17 +135,11 @@ def main() -> int:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also HF + torch.compile (static cache; compiles at the warm-up)")
     p.add_argument("--smoke", action="store_true", help="tiny-llama, one round, no compile: seconds")
-    p.add_argument("--out", help="directory of the JSON and markdown (default: benchmarks/results; with --smoke "
-                   ".cache/bench/smoke-results)")
-    p.add_argument("--png", help="where the plot goes (default: benchmarks/beam-search.png; with --smoke beside "
-                   "the results)")
+    add_output_args(p, "beam-search")
     args = p.parse_args()
     if args.smoke:
         args.model, args.max_tokens, args.prompts, args.rounds, args.compile = "tiny-llama", 8, 1, 1, False
-    args.out = args.out or os.path.join(REPO, *((".cache", "bench", "smoke-results") if args.smoke
-                                               else ("benchmarks", "results")))
-    args.png = args.png or (os.path.join(args.out, "beam-search.png") if args.smoke
-                            else os.path.join(REPO, "benchmarks", "beam-search.png"))
+    resolve_outputs(args, "beam-search")
     from autodeploy.models.factory import resolve_source
 
     checkpoint = resolve_source(args.model)
@@ -183,14 +177,7 @@ def main() -> int:
             "prompts": args.prompts, "prompt_len": args.prompt_len, "rounds": args.rounds,
             "max_tokens": args.max_tokens, "beam_widths": args.beam_widths}
     data = {"meta": meta, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"beam-search-{time.strftime('%Y%m%d-%H%M%S')}")
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=1)
-    md = table(data)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    print(md, flush=True)
+    write_results(args.out, "beam-search", data, table(data))
     plot(data, args.png)
     return 0
 

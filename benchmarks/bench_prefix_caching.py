@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import torch  # noqa: E402
 
-from _report import grouped_bars  # noqa: E402
+from _report import add_output_args, grouped_bars, resolve_outputs, write_results  # noqa: E402
 
 from autodeploy.bench.engines import AutoDeployEngine, HFEngine  # noqa: E402
 from autodeploy.bench.runner import cpu_name, git_commit  # noqa: E402
@@ -115,18 +115,12 @@ def main() -> int:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also HF + torch.compile (static cache; compiles each prompt length once)")
     p.add_argument("--smoke", action="store_true", help="tiny-llama, short prefixes, one round: seconds")
-    p.add_argument("--out", help="directory of the JSON and markdown (default: benchmarks/results; "
-                   "with --smoke .cache/bench/smoke-results)")
-    p.add_argument("--png", help="where the plot goes (default: benchmarks/prefix-caching.png; with --smoke "
-                   "beside the results)")
+    add_output_args(p, "prefix-caching")
     args = p.parse_args()
     if args.smoke:
         args.model, args.prefixes, args.questions, args.question_len, args.rounds = "tiny-llama", [48], 2, 8, 1
         args.compile = False
-    args.out = args.out or os.path.join(REPO, *((".cache", "bench", "smoke-results") if args.smoke
-                                               else ("benchmarks", "results")))
-    args.png = args.png or (os.path.join(args.out, "prefix-caching.png") if args.smoke
-                            else os.path.join(REPO, "benchmarks", "prefix-caching.png"))
+    resolve_outputs(args, "prefix-caching")
     from autodeploy.models.factory import resolve_source
 
     checkpoint = resolve_source(args.model)
@@ -167,14 +161,7 @@ def main() -> int:
             "date": time.strftime("%Y-%m-%d %H:%M"), "questions": args.questions, "question_len": args.question_len,
             "rounds": args.rounds, "prefixes": args.prefixes}
     data = {"meta": meta, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"prefix-caching-{time.strftime('%Y%m%d-%H%M%S')}")
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=1)
-    md = table(data)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    print(md, flush=True)
+    write_results(args.out, "prefix-caching", data, table(data))
     plot(data, args.png)
     for engine in engines.values():
         engine.close()
