@@ -19,6 +19,9 @@ rely on. Grammars the recognizer cannot run are refused when built, naming the r
 recursion (``expr ::= expr "+" term``: settling would never end; write it ``expr ::= term ("+"
 term)*``). A text whose stacks grow past ``MAX_STACKS`` ambiguous readings or ``MAX_DEPTH`` nested
 rules raises ``GuidedDecodingError`` (the guide then ends the sequence with a warning).
+
+``grammar_recognizer`` is the entry point: a grammar without recursion goes to ``regex_dfa``
+instead (a DFA's masks come from a transition table, much faster than stepping stacks).
 """
 
 from bisect import bisect_right
@@ -27,6 +30,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 from .errors import GuidedDecodingError
 from .grammar import (Alternatives, CharClass, Literal, Node, Ranges, Repeat, RuleRef, Sequence, parse_grammar,
                       recursion, rules_to_regex)
+from .regex_dfa import RegexAutomaton
 
 MAX_STACKS = 1024  # readings of an ambiguous text kept at once
 MAX_DEPTH = 512  # rules open at once (the nesting depth of the text, roughly)
@@ -45,8 +49,6 @@ def grammar_recognizer(grammar: str) -> Any:
     pushdown ``GrammarAutomaton`` when it is recursive."""
     rules = parse_grammar(grammar)
     if recursion(rules) is None:
-        from .regex_dfa import RegexAutomaton
-
         return RegexAutomaton(rules_to_regex(rules))
     return GrammarAutomaton(rules)
 
