@@ -387,6 +387,32 @@ def test_a_request_going_on_from_an_ended_one_starts_from_a_copy_of_its_tail_pag
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
+@pytest.mark.parametrize("num_pages", [40, 26])
+def test_conversations_in_a_small_pool_give_the_tokens_computed_without_prefix_caching(engines, num_pages):
+    """Turns that go on from earlier answers, sent in batches to a pool of few pages of 4 tokens:
+    with 40 pages tail pages are matched, with 26 the tails are handed out again first and
+    decoding sequences preempted and recomputed. Every answer equals the engine without prefix
+    caching."""
+    _, plain = engines
+    small = LLM("tiny-llama", max_seq_len=96, max_batch_size=4, max_num_tokens=64, page_size=4,
+                transforms={"initialize_cache": {"num_pages": num_pages}})
+    rng = random.Random(0)
+    histories = [small.tokenizer(SYSTEM + q)["input_ids"] for q in QUESTIONS] + [[1, 5, 9, 13, 17]]
+    for _ in range(3):
+        prompts = [{"prompt_token_ids": h} for h in histories]
+        params = _greedy(rng.randint(3, 9))
+        ours, ref = small.generate(prompts, params), plain.generate(prompts, params)
+        assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
+        # the next turn: the answer so far (sometimes cut inside its last page) and a few new tokens
+        histories = [h + o.token_ids[:len(o.token_ids) - rng.randint(0, 2)] + [rng.randrange(3, 500)
+                                                                               for _ in range(rng.randint(0, 3))]
+                     for h, o in zip(histories, ours)]
+    if num_pages == 40:
+        assert small.engine.pool.num_tail_hits > 0
+    else:
+        assert small.engine.num_preemptions > 0
+
+
 def test_a_one_token_rest_after_cached_pages_runs_beside_new_prompts(engines):
     """A prompt cached up to its last token computes a one-token chunk after the start, which the
     cached graph reads as a decode: it goes after the other prefills of its step (before the fix
