@@ -55,9 +55,10 @@ class ModelRunner:
     def run(self, step: ScheduledStep) -> StepLogits:
         """The step's logits: next-token rows of ``step.due`` in that order (an empty tensor when
         none is due), and all rows of the sequences scoring their prompt."""
-        for src, dst in step.page_copies:  # tail pages (``PagePool.match_tail``): before anything reads them
+        if step.page_copies:  # tail pages (``PagePool.match_tail``), before anything reads them: one copy per cache
+            src, dst = (torch.tensor(pages, device=self.cache.device) for pages in zip(*step.page_copies))
             for name in self.cache.paged_names:
-                self.cache.caches[name][dst].copy_(self.cache.caches[name][src])
+                self.cache.caches[name][dst] = self.cache.caches[name][src]
         batch = step.sequences
         scoring = [s.scores_prompt for s, _ in batch]
         info = build_sequence_info(

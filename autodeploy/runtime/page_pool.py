@@ -38,6 +38,9 @@ from typing import Dict, List, Optional, Tuple, Union
 # (id of the previous page's entry, for the first page 0 or the cache salt (a str: never an id); this page's tokens)
 Key = Tuple[Union[int, str], Tuple[int, ...]]
 MAX_TAILS_PER_PREFIX = 64  # tail entries after one prefix (a beam search leaves 2 x beam width per step)
+# the fewest tokens a tail page is copied for: one token computes about as cheaply as a page copies,
+# and every prompt shares its first token (BOS) with every other
+MIN_TAIL_TOKENS = 2
 
 
 class PagePool:
@@ -171,7 +174,7 @@ class PagePool:
         """After ``match`` gave the whole pages ``ids``: the tail page whose tokens start with the
         most of the tokens that follow (leaving at least one to compute), now held by the caller
         until its contents are copied (then ``free`` it), and how many of its tokens are used;
-        None: no tail shares a first token."""
+        None: no tail shares ``MIN_TAIL_TOKENS`` tokens."""
         if not self.tail_pages:
             return None
         start = len(ids) * self.page_size
@@ -186,7 +189,7 @@ class PagePool:
                 if have != want:
                     break
                 shared += 1
-            if shared and (best is None or shared > best[1]):
+            if shared >= MIN_TAIL_TOKENS and (best is None or shared > best[1]):
                 best = (page, shared)
         if best is not None:
             self.num_tail_hits += 1

@@ -158,6 +158,7 @@ def test_a_tail_page_is_matched_by_a_sequence_going_on_from_it():
     assert pool.match_tail(tokens, ids) == (pages[2], 2)  # the same tokens again: all but the last one
     pool.free([pages[2]])
     assert pool.match_tail(tokens[:8] + [7, 7], ids) is None  # no first token in common
+    assert pool.match_tail(tokens[:9] + [7, 7], ids) is None  # one: not worth a page copy (MIN_TAIL_TOKENS)
     _ended(pool, tokens[:9] + [42, 42], 9)  # a tail that a kept one starts with ([8]): not kept again
     other, _ = _ended(pool, tokens[:8] + [50, 51, 52], 11)  # another tail after the same pages
     assert pool.match_tail(tokens[:8] + [50, 51, 0, 1], ids) == (other[2], 2)  # the one sharing the most
