@@ -9,7 +9,7 @@ the runtime reads the page geometry to schedule and calls the graph with
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -172,6 +172,14 @@ class CachedSequenceInterface:
             for name, h in self.handlers.items()
         }
         self.num_pages = num_pages
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Page ``src[i]`` into page ``dst[i]`` of every paged cache, one indexed copy per cache
+        (prefix caching's tail pages; a page's contents are the same kind in every paged cache)."""
+        src_t = torch.tensor(list(src), dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(list(dst), dtype=torch.long, device=self.device)
+        for name in self.paged_names:
+            self.caches[name][dst_t] = self.caches[name][src_t]
 
     def reserve_scratch_page(self) -> int:
         """Keep the last page out of the allocator (padded rows write there); returns its index."""

@@ -16,7 +16,7 @@ import torch
 from ..cache.interface import CachedSequenceInterface
 from ..utils.logging import get_logger
 from ..distributed import process_group
-from .state_snapshots import StateReplica
+from .state_snapshots import PAGE, StateReplica
 from .step_broadcast import StepReceiver
 
 logger = get_logger(__name__)
@@ -36,11 +36,15 @@ def follow(model: Callable[..., object], cache: CachedSequenceInterface,
         step = receiver.receive()
         if step is None:
             break
-        if step.copies:
+        pages = [c for c in step.copies if c.kind == PAGE]  # tail pages: this rank's shard of each
+        if pages:
+            cache.copy_pages([c.row for c in pages], [c.slot for c in pages])
+        states = [c for c in step.copies if c.kind != PAGE]
+        if states:
             if replica is None:
                 raise RuntimeError("rank 0 sent state copies but this rank keeps no state snapshots: give every rank "
                                    "the same enable_prefix_caching and prefix_state_snapshots")
-            replica.apply(step.copies)
+            replica.apply(states)
         model(*cache.graph_args(step.info))
         steps += 1
     logger.info("rank %d: rank 0 said stop after %d steps (%.1f s)", rank, steps, time.monotonic() - start)

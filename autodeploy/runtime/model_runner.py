@@ -27,6 +27,7 @@ from ..cache.interface import CachedSequenceInterface
 from ..cache.sequence_info import SequenceInfo, build_sequence_info
 from .scheduler import ScheduledStep
 from .sequence import Sequence
+from .state_snapshots import PAGE, Copy
 
 if TYPE_CHECKING:
     from .state_snapshots import StateSnapshots
@@ -55,10 +56,8 @@ class ModelRunner:
     def run(self, step: ScheduledStep) -> StepLogits:
         """The step's logits: next-token rows of ``step.due`` in that order (an empty tensor when
         none is due), and all rows of the sequences scoring their prompt."""
-        if step.page_copies:  # tail pages (``PagePool.match_tail``), before anything reads them: one copy per cache
-            src, dst = (torch.tensor(pages, device=self.cache.device) for pages in zip(*step.page_copies))
-            for name in self.cache.paged_names:
-                self.cache.caches[name][dst] = self.cache.caches[name][src]
+        if step.page_copies:  # tail pages (``PagePool.match_tail``), before anything reads them
+            self.cache.copy_pages(*zip(*step.page_copies))
         batch = step.sequences
         scoring = [s.scores_prompt for s, _ in batch]
         info = build_sequence_info(
@@ -72,7 +71,8 @@ class ModelRunner:
         if self.sender is None:
             logits = self.model(*self.cache.graph_args(info))[0]
         else:
-            copies = self.snapshots.take_copies() if self.snapshots is not None else ()
+            copies = list(self.snapshots.take_copies()) if self.snapshots is not None else []
+            copies += [Copy(PAGE, src, dst) for src, dst in step.page_copies]  # every rank copies its own shard
             with self.sender.step(info, copies):
                 logits = self.model(*self.cache.graph_args(info))[0]
         self._hand_out_hidden_states([s for s, _ in batch], info)

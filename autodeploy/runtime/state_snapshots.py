@@ -33,7 +33,7 @@ import torch
 from ..cache.interface import CachedSequenceInterface
 
 
-SAVE, RESTORE = 0, 1
+SAVE, RESTORE, PAGE = 0, 1, 2
 
 
 def _allocate_rows(cache: CachedSequenceInterface, capacity: int) -> Dict[str, torch.Tensor]:
@@ -43,7 +43,9 @@ def _allocate_rows(cache: CachedSequenceInterface, capacity: int) -> Dict[str, t
 
 
 class Copy(NamedTuple):
-    """One copy between a running slot and a snapshot row: ``SAVE`` slot -> row, ``RESTORE`` row -> slot."""
+    """One copy a rank makes before a step: between a running slot and a snapshot row (``SAVE``
+    slot -> row, ``RESTORE`` row -> slot), or ``PAGE``: page ``row`` into page ``slot`` of every
+    paged cache (a tail page, ``PagePool.match_tail``; not a state copy, it rides along)."""
 
     kind: int
     row: int

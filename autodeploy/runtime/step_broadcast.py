@@ -13,8 +13,8 @@ Wire format, two broadcasts from rank 0 over the default group:
    otherwise);
 2. for a step only: every ``SequenceInfo`` field flattened into one ``int64`` tensor, in
    ``FIELDS`` order (the sizes follow from the header; each field is cast back to its dtype),
-   then the ``C`` state copies (``state_snapshots.Copy``: kind, row, slot) that each rank makes
-   before the step runs (prefix caching of a model with state caches).
+   then the ``C`` copies (``state_snapshots.Copy``: kind, row, slot) that each rank makes before
+   the step runs (prefix caching: state copies of a model with state caches, tail-page copies).
 
 A rank waiting for a message is inside a collective, which fails after the group's timeout
 (``process_group.timeout_s``). So rank 0 sends a keep-alive whenever it has been quiet for a

@@ -106,3 +106,36 @@ def test_state_snapshots_of_prefix_caching_at_two_ranks_give_hf_tokens():
             logits = model(torch.tensor([prompt + tokens])).logits[0].float()
         want = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(logprobs), want, atol=1e-4), (logprobs, want.tolist())
+
+
+def _tail_pages_job(rank: int, world: int) -> Dict[str, Any]:
+    """Llama with prefix caching and pages of 4 tokens: a prompt, then the next turn (the prompt,
+    its answer and two tokens more), which starts from a copy of the first one's partly filled
+    last page: rank 0 sends the copy with the step and every rank copies its own shard."""
+    from autodeploy import LLM, SamplingParams
+
+    llm = LLM(_checkpoint("llama"), dtype="float32", world_size=world, max_seq_len=64, max_batch_size=4, page_size=4,
+              max_num_tokens=64)
+    if not llm.is_driver:
+        llm.follow()
+        return {}
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)  # 11 + 4 computed: 3 of a last page
+    first = llm.generate([{"prompt_token_ids": PROMPTS[0] + [13, 19, 23, 31]}], params)[0]
+    follow = first.prompt_token_ids + first.outputs[0].token_ids + [43, 47]
+    second = llm.generate([{"prompt_token_ids": follow}], params)[0]
+    llm.shutdown()
+    return {"prompts": [first.prompt_token_ids, follow],
+            "tokens": [list(first.outputs[0].token_ids), list(second.outputs[0].token_ids)],
+            "tails": llm.engine.pool.num_tail_hits, "hits": llm.engine.scheduler.prefix_hit_tokens}
+
+
+@pytest.mark.slow  # ~30 s on 2 cores: both ranks build the engine
+@pytest.mark.distributed
+def test_tail_pages_at_two_ranks_give_hf_tokens():
+    results = _run_ranks(partial(_tail_pages_job, world=2), world=2, timeout=400)
+    for r in results:
+        assert "error" not in r, r.get("error")
+    lead = results[0]
+    assert lead["tails"] == 1 and lead["hits"] == 11 + 4  # everything the first one computed
+    for prompt, tokens in zip(lead["prompts"], lead["tokens"]):
+        assert tokens == hf_greedy_tokens(_checkpoint("llama"), [prompt], 5)[0]
