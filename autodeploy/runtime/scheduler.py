@@ -148,7 +148,7 @@ class Scheduler:
 
     def _keep_tail(self, seq: Sequence) -> None:
         """An ending or preempted sequence's partly filled last page keeps a tail entry."""
-        if self.pool.tail_pages and seq.tail_copy is None:
+        if seq.tail_copy is None:  # (the pool decides whether it keeps tails at all)
             self.pool.keep_tail(seq.token_ids, seq.pages, seq.num_computed, seq.prefix_ids, seq.cache_salt)
 
     def _release_pages(self, seq: Sequence) -> None:

@@ -16,10 +16,11 @@ the next ``name ::=``), ``"literals"`` (escapes ``\\n \\r \\t \\\\ \\" \\xNN \\u
 
 import re
 from collections import namedtuple
-from typing import Dict, List, Optional, Tuple, Union
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from .errors import GuidedDecodingError
-from .regex_parser import Ranges, negate_ranges, normalize_ranges
+from .regex_parser import MAX_NESTING, Ranges, negate_ranges, normalize_ranges
 
 MAX_REPEAT = 1000  # the largest n or m of {n,m}, as for regular expressions
 
@@ -85,7 +86,20 @@ def recursion(rules: Dict[str, Node]) -> Optional[List[str]]:
 def grammar_to_regex(grammar: str) -> str:
     """The regular expression of a non-recursive grammar's ``root`` rule (``GuidedDecodingError``
     naming the cycle for a recursive one)."""
-    return rules_to_regex(parse_grammar(grammar))
+    with too_deep_is_an_error():
+        return rules_to_regex(parse_grammar(grammar))
+
+
+@contextmanager
+def too_deep_is_an_error() -> Iterator[None]:
+    """A grammar's rules are walked recursively, one Python frame per rule a chain of references
+    goes through: a chain of about a thousand rules is a ``GuidedDecodingError`` (a request error),
+    not Python's ``RecursionError``."""
+    try:
+        yield
+    except RecursionError:
+        raise GuidedDecodingError("the grammar's rules refer to each other in a chain too long to follow (about a "
+                                  "thousand rules or more); shorten it") from None
 
 
 def rules_to_regex(rules: Dict[str, Node]) -> str:
@@ -191,6 +205,7 @@ def _repeat(text: str, pos: int) -> Tuple[int, Optional[int]]:
 class _Parser:
     def __init__(self, tokens: List[Token]):
         self.tokens, self.i = tokens, 0
+        self.depth = 0  # groups open: the parser recurses once per level
 
     def _peek(self, offset: int = 0) -> Optional[Token]:
         j = self.i + offset
@@ -241,7 +256,12 @@ class _Parser:
             elif kind == "name":
                 item = RuleRef(text)
             elif text == "(":
+                self.depth += 1
+                if self.depth > MAX_NESTING:
+                    raise GuidedDecodingError(f"groups nested deeper than {MAX_NESTING} in the grammar at position "
+                                              f"{pos}; flatten them")
                 item = self._alternatives(top=False)
+                self.depth -= 1
             else:
                 raise GuidedDecodingError(f"unexpected {text!r} in the grammar at position {pos}")
             while self._peek() is not None and (self._peek()[0] == "repeat"  # type: ignore[index]

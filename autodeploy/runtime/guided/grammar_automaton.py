@@ -29,7 +29,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from .errors import GuidedDecodingError
 from .grammar import (Alternatives, CharClass, Literal, Node, Ranges, Repeat, RuleRef, Sequence, parse_grammar,
-                      recursion, rules_to_regex)
+                      recursion, rules_to_regex, too_deep_is_an_error)
 from .regex_dfa import RegexAutomaton
 
 MAX_STACKS = 1024  # readings of an ambiguous text kept at once
@@ -47,10 +47,11 @@ Symbol = Tuple[int, object]  # (_SET, ranges) or (_REF, rule id)
 def grammar_recognizer(grammar: str) -> Any:
     """The recognizer of a GBNF ``grammar``: a DFA when it is regular (the faster masks), the
     pushdown ``GrammarAutomaton`` when it is recursive."""
-    rules = parse_grammar(grammar)
-    if recursion(rules) is None:
-        return RegexAutomaton(rules_to_regex(rules))
-    return GrammarAutomaton(rules)
+    with too_deep_is_an_error():
+        rules = parse_grammar(grammar)
+        if recursion(rules) is None:
+            return RegexAutomaton(rules_to_regex(rules))
+        return GrammarAutomaton(rules)
 
 
 def _utf8_span(pending: bytes) -> Optional[Tuple[int, int]]:

@@ -42,9 +42,13 @@ class Guide:
             try:
                 return self._masks.mask(self.state, self.first, width)
             except GuidedDecodingError as exc:
-                logger.warning("guided decoding stops this sequence: %s", exc)
-                self.failed, self.error = True, str(exc)
+                self._fail(exc)
         return torch.ones(width, dtype=torch.bool)
+
+    def _fail(self, exc: GuidedDecodingError) -> None:
+        """The automaton cannot go on (its limits: DFA states, nesting, ambiguity): the sequence ends."""
+        logger.warning("guided decoding stops this sequence: %s", exc)
+        self.failed, self.error = True, str(exc)
 
     @property
     def accepting(self) -> bool:
@@ -73,8 +77,7 @@ class Guide:
                 if state is None:
                     break
         except GuidedDecodingError as exc:  # a pushdown recognizer's limits (nesting, ambiguity)
-            logger.warning("guided decoding stops this sequence: %s", exc)
-            self.failed, self.error = True, str(exc)
+            self._fail(exc)
             return True
         if not data or state is None:
             logger.warning("guided decoding: token %d does not continue the constrained output; "
