@@ -48,11 +48,14 @@ def test_paged_decode_attention_matches_sdpa(lengths, n_q, window):
         out = native.paged_decode_attention(q, k_cache, v_cache, table, lens - 1, torch.ones_like(lens), scale, window)
         assert out.shape == (batch, n_q, 64)
         for b, n in enumerate(lengths):
-            # as close to a float64 reference as torch's float32 SDPA is
+            # as close to a float64 reference as torch's float32 SDPA is, give or take a few float32
+            # ulps of the output (the two sum in different orders: on one AVX-512 CPU SDPA happened
+            # to land within 7e-7 where the kernel was 2.4e-6 off, both ~1e-6 of outputs ~3)
             exact = _reference(q[b].double(), k_cache.double(), v_cache.double(), table[b], n, scale, window)
             sdpa_err = (_reference(q[b], k_cache, v_cache, table[b], n, scale, window).double() - exact).abs().max()
             err = (out[b].double() - exact).abs().max()
-            assert err <= 2 * sdpa_err + 1e-6, (b, float(err), float(sdpa_err))
+            ulps = 4 * torch.finfo(torch.float32).eps * exact.abs().max()
+            assert err <= 2 * sdpa_err + ulps, (b, float(err), float(sdpa_err))
 
 
 @needs_native
