@@ -80,6 +80,23 @@ def _parameters(tool: ChatTool) -> Dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else {"type": "object", "properties": {}}
 
 
+_VALUE_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # hold JSON values, not schemas
+
+
+def _moved_refs(schema: Any, root: str) -> Any:
+    """``schema`` with its local references (``#...``) rewritten for its new place ``root`` inside
+    another schema (a tool's ``#/$defs/Item`` would otherwise resolve against the new whole)."""
+    if isinstance(schema, list):
+        return [_moved_refs(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {k: v if k in _VALUE_KEYWORDS else _moved_refs(v, root) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        moved["$ref"] = root + ref[1:]
+    return moved
+
+
 class ToolSettings:
     """What one request's tool fields amount to: the template's ``tools``, the output
     constraint (``guided``: fields of ``GuidedDecodingParams``) and the parser of each choice."""
@@ -108,11 +125,12 @@ class ToolSettings:
         if isinstance(self.choice, NamedToolChoice):
             tool = next(t for t in self.tools if t.function.name == self.choice.function.name)
             return {"json": _parameters(tool)}
-        if self.choice == "required":
+        if self.choice == "required":  # each tool's schema under $defs, its own references moved there
             calls = [{"type": "object", "required": ["name", "parameters"],
-                      "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)}}
-                     for t in self.tools]
-            array: Dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+                      "properties": {"name": {"const": t.function.name}, "parameters": {"$ref": f"#/$defs/tool{i}"}}}
+                     for i, t in enumerate(self.tools)]
+            defs = {f"tool{i}": _moved_refs(_parameters(t), f"#/$defs/tool{i}") for i, t in enumerate(self.tools)}
+            array: Dict[str, Any] = {"$defs": defs, "type": "array", "items": {"anyOf": calls}, "minItems": 1}
             if self.single:
                 array["maxItems"] = 1
             return {"json": array}

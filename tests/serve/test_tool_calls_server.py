@@ -126,6 +126,35 @@ def test_required_tool_choice_gives_each_call_of_the_constrained_array(tools_ser
     assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
 
 
+SECTION = {"type": "object", "required": ["title"], "properties": {
+    "title": {"enum": ["Intro", "Body", "End"]}, "parts": {"type": "array", "items": {"$ref": "#/$defs/Section"}}}}
+OUTLINE = {"type": "function", "function": {"name": "outline", "parameters": {
+    "$defs": {"Section": SECTION}, "type": "object", "required": ["sections"],
+    "properties": {"sections": {"type": "array", "items": {"$ref": "#/$defs/Section"}, "minItems": 1}}}}}
+# what ``required`` stands for with OUTLINE alone, written by hand: its definitions at the root
+OUTLINE_CALL = {"$defs": {"Section": SECTION, "Outline": {
+    "type": "object", "required": ["sections"],
+    "properties": {"sections": {"type": "array", "items": {"$ref": "#/$defs/Section"}, "minItems": 1}}}},
+    "type": "array", "minItems": 1, "maxItems": 1, "items": {
+        "type": "object", "required": ["name", "parameters"],
+        "properties": {"name": {"const": "outline"}, "parameters": {"$ref": "#/$defs/Outline"}}}}
+
+
+def test_required_tool_choice_takes_a_tool_with_definitions_and_recursion(tools_server, tokenizer):
+    """A tool whose parameters refer to their own ``$defs`` (as pydantic writes them), here
+    recursively: the server moves them under the array it constrains to, and runs the recursion
+    on the pushdown recognizer."""
+    kw = dict(temperature=0.9, seed=7, max_tokens=160)  # seed 7 nests a section in a section
+    response = _chat_response(tools_server, tools=[OUTLINE], tool_choice="required", parallel_tool_calls=False, **kw)
+    text, finish, length = _reference(tools_server, tokenizer, tools=[OUTLINE], guided_json=OUTLINE_CALL, **kw)
+    assert response["usage"]["completion_tokens"] == length
+    assert finish == "stop", text
+    (call,) = json.loads(text)
+    assert any(section.get("parts") for section in call["parameters"]["sections"]), text
+    (got,) = _without_ids(response["choices"][0]["message"]["tool_calls"])
+    assert got["name"] == "outline" and json.loads(got["arguments"]) == call["parameters"]
+
+
 # the model is made to write a Hermes call (a regex constraint; tool_choice stays 'auto'); ~75 tokens
 HERMES_CALL = r'Sure\.\n<tool_call>\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}</tool_call>'
 

@@ -18,8 +18,11 @@ Deliberate restrictions:
 * anyOf: alternation. oneOf: alternation where the branches provably exclude each other (types,
   const/enum values, required properties, a discriminator property), else an error: a regex
   cannot enforce "exactly one". allOf: merged where the subschemas' keywords do not interact.
-* $ref: local JSON pointers (``#/$defs/Name``); recursion is an error (a regex cannot nest without
-  bound, and a cut-off depth would silently reject valid data).
+* $ref: local JSON pointers (``#/$defs/Name``), inlined. A recursive reference (a tree, a linked
+  list, ``"#"``) cannot be inlined: its target becomes a *rule*, written into the regex as one
+  placeholder character (``compile_schema``), and ``schema_grammar`` runs the regexes as the rules
+  of a grammar on the pushdown recognizer (a cut-off depth would silently reject valid data). A
+  recursive reference beside other keywords, or under allOf, is an error.
 * Strings: ``\\uXXXX`` escapes exclude surrogates (astral characters come as themselves), so
   minLength/maxLength count code points. ``pattern`` full-matches the raw text between the quotes,
   restricted to characters JSON carries unescaped (so raw text == value).
@@ -47,11 +50,27 @@ WHITESPACE = r"[ \n]{0,8}"  # one gap between tokens: bounded, so that a model c
 # Container levels of a value the schema leaves unconstrained. Each level multiplies the regex ~4x
 # and the engine's NFA ~8x: level 3 would be ~80k NFA states per occurrence (the engine takes 250k).
 ANY_DEPTH = 2
+# A recursive reference is written into the regex as one lone surrogate: no user text reaches a
+# compiled regex as one (_dump escapes them, patterns refuse them), and the engine reads it back as
+# a rule reference (regex_parser's placeholders).
+RULE_MARKS = (0xD800, 0xDFFF)
+Rules = Dict[str, Tuple[str, str]]  # placeholder character -> (the target's JSON pointer, its regex)
 
 
 def schema_to_regex(schema: Union[dict, bool, str], whitespace: str = WHITESPACE) -> str:
     """The regex of the JSON texts valid against ``schema`` (a dict, a boolean or the schema's JSON
-    text). ``whitespace`` is the regex of one gap between tokens: it must match only JSON whitespace."""
+    text). ``whitespace`` is the regex of one gap between tokens: it must match only JSON whitespace.
+    A recursive schema has no regex: ``GuidedDecodingError`` (``compile_schema`` takes it)."""
+    regex, rules = compile_schema(schema, whitespace)
+    if rules:
+        name = next(iter(rules.values()))[0]
+        raise GuidedDecodingError(f"The schema refers to {name!r} recursively: it has no regular expression")
+    return regex
+
+
+def compile_schema(schema: Union[dict, bool, str], whitespace: str = WHITESPACE) -> Tuple[str, Rules]:
+    """The regex of ``schema`` (as ``schema_to_regex``) and, when it recurses, its rules: each
+    placeholder character in a regex stands for the JSON texts of that rule's regex."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -64,7 +83,7 @@ def schema_to_regex(schema: Union[dict, bool, str], whitespace: str = WHITESPACE
     except (re.error, TypeError) as exc:
         raise GuidedDecodingError(f"whitespace must be a regex string: {exc}") from None
     simple = re.fullmatch(r"(?:\[[^\]]*\](?:[*+?]|\{\d+(?:,\d*)?\})?)?", whitespace)
-    return _Compiler(schema, whitespace if simple else f"(?:{whitespace})").compile(schema, ())
+    return _Compiler(schema, whitespace if simple else f"(?:{whitespace})").compile_rules(schema)
 
 
 
@@ -155,6 +174,20 @@ class _Compiler:
         self.root, self.ws, self.sep = root, ws, f"{ws},{ws}"
         self.origins: List[Path] = []  # where the $refs being expanded were taken
         self.cache: Dict[Any, str] = {}
+        self.marks: Dict[Path, str] = {}  # targets of recursive references -> their placeholders
+
+    def compile_rules(self, schema: Any) -> Tuple[str, Rules]:
+        """The root's regex and the rules of the recursive references met on the way (a rule's own
+        regex may meet more: compiled until none is left)."""
+        regex, rules = self.compile(schema, ()), {}
+        while len(rules) < len(self.marks):
+            where, mark = next((w, m) for w, m in self.marks.items() if m not in rules)
+            pointer = "#" + "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in where)
+            target = self.root
+            for part in where:  # resolved before: the path exists
+                target = target[int(part)] if isinstance(target, list) else target[part]
+            rules[mark] = (pointer, regex if not where else self.compile(target, where))
+        return regex, rules
 
     def compile(self, schema: Any, path: Path) -> str:
         if schema is True:
@@ -209,19 +242,31 @@ class _Compiler:
             target.append(part)
         return node, tuple(target)
 
+    def _recursive(self, where: Path, path: Path) -> bool:
+        """Whether a reference to ``where`` is recursive: the target holds a place being expanded."""
+        return any(p[:len(where)] == where for p in self.origins + [path])
+
     def _target(self, schema: dict, path: Path) -> Tuple[Any, Path]:
-        """A $ref's target and its path. Recursion: the target holds a place being expanded."""
+        """A $ref's target and its path, for allOf (which merges targets: it cannot follow recursion)."""
         target, where = self._resolve(schema["$ref"], path)
-        if any(p[:len(where)] == where for p in self.origins + [path]):
-            raise _err("$ref", path, f"is {schema['$ref']!r}, a recursive reference: a regex cannot nest without "
-                       "bound; unroll the recursion to a fixed depth in the schema")
+        if self._recursive(where, path):
+            raise _err("$ref", path, f"is {schema['$ref']!r}, a recursive reference under allOf: its keywords "
+                       "cannot be merged into the schema that holds it; refer to it outside allOf")
         return target, where
 
     def _ref(self, schema: dict, path: Path) -> str:
-        """The target merged with the sibling keywords. A target without siblings is compiled once
-        (if it cannot recurse here, it cannot anywhere)."""
-        target, where = self._target(schema, path)
+        """The target merged with the sibling keywords; a recursive reference, the target's rule.
+        A target without siblings is compiled once (its regex is the same wherever it is met)."""
+        target, where = self._resolve(schema["$ref"], path)
         siblings = {k: v for k, v in schema.items() if k in _KNOWN and k != "$ref"}
+        if self._recursive(where, path):
+            if siblings:
+                raise _err("$ref", path, f"is {schema['$ref']!r}, a recursive reference beside the keywords "
+                           f"{', '.join(siblings)}: move them into the schema it refers to")
+            if where not in self.marks and len(self.marks) > RULE_MARKS[1] - RULE_MARKS[0]:
+                raise _err("$ref", path, "is one recursive reference too many: the schema recurses through "
+                           f"over {RULE_MARKS[1] - RULE_MARKS[0] + 1} targets")
+            return self.marks.setdefault(where, chr(RULE_MARKS[0] + len(self.marks)))
         if not siblings and where in self.cache:
             return self.cache[where]
         self.origins.append(path)
@@ -297,6 +342,8 @@ class _Compiler:
             raise _err("const", path, "is not in the enum: no value can satisfy both")
         rest = {k: v for k, v in schema.items() if k in _KNOWN and k not in ("enum", "const", "nullable")}
         check = re.compile(self.compile(rest, path)) if rest else None
+        if check is not None and any(c in check.pattern for c in self.marks.values()):
+            raise _err(key, path, "sits beside a recursive reference, which cannot check its values; drop one")
         texts = [t for t in dict.fromkeys(_dump(v, key, path) for v in values) if check is None or check.fullmatch(t)]
         if not texts:
             raise _err(key, path, "has no value that the sibling keywords accept (objects must list their "

@@ -4,7 +4,8 @@ Exactly one of:
 
 * ``json``: a JSON Schema (a dict, or its JSON text); the output is one JSON text valid under it,
   within the subset ``json_schema`` supports (properties in the schema's order, bounded
-  whitespace; unsupported keywords are refused, never ignored);
+  whitespace; unsupported keywords are refused, never ignored); a recursive schema runs on the
+  pushdown recognizer (``schema_grammar``);
 * ``regex``: the output matches the regular expression in full (``regex_dfa``'s subset of
   Python's syntax);
 * ``choice``: the output is one of these strings;
@@ -113,6 +114,6 @@ def _compile(kind: str, source: str, whitespace: str) -> Any:
         from .grammar_automaton import grammar_recognizer
 
         return grammar_recognizer(source)
-    from .json_schema import schema_to_regex
+    from .schema_grammar import schema_recognizer
 
-    return RegexAutomaton(schema_to_regex(source, whitespace=whitespace))
+    return schema_recognizer(source, whitespace=whitespace)

@@ -117,8 +117,11 @@ def _repeat_count(digits: str) -> int:
 class _Parser:
     """Recursive descent over the pattern into a tree; ``end`` excludes an ignored final ``$``."""
 
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, placeholders: bool = False) -> None:
         self.pattern = pattern
+        # a lone surrogate written as itself is a placeholder (a rule reference of json_schema's
+        # grammars, which no user text can produce), else an error
+        self.placeholders = placeholders
         self.pos = 1 if pattern.startswith("^") else 0
         slashes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))
         dollar = pattern.endswith("$") and slashes % 2 == 0 and len(pattern) > self.pos
@@ -166,6 +169,8 @@ class _Parser:
             raise self.error(f"anchor {c!r} is only supported as the {where} character", pos,
                              f"remove it (matches are full anyway) or escape it as '\\{c}'")
         self.pos += 1
+        if self.placeholders and _SURROGATES[0] <= ord(c) <= _SURROGATES[1]:
+            return _Chars(((ord(c), ord(c)),))
         return _Chars(_DOT if c == "." else self.literal(ord(c), pos))
 
     def literal(self, cp: int, pos: int) -> Ranges:
