@@ -40,13 +40,20 @@ SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
     "email": {"type": "string", "format": "email"}, "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}},
     "required": ["name", "age", "email", "tags"]}
+TREE = {"$defs": {"Node": {"type": "object", "required": ["value"], "properties": {
+    "value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}},
+    "$ref": "#/$defs/Node"}
 CONSTRAINTS = {
     "json_schema": ({"json": SCHEMA}, '{"name": "Ada Lovelace, Countess", "age": 36, "email": "ada@example.org", '
                                       '"tags": ["a", "c"]}'),
     "string_regex": ({"regex": r'"([^"\\]|\\["\\n])*"'}, '"a free text answer, \\"quoted\\" in places, naïve"'),
     # JSON mode: a pushdown recognizer (states are stacks), so always the walk
     "json_object": ({"json_object": True}, '{"name": "Ada Lovelace, Countess", "age": 36, "tags": ["a", {"b": null}]}'),
+    # a recursive schema (a tree): the grammars' pushdown recognizer, the walk too
+    "recursive_schema": ({"json": TREE}, '{"value": 1, "children": [{"value": 20, "children": [{"value": 3}]}, '
+                                         '{"value": 4}]}'),
 }
+PUSHDOWN = {"json_object", "recursive_schema"}  # states are stacks: no transition table, no dense builder
 
 
 def big_tokenizer(size: int) -> Any:
@@ -130,7 +137,7 @@ def main() -> None:
     for tok_name, tok in tokenizers.items():
         vocab = TokenVocab.from_tokenizer(tok)
         for kind, (guided, sample) in CONSTRAINTS.items():
-            for dense in (False, True) if kind != "json_object" else (False,):
+            for dense in (False, True) if kind not in PUSHDOWN else (False,):
                 row = {"vocab": tok_name, "vocab_size": len(vocab), "constraint": kind,
                        "builder": "dense" if dense else "walk", **measure(vocab, guided, sample, dense)}
                 rows.append(row)
