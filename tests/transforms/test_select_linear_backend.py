@@ -205,11 +205,30 @@ def test_onednn_packs_fused_swiglu_weights():
     assert_same_outputs(reference, gm, [(torch.randn(2, 5, 32),), (torch.randn(1, 3, 32),)])
 
 
-def test_onednn_leaves_bf16_and_computed_weights_alone():
-    for module, dtype in ((TwoLinears(torch.bfloat16), torch.bfloat16), (ComputedWeight(), torch.float32)):
-        reference, gm, record = _run(module, dtype=dtype, backend="onednn")
+def test_onednn_leaves_computed_weights_and_unsupported_bf16_alone(monkeypatch):
+    """A CPU without native bf16 (AVX2: oneDNN would emulate it, slower than torch) keeps bf16
+    linears as they are; so does a weight computed in the graph."""
+    from autodeploy.transform.library import select_linear_backend as module
+
+    monkeypatch.setattr(module, "onednn_dtypes", lambda: (torch.float32,))
+    for model, dtype in ((TwoLinears(torch.bfloat16), torch.bfloat16), (ComputedWeight(), torch.float32)):
+        reference, gm, record = _run(model, dtype=dtype, backend="onednn")
         assert record.num_matches == 0 and count_op(gm, ONEDNN) == 0
         assert gm.code == reference.code
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no native bf16")
+def test_onednn_packs_bf16_weights_where_the_cpu_computes_bf16():
+    reference, gm, record = _run(TwoLinears(torch.bfloat16), dtype=torch.bfloat16, backend="onednn")
+    assert record.num_matches == 2
+    assert count_op(gm, ONEDNN) == 2 and count_op(gm, aten.linear) == 0
+    assert set(_packed_attrs(gm)) == {"a.weight", "b.weight"}
+    for shape in ((2, 5, 32), (1, 1, 32), (7, 32)):
+        x = torch.randn(*shape, dtype=torch.bfloat16)
+        with torch.no_grad():
+            ref, out = reference(x), gm(x)
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        assert rel_rmse(out.float(), ref.float()) < 1e-2  # both accumulate in fp32; outputs rounded to bf16
 
 
 def test_auto_uses_the_custom_op_for_torch_compile():
