@@ -75,7 +75,8 @@ class DeployConfig(BaseModel):
         "boundary are kept (each one running state's size, taken out of the cache memory budget of resize_kv_cache; "
         "least recently used dropped first). A copy is taken "
         "where two prompts were seen to part (the second request sharing a system prompt computes it again and "
-        "leaves one; later ones start from it) and at an n > 1 request's last whole prompt page. Unset: "
+        "leaves one; later ones start from it), at an n > 1 request's last whole prompt page, and, in spare copies "
+        "only, at the end of each sequence (a conversation's next turn resumes there). Unset: "
         "min(16, max_batch_size); 0: prefix caching off for such models. No effect on models without state caches.",
     )
     scheduling_policy: Literal["fcfs", "priority"] = Field(

@@ -158,7 +158,7 @@ class Engine:
         self.runner = ModelRunner(model, cache, step_sender, self.snapshots)
         self.pool = PagePool(num_pages if num_pages is not None else cache.allocatable_pages, cache.page_size,
                              prefix_caching=prefix_caching,
-                             tail_pages=self.snapshots is None)  # a state has no copy mid-page
+                             tail_pages=True, whole_tails=self.snapshots is not None)  # a state cannot rewind
         self.scheduler = Scheduler(
             self.pool, max_batch_size=max_batch_size or cache.max_batch_size, max_num_tokens=cache.max_num_tokens,
             chunked_prefill=chunked_prefill, snapshots=self.snapshots, policy=scheduling_policy,

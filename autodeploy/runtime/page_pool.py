@@ -23,6 +23,11 @@ for others). The same prompt sent again thus computes only its last token. An un
 handed out again before any cached whole page (least recently released first): most sequences
 are never continued, and a whole page serves every request sharing the prefix.
 
+Whole tails (``whole_tails``, models with state caches): a state summarises every token so far and
+cannot be rewound, so a tail serves only a sequence that goes on with *all* its tokens, and only
+while a copy of the state after them is kept (``match_tail``'s ``usable``, keyed by the tail's
+id, which ``keep_tail`` returns and which, like entry ids, is never reused).
+
 Pages are reference-counted: a matched page is shared, read-only (a sequence writes only past
 its matched pages, into pages of its own). A page nobody holds any more keeps its contents and
 its entry, and is handed out again (its entry dropped) only when no never-used page is left,
@@ -33,7 +38,7 @@ sequence nothing.
 
 import itertools
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 # (id of the previous page's entry, for the first page 0 or the cache salt (a str: never an id); this page's tokens)
 Key = Tuple[Union[int, str], Tuple[int, ...]]
@@ -44,13 +49,16 @@ MIN_TAIL_TOKENS = 2
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False, tail_pages: bool = False):
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False, tail_pages: bool = False,
+                 whole_tails: bool = False):
         """``tail_pages`` (with ``prefix_caching``): keep the partly filled last pages of ended
-        sequences for ``match_tail`` (module docstring); the caller copies matched ones."""
+        sequences for ``match_tail`` (module docstring); the caller copies matched ones.
+        ``whole_tails``: a tail is matched only in full (state-cache models)."""
         self.num_pages = num_pages
         self.page_size = page_size
         self.prefix_caching = prefix_caching
         self.tail_pages = prefix_caching and tail_pages
+        self.whole_tails = whole_tails
         self._free: List[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self._refs: List[int] = [0] * num_pages
         self._page_of: Dict[Key, int] = {}  # entry -> the page holding it
@@ -60,6 +68,7 @@ class PagePool:
         # tail entries: prefix before -> {computed tokens of the page: page}, and page -> its entry
         self._tails: Dict[Union[int, str], "OrderedDict[Tuple[int, ...], int]"] = {}
         self._tail_of: Dict[int, Key] = {}
+        self._tail_id: Dict[int, int] = {}  # tail page -> its entry's id (from the entry ids' counter)
         self._cached_tails: "OrderedDict[int, None]" = OrderedDict()  # unheld tail pages, least recent first
         self.num_tail_hits = 0  # tail pages matched (for tests and logs)
 
@@ -147,34 +156,44 @@ class PagePool:
 
     # ---- tail pages --------------------------------------------------------------------------
     def keep_tail(self, token_ids: List[int], pages: List[int], num_computed: int, ids: List[int],
-                  salt: Optional[str] = None) -> None:
+                  salt: Optional[str] = None) -> Optional[int]:
         """Before an ending sequence's pages are freed: give its partly filled last computed page
-        a tail entry, when it alone holds that page and every whole page before has an entry."""
+        a tail entry, when it alone holds that page and every whole page before has an entry.
+        Returns the id of the tail entry holding its tokens (None: none was kept); with whole
+        tails, also that of an equal one kept before (the caller keeps its state under it)."""
         whole, filled = divmod(num_computed, self.page_size)
         if not self.tail_pages or filled == 0 or len(ids) != whole or len(pages) <= whole:
-            return
+            return None
         page = pages[whole]
-        if self._refs[page] != 1 or page in self._entry_of or page in self._tail_of:
-            return
         prefix: Union[int, str] = ids[-1] if ids else (salt or 0)
         tokens = tuple(token_ids[whole * self.page_size:num_computed])
+        kept = self._tails.get(prefix, {})
+        if self.whole_tails and tokens in kept:
+            return self._tail_id[kept[tokens]]
+        if self._refs[page] != 1 or page in self._entry_of or page in self._tail_of:
+            return None
+        # a kept tail that starts so serves as well (not with whole tails: a longer one's state is not this one's)
+        if not self.whole_tails and any(other[:len(tokens)] == tokens for other in kept):
+            return None
         tails = self._tails.setdefault(prefix, OrderedDict())
-        if any(kept[:len(tokens)] == tokens for kept in tails):  # a kept tail starts so: it serves as well
-            return
         tails[tokens] = page
         self._tail_of[page] = (prefix, tokens)
+        self._tail_id[page] = tail_id = next(self._ids)
         if len(tails) > MAX_TAILS_PER_PREFIX:
             oldest = next(iter(tails.values()))
             if self._refs[oldest] == 0:  # unheld: back to the never-used pages
                 del self._cached_tails[oldest]
                 self._free.append(oldest)
             self._drop_tail(oldest)
+        return tail_id if page in self._tail_of else None
 
-    def match_tail(self, token_ids: List[int], ids: List[int], salt: Optional[str] = None) -> Optional[Tuple[int, int]]:
+    def match_tail(self, token_ids: List[int], ids: List[int], salt: Optional[str] = None,
+                   usable: Optional[Callable[[int], bool]] = None) -> Optional[Tuple[int, int]]:
         """After ``match`` gave the whole pages ``ids``: the tail page whose tokens start with the
         most of the tokens that follow (leaving at least one to compute), now held by the caller
         until its contents are copied (then ``free`` it), and how many of its tokens are used;
-        None: no tail shares ``MIN_TAIL_TOKENS`` tokens."""
+        None: no tail shares ``MIN_TAIL_TOKENS`` tokens. With whole tails only a tail whose tokens
+        all follow counts, and only one whose id ``usable`` accepts (a state copy is kept)."""
         if not self.tail_pages:
             return None
         start = len(ids) * self.page_size
@@ -189,6 +208,8 @@ class PagePool:
                 if have != want:
                     break
                 shared += 1
+            if self.whole_tails and (shared < len(tokens) or usable is None or not usable(self._tail_id[page])):
+                continue
             if shared >= MIN_TAIL_TOKENS and (best is None or shared > best[1]):
                 best = (page, shared)
         if best is not None:
@@ -200,7 +221,12 @@ class PagePool:
             tails.move_to_end(self._tail_of[page][1])
         return best
 
+    def tail_id(self, page: int) -> int:
+        """The id of the tail entry of ``page`` (a page ``match_tail`` returned)."""
+        return self._tail_id[page]
+
     def _drop_tail(self, page: int) -> None:
+        del self._tail_id[page]
         prefix, tokens = self._tail_of.pop(page)
         del self._tails[prefix][tokens]
         if not self._tails[prefix]:

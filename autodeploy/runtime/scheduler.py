@@ -36,7 +36,11 @@ after a matched page whose state was copied, so its match is cut back to the dee
 the end of a step, so the scheduler ends a prefill chunk at the page boundary where one is
 wanted (``Sequence.snapshot_at``): where the match went deeper than any copy (two prompts were
 seen to part there) and, for an ``n > 1`` request, at the prompt's last whole page (where the
-other choices start). Without chunked prefill no chunk is cut and no copy is taken.
+other choices start). Without chunked prefill no chunk is cut and no copy is taken. A sequence
+that ends (or is preempted) leaves a copy of its final state: under its whole tail's id when its
+last page is partly filled (``PagePool`` whole tails: a sequence that goes on with all those
+tokens, a conversation's next turn, resumes there, the tail page copied and the state restored),
+else under its last page's entry id.
 """
 
 from collections import deque
@@ -147,9 +151,18 @@ class Scheduler:
         self._release_slot(seq)
 
     def _keep_tail(self, seq: Sequence) -> None:
-        """An ending or preempted sequence's partly filled last page keeps a tail entry."""
-        if seq.tail_copy is None:  # (the pool decides whether it keeps tails at all)
-            self.pool.keep_tail(seq.token_ids, seq.pages, seq.num_computed, seq.prefix_ids, seq.cache_salt)
+        """An ending or preempted sequence's partly filled last page keeps a tail entry; with
+        state snapshots its state (all it computed) is copied under the tail's id, or under its
+        last page's entry when it ends on a page boundary."""
+        if seq.tail_copy is not None:  # admitted with a copy that never ran: nothing computed to keep
+            return
+        tail = self.pool.keep_tail(seq.token_ids, seq.pages, seq.num_computed, seq.prefix_ids, seq.cache_salt)
+        if self.snapshots is None or seq.slot is None or seq.num_computed == 0:
+            return
+        if tail is not None:
+            self.snapshots.save(tail, seq.slot, tail=True)
+        elif seq.num_computed == len(seq.prefix_ids) * self.pool.page_size:
+            self.snapshots.save(seq.prefix_ids[-1], seq.slot)
 
     def _release_pages(self, seq: Sequence) -> None:
         if seq.tail_copy is not None:  # admitted with a copy that never ran
@@ -159,6 +172,7 @@ class Scheduler:
         seq.pages = []
         seq.prefix_ids = []
         seq.snapshot_at = None  # a boundary of the pages it held
+        seq.resume_from = None
 
     def _sibling_computing_prompt(self, seq: Sequence) -> bool:
         """Whether another running sequence of ``seq``'s request (``n > 1``) has yet to compute the
@@ -173,8 +187,13 @@ class Scheduler:
         snapshots only up to the deepest page with a copy, and mark where a copy is wanted."""
         pages, ids = self.pool.match(seq.token_ids, seq.cache_salt)
         seq.snapshot_at = None
-        if self.snapshots is not None:
-            keep = self.snapshots.deepest(ids)
+        # a tail page and a page to copy it into (two free pages: the tail may be one of them); with
+        # state snapshots a whole tail with a copy of the state after it (then every matched page serves)
+        snapshots = self.snapshots
+        usable = snapshots.__contains__ if snapshots is not None else None
+        tail = self.pool.match_tail(seq.token_ids, ids, seq.cache_salt, usable) if self.pool.num_free >= 2 else None
+        if snapshots is not None and tail is None:
+            keep = snapshots.deepest(ids)
             self.pool.free(pages[keep:])
             page_size = self.pool.page_size
             if self.chunked_prefill:
@@ -185,12 +204,12 @@ class Scheduler:
             pages, ids = pages[:keep], ids[:keep]
         seq.pages, seq.prefix_ids = pages, ids
         seq.num_computed = len(pages) * self.pool.page_size
-        # a tail page and a page to copy it into (two free pages: the tail may be one of them)
-        tail = self.pool.match_tail(seq.token_ids, ids, seq.cache_salt) if self.pool.num_free >= 2 else None
+        seq.resume_from = ids[-1] if ids else None
         if tail is not None:
             seq.tail_copy = (tail[0], self.pool.allocate(1)[0])
             seq.pages.append(seq.tail_copy[1])
             seq.num_computed += tail[1]
+            seq.resume_from = self.pool.tail_id(tail[0])
 
     def _unmatch(self, seq: Sequence) -> None:
         """A sequence that matched cached pages but is not admitted this step lets them go (it
@@ -293,8 +312,8 @@ class Scheduler:
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.slot = self.free_slots.pop()  # running < max_batch_size: one is free
-                if self.snapshots is not None and seq.prefix_ids:
-                    self.snapshots.restore(seq.prefix_ids[-1], seq.slot)  # resume from the copied state
+                if self.snapshots is not None and seq.resume_from is not None:
+                    self.snapshots.restore(seq.resume_from, seq.slot)  # resume from the copied state
             else:
                 fits = (len(seq.pages) + self.pool.num_free) * self.pool.page_size - seq.num_computed
                 if self.chunked_prefill and 1 <= fits < n:

@@ -31,6 +31,9 @@ class Sequence:
     # prefix caching with state snapshots: a page boundary where a prefill chunk ends so that a
     # copy of its state is kept there (``Scheduler``; None: no copy wanted)
     snapshot_at: Optional[int] = None
+    # prefix caching with state snapshots: the snapshot it resumes from when admitted (the entry id
+    # of its last matched page, or of the whole tail it matched; None: it starts from no state)
+    resume_from: Optional[int] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None  # the stop_token_ids token or stop string that ended it
     logprobs: Optional[List[Dict[int, float]]] = None

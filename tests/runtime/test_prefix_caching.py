@@ -173,6 +173,38 @@ def test_a_first_page_tail_is_shared_only_under_its_salt():
     assert pool.match_tail([1, 2, 3, 4], [], "a")[1] == 3
 
 
+def test_whole_tails_serve_only_all_their_tokens_and_only_with_a_kept_state():
+    """State-cache models: a tail serves a sequence going on with every one of its tokens, and
+    only while the caller says a copy of the state after them is kept (``usable``)."""
+    pool = PagePool(16, PS, prefix_caching=True, tail_pages=True, whole_tails=True)
+    tokens = list(range(11))  # pages [0-3] [4-7], and [8 9 10] computed in the third
+    pages = pool.allocate(3)
+    ids = []
+    pool.register(tokens + [99], pages, 11, ids)
+    tail = pool.keep_tail(tokens + [99], pages, 11, ids)
+    assert tail is not None and tail not in ids
+    pool.free(pages)
+    kept = {tail}
+    assert pool.match_tail(tokens + [99, 5], ids, usable=kept.__contains__) == (pages[2], 3)
+    assert pool.tail_id(pages[2]) == tail
+    pool.free([pages[2]])
+    assert pool.match_tail(tokens + [99, 5], ids, usable=set().__contains__) is None  # its state is gone
+    assert pool.match_tail(tokens + [99, 5], ids) is None  # nobody says it is kept
+    assert pool.match_tail(tokens[:10] + [7, 7], ids, usable=kept.__contains__) is None  # 2 of its 3 tokens
+    assert pool.match_tail(tokens, ids, usable=kept.__contains__) is None  # the last one would be computed
+    # the same tokens ending again name the same tail (its state is the same); a shorter run is its own
+    again = pool.allocate(3)
+    pool.register(tokens + [99], again, 11, [])
+    assert pool.keep_tail(tokens + [99], again, 11, list(ids)) == tail
+    shorter = pool.keep_tail(tokens[:10], again, 10, list(ids))
+    assert shorter not in (None, tail)
+    pool.free(again)
+    kept.add(shorter)
+    assert pool.match_tail(tokens[:10] + [7, 7], ids, usable=kept.__contains__) == (again[2], 2)
+    pool.free([again[2]])
+    assert pool.num_free == 16 and pool.num_tail_hits == 2
+
+
 def test_tail_pages_are_handed_out_before_cached_whole_pages():
     pool = PagePool(4, PS, prefix_caching=True, tail_pages=True)
     tokens = list(range(6))  # one whole page and a tail of 2
@@ -227,7 +259,8 @@ class SimulatedState:
 def _run_workload(seed, num_pages, prefix_caching=True, steps_limit=3000, snapshots=None, tail_pages=True):
     rng = random.Random(seed)
     page_size = 4
-    pool = PagePool(num_pages, page_size, prefix_caching=prefix_caching, tail_pages=tail_pages and snapshots is None)
+    pool = PagePool(num_pages, page_size, prefix_caching=prefix_caching, tail_pages=tail_pages,
+                    whole_tails=snapshots is not None)
     state = SimulatedState(4, page_size) if snapshots is not None else None
     store = StateSnapshots(state.cache, snapshots) if state is not None else None
     sched = Scheduler(pool, max_batch_size=4, max_num_tokens=24, snapshots=store)
@@ -301,6 +334,12 @@ def test_state_models_resume_only_from_a_copy_of_the_state_after_their_prefix(se
     roomy = _run_workload(seed, num_pages=64, snapshots=8)
     assert roomy.prefix_hit_tokens > 0 and roomy.snapshots.num_restored > 0
     assert roomy.prefix_hit_tokens <= _run_workload(seed, num_pages=64).prefix_hit_tokens
+    # with spare copies, next turns resume from whole tails (the state after all their tokens,
+    # copied when the turn ended); 8 copies are all taken by page copies, so no tail is kept there
+    spare = _run_workload(seed, num_pages=128, snapshots=64)
+    assert spare.pool.num_tail_hits > 0
+    assert spare.prefix_hit_tokens > _run_workload(seed, num_pages=128, snapshots=64, tail_pages=False).prefix_hit_tokens
+    assert roomy.pool.num_tail_hits == 0
     one = _run_workload(seed, num_pages=8, snapshots=1)  # eviction of pages, of copies and preemption
     assert one.snapshots.num_saved > 0 and len(one.snapshots) == 1
 
@@ -322,6 +361,23 @@ def test_snapshots_are_kept_by_entry_id_and_the_least_recent_goes_first():
     store.save(10, 2)  # already kept: not copied again
     store.restore(10, 0)
     assert slots[0].eq(1).all() and store.num_saved == 3 and store.num_restored == 2
+
+
+def test_tail_copies_take_spare_rows_only():
+    """A copy at the end of a sequence never pushes out a page-boundary copy, and goes first."""
+    state = SimulatedState(1, 4)
+    store = StateSnapshots(state.cache, 3)
+    store.save(10, 0)
+    store.save(20, 0, tail=True)  # a spare row
+    store.save(11, 0)
+    store.save(21, 0, tail=True)  # full: the least recently used tail copy makes room
+    assert 20 not in store and {10, 11, 21} <= set(store.entry_ids())
+    store.save(12, 0)  # a page copy replaces the tail copy first, though 10 is older
+    assert 21 not in store and set(store.entry_ids()) == {10, 11, 12}
+    store.save(22, 0, tail=True)  # no tail copy to replace: left out
+    assert 22 not in store and set(store.entry_ids()) == {10, 11, 12} and store.num_saved == 5
+    store.save(13, 0)  # with no tail copies, the least recently used copy goes
+    assert set(store.entry_ids()) == {11, 12, 13}
 
 
 def test_without_prefix_caching_nothing_is_matched():
@@ -469,6 +525,38 @@ def test_choices_of_one_request_compute_the_prompt_once(engines):
     assert cached.engine.scheduler.prefix_hit_tokens - before == 2 * shared
 
 
+@pytest.mark.parametrize("model", ["mamba2", "lfm2"])
+def test_a_state_models_next_turn_resumes_from_the_last_ones_final_state(model):
+    """Mamba2 (state caches only) and LFM2 (a short convolution beside attention): a turn going on
+    from everything the last one computed starts from its whole tail (its last page copied, the
+    state after its last computed token restored): every one of those tokens is a hit, and the
+    tokens and logprobs equal the engine's without prefix caching. A turn that goes on from fewer
+    of them cannot rewind the copied state: it computes again from the last page with a copy (here
+    none) and leaves one there, where the next such turn resumes."""
+    path, vocab = coverage_checkpoint(model)
+    base = dict(dtype="float32", max_seq_len=64, max_batch_size=4, page_size=4, max_num_tokens=64)
+    cached, plain = LLM(path, **base), LLM(path, **base, prefix_state_snapshots=0)
+    rng = random.Random(1)
+    first = [rng.randrange(3, vocab) for _ in range(21)]
+    params = _greedy(6, logprobs=2)
+    turn = cached.generate([{"prompt_token_ids": first}], params)[0]
+    computed = first + list(turn.token_ids[:-1])  # 26: six whole pages and a tail of 2
+    sched, store = cached.engine.scheduler, cached.engine.snapshots
+    cases = [(first + list(turn.token_ids) + [7, 8, 9], len(computed), 1),  # the next turn
+             (computed[:-1] + [11, 12], 0, 0),  # parts inside the tail: no copy at its last page yet
+             (computed[:-1] + [13, 14], 24, 0)]  # the copy the last one left where they parted
+    for prompt, hits, tail_hits in cases:
+        before, tails_before = sched.prefix_hit_tokens, cached.engine.pool.num_tail_hits
+        got = cached.generate([{"prompt_token_ids": prompt}], params)[0]
+        want = plain.generate([{"prompt_token_ids": prompt}], params)[0]
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+        assert sched.prefix_hit_tokens - before == hits
+        assert cached.engine.pool.num_tail_hits - tails_before == tail_hits
+    assert store.num_restored == 2
+
+
 def test_matches_hf_greedy_on_a_real_checkpoint():
     path, vocab = coverage_checkpoint("llama")
     llm = LLM(path, dtype="float32", max_seq_len=128, max_batch_size=4, page_size=4)
@@ -494,7 +582,9 @@ def test_state_models_resume_from_state_snapshots_with_hf_tokens():
     prompts = [head + [rng.randrange(3, vocab) for _ in range(k)] for k in (1, 3, 6, 2)]
     outs = [llm.generate([{"prompt_token_ids": p}], _greedy(6))[0].token_ids for p in prompts]  # one by one
     sched, store = llm.engine.scheduler, llm.engine.snapshots
-    assert (sched.prefix_hit_tokens, store.num_saved, store.num_restored) == (2 * 20, 1, 2)
+    # copies: where the prompts part, and each sequence's final state (28 computed tokens: after its
+    # last page; 30, 33, 29: under its whole tail, in spare rows)
+    assert (sched.prefix_hit_tokens, store.num_saved, store.num_restored) == (2 * 20, 1 + 4, 2)
     assert outs == hf_greedy_tokens(path, prompts, 6)
 
     plain = LLM(path, **base, prefix_state_snapshots=0)

@@ -4,7 +4,9 @@
 Per type, on the coverage sweep's tiny checkpoint: two prompts sharing a 22-token head (the
 second computes it again and leaves a copy of the state after its 5 whole pages), an unrelated
 prompt (so the slot the next one runs in holds another state), and a third prompt with the same
-head, which starts from the copy. Its greedy tokens and their log-probabilities, and every other
+head, which starts from the copy; then the unrelated prompt's next turn (its prompt, its answer
+and two tokens more), which starts from its whole tail: its partly filled last page copied and
+the copy of its final state restored. Their greedy tokens and log-probabilities, and every other
 prompt's, equal HF's on the whole sequence: a state op whose restored state were not what it
 reads (a state outside the state caches, a slot read before the copy) would change them.
 
@@ -17,6 +19,8 @@ bites for every type is the state itself: the copy (every state cache's row) equ
 fresh engine holds after a prefill of the 20-token head alone (with the copy taken from the
 wrong slot all of those five fail it). cohere_compass_text's only state is its M-RoPE position
 delta, which is 0 for text: it has nothing to resume, and its rows are compared all the same.
+The next turn (added the same day, Intel AVX-512): with its tail's state copy not restored (it
+resumes from whatever its slot held), 21 of the 25 types fail HF's tokens or log-probabilities.
 """
 
 import random
@@ -57,18 +61,25 @@ def test_a_restored_state_gives_hf_tokens_and_logprobs(model_type):
                [rng.randrange(3, vocab) for _ in range(30)], head + [rng.randrange(3, vocab) for _ in range(6)]]
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0] for p in prompts]  # one by one
+    _check_copy_is_the_state_after(path, head[:20], llm)
+    prompts.append(prompts[2] + list(outs[2].token_ids) + [rng.randrange(3, vocab) for _ in range(2)])
+    outs.append(llm.generate([{"prompt_token_ids": prompts[4]}], params)[0].outputs[0])
     store = llm.engine.snapshots
-    assert (llm.engine.scheduler.prefix_hit_tokens, store.num_saved, store.num_restored) == (20, 1, 1)
-    _check_copy_is_the_state_after(path, head[:20], store)
+    # hits: the head's 5 pages, then all 30 + 5 tokens the unrelated prompt computed (7 pages and a
+    # tail of 3); copies: where the second prompt parted, and each sequence's final state
+    assert (llm.engine.scheduler.prefix_hit_tokens, store.num_saved, store.num_restored) == (20 + 35, 1 + 5, 2)
+    assert llm.engine.pool.num_tail_hits == 1
     for prompt, out in zip(prompts, outs):
         _hf_check(path, prompt, list(out.token_ids), [step[t] for step, t in zip(out.logprobs, out.token_ids)])
 
 
-def _check_copy_is_the_state_after(path: str, prefix: list, store) -> None:
-    """The one copy in ``store`` equals each state cache's slot in an engine without prefix caching
-    that ran ``prefix`` alone (one prefill chunk; the token it samples is never run)."""
-    (entry,) = store.entry_ids()
-    copy = {name: t.clone() for name, t in store.copy_of(entry).items()}
+def _check_copy_is_the_state_after(path: str, prefix: list, llm: LLM) -> None:
+    """The copy after ``prefix``'s whole pages equals each state cache's slot in an engine without
+    prefix caching that ran ``prefix`` alone (one prefill chunk; the token it samples is never run)."""
+    pages, ids = llm.engine.pool.match(prefix + [3])
+    llm.engine.pool.free(pages)
+    assert len(ids) * 4 == len(prefix) and ids[-1] in llm.engine.snapshots
+    copy = {name: t.clone() for name, t in llm.engine.snapshots.copy_of(ids[-1]).items()}
     fresh = LLM(path, dtype="float32", max_seq_len=64, max_batch_size=4, page_size=4, max_num_tokens=64,
                 enable_prefix_caching=False)
     fresh.generate([{"prompt_token_ids": prefix}], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))

@@ -38,8 +38,10 @@ def test_state_copies_are_counted_and_resumed_prompts_hit(state_server):
             "model": NAME, "prompt": head + tail, "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200, r.text
     after = state_server.wait_idle()
+    # saved: where the second prompt parted from the first, and each request's final state (its
+    # next turn would resume there)
     assert (_copies(after, "saved") - _copies(before, "saved"), _copies(after, "restored") -
-            _copies(before, "restored")) == (1, 1)
+            _copies(before, "restored")) == (1 + 3, 1)
     hit = after["autodeploy_prefix_cache_hit_tokens_total"] - before["autodeploy_prefix_cache_hit_tokens_total"]
     assert hit == 2 * PAGE  # the third prompt's head, from the copy; the second one computed it again
 
