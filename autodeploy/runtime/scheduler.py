@@ -159,10 +159,11 @@ class Scheduler:
         tail = self.pool.keep_tail(seq.token_ids, seq.pages, seq.num_computed, seq.prefix_ids, seq.cache_salt)
         if self.snapshots is None or seq.slot is None or seq.num_computed == 0:
             return
+        # an end-of-sequence copy (spare rows only: most sequences are never continued)
         if tail is not None:
             self.snapshots.save(tail, seq.slot, tail=True)
         elif seq.num_computed == len(seq.prefix_ids) * self.pool.page_size:
-            self.snapshots.save(seq.prefix_ids[-1], seq.slot)
+            self.snapshots.save(seq.prefix_ids[-1], seq.slot, tail=True)
 
     def _release_pages(self, seq: Sequence) -> None:
         if seq.tail_copy is not None:  # admitted with a copy that never ran

@@ -9,14 +9,14 @@ kept. This store keeps such copies, keyed by the page pool's entry id of page ``
 whole prefix and are never reused, so a key is exact), in ``capacity`` rows of its own tensors
 beside the running slots (never in the graph's cache tensors: a compiled or captured graph holds
 those by address). The least recently used copy makes room for a new one. Copies of a state at
-the end of a sequence (``tail``: under its whole tail's id, ``PagePool``; what a conversation's
-next turn resumes from) live in spare rows only: a new copy of either kind replaces the least
+the end of a sequence (``tail``: under its whole tail's id, ``PagePool``, or after its last page
+when it ends on one; what a conversation's next turn resumes from) live in spare rows only: a new copy of either kind replaces the least
 recently used tail copy first, and a tail copy never replaces a page-boundary copy (it is left
 out instead). Most sequences are never continued, while a page-boundary copy serves every prompt
 sharing those pages: in a simulated chat workload (page size 16, 16 copies, 32 users with a shared
-system prompt) one LRU for both kinds lost 6% of the prefix hits of no tail copies at all, and
-letting tails take up to a quarter of the rows lost 42%; spare rows only lost none, and gained
-49% with 4 users and 27% with 64 copies.
+system prompt, 5 turns each) one LRU for both kinds lost 6% of the prefix hits of no whole tails
+at all, and letting tails take up to a quarter of the rows lost 64% (while gaining 65% with 16
+users); spare rows only lost none, and gained 49% with 4 users, 11% with 16, 26% with 64 copies.
 
 Where copies are taken (the scheduler decides; ``Scheduler`` docstring): a state only exists at
 the end of a step, so a prefill chunk is ended at a page boundary where a copy is wanted. That
@@ -112,8 +112,9 @@ class StateSnapshots:
         return {name: rows[row] for name, rows in self._rows.items()}
 
     def save(self, entry_id: int, slot: int, tail: bool = False) -> None:
-        """Copy the state in ``slot`` (a sequence exactly after the page of ``entry_id``, or
-        after all the tokens of the whole tail ``entry_id`` when ``tail``)."""
+        """Copy the state in ``slot`` (a sequence exactly after the page of ``entry_id``, or after
+        all the tokens of the whole tail ``entry_id``). ``tail``: a copy at the end of a sequence
+        (spare rows only, module docstring)."""
         if entry_id in self._row_of:
             self._row_of.move_to_end(entry_id)
             return
