@@ -5,6 +5,7 @@ and off, against HF eager and HF + torch.compile.
     python benchmarks/bench_prefix_caching.py                      # small preset, prefixes of 256 and 1024 tokens
     python benchmarks/bench_prefix_caching.py --prefixes 512 --questions 4 --no-compile
     python benchmarks/bench_prefix_caching.py --smoke              # tiny-llama, seconds
+    python benchmarks/bench_prefix_caching.py --next-turn --model DIR   # a conversation's next turn
 
 Each engine answers the same requests one after another, each alone: per round and prefix
 length, ``--questions`` prompts that share one prefix (``--prefixes`` tokens of random ids, new
@@ -17,6 +18,13 @@ request of a prefix leaves where the prompts part: that request computes the pre
 time is "second"), the ones after it start from the copy. autodeploy runs with its defaults
 except ``enable_prefix_caching``; HF has no prefix cache (its ``generate`` computes every
 prompt). The engines take turns on each round's requests, so machine noise hits them alike.
+
+``--next-turn``: conversations instead of a shared prefix. Per round and length, ``--questions``
+conversations of their own: a first turn of ``--prefixes`` tokens ("first"), then the next turn
+(that prompt, the token the first turn sampled and a ``--question-len``-token question:
+"later"), each with one new token. The next turn goes on from everything the first computed, so
+autodeploy starts from the first turn's pages and its partly filled last page (a state-cache
+model: from the copy of its final state, README "Prefix caching"); HF computes it whole.
 Writes JSON and markdown to ``benchmarks/results/`` and a PNG, ``benchmarks/prefix-caching.png``
 (``--png`` elsewhere).
 """
@@ -52,6 +60,18 @@ def _hit_tokens(engine: Any) -> int:
     return engine.llm.engine.scheduler.prefix_hit_tokens if isinstance(engine, AutoDeployEngine) else 0
 
 
+def _next_turn_pairs(length: int, conversations: int, question_len: int, vocab: int, seed: int
+                     ) -> List[List[List[int]]]:
+    """[first turn, next turn] per conversation; the next turn's prompt goes on from the first's
+    (its one new token, which the first turn sampled but never computed, may be any token)."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(conversations):
+        first = [rng.randrange(3, vocab) for _ in range(length)]
+        pairs.append([first, first + [rng.randrange(3, vocab) for _ in range(1 + question_len)]])
+    return pairs
+
+
 def measure(engines: Dict[str, Any], prefixes: List[int], args: argparse.Namespace, vocab: int,
             hits: Dict[str, Dict[int, int]]) -> Dict[str, Any]:
     """{engine: {prefix_len: {"first": [s, ...], "later": [s, ...]}}}; ``hits`` gets the tokens
@@ -60,14 +80,19 @@ def measure(engines: Dict[str, Any], prefixes: List[int], args: argparse.Namespa
         name: {p: {"first": [], "later": [], "second": []} for p in prefixes} for name in engines}
     for r in range(args.rounds):
         for p in prefixes:
-            prompts = _prompts(p, args.questions, args.question_len, vocab, seed=1000 * p + r + 2)
+            seed = 1000 * p + r + 2
+            if args.next_turn:
+                turns = _next_turn_pairs(p, args.questions, args.question_len, vocab, seed)
+            else:
+                turns = [_prompts(p, args.questions, args.question_len, vocab, seed)]
             for name, engine in engines.items():
                 before = _hit_tokens(engine)
-                for i, prompt in enumerate(prompts):
-                    elapsed = engine.generate([prompt], 1)
-                    times[name][p]["first" if i == 0 else "later"].append(elapsed)
-                    if i == 1:
-                        times[name][p]["second"].append(elapsed)
+                for prompts in turns:
+                    for i, prompt in enumerate(prompts):
+                        elapsed = engine.generate([prompt], 1)
+                        times[name][p]["first" if i == 0 else "later"].append(elapsed)
+                        if i == 1 and not args.next_turn:
+                            times[name][p]["second"].append(elapsed)
                 hits.setdefault(name, {})[p] = hits.get(name, {}).get(p, 0) + _hit_tokens(engine) - before
             print(f"round {r + 1}, prefix {p}: " + ", ".join(
                 f"{n} {statistics.median(times[n][p]['later']) * 1e3:.0f} ms" for n in engines), flush=True)
@@ -81,13 +106,22 @@ def _name(model: str) -> str:
 
 def table(data: Dict[str, Any]) -> str:
     meta, rows = data["meta"], data["rows"]
-    lines = [f"# Time to first token with a shared prefix ({_name(meta['model'])}, {meta['dtype']}, {meta['cpu']}, "
+    if meta.get("next_turn"):
+        what, legend = "a conversation's next turn", (
+            f"{meta['questions']} conversations per length and round, {meta['rounds']} rounds; 'first': a first "
+            "turn of 'prefix tokens' (median); 'later': the next turn (that prompt, the token it sampled and a "
+            f"{meta['question_len']}-token question; median (ms), with its range); the ratio is HF eager's time "
+            "over the engine's ('later').")
+    else:
+        what, legend = "a shared prefix", (
+            f"{meta['questions']} questions of {meta['question_len']} tokens per prefix and round, {meta['rounds']} "
+            "rounds; 'first': the first request of a round's prefix (nothing cached), median over rounds; 'later': "
+            "median over the others (ms), with its range; 'second': the second request of a round (median); "
+            "the ratio is HF eager's time over the engine's ('later').")
+    lines = [f"# Time to first token with {what} ({_name(meta['model'])}, {meta['dtype']}, {meta['cpu']}, "
              f"{meta['threads']} threads)", "",
              f"torch {meta['torch']}, transformers {meta['transformers']}, commit {meta['commit']}, {meta['date']}; "
-             f"{meta['questions']} questions of {meta['question_len']} tokens per prefix and round, {meta['rounds']} "
-             "rounds; 'first': the first request of a round's prefix (nothing cached), median over rounds; 'later': median over the others (ms), with its range; "
-             "'second': the second request of a round (median); "
-             "the ratio is HF eager's time over the engine's ('later').", "",
+             + legend, "",
              "| engine | prefix tokens | first request [ms] | second [ms] | later requests [ms] | vs HF eager |",
              "|---|---|---|---|---|---|"]
     for row in rows:
@@ -112,6 +146,8 @@ def main() -> int:
     p.add_argument("--questions", type=int, default=4)
     p.add_argument("--question-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--next-turn", action="store_true",
+                   help="conversations: time a next turn going on from a first one (module docstring)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also HF + torch.compile (static cache; compiles each prompt length once)")
     p.add_argument("--smoke", action="store_true", help="tiny-llama, short prefixes, one round: seconds")
@@ -126,7 +162,7 @@ def main() -> int:
     checkpoint = resolve_source(args.model)
     with open(os.path.join(checkpoint, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    max_seq_len = max(args.prefixes) + args.question_len + 8
+    max_seq_len = max(args.prefixes) + args.question_len + 8  # (a next turn: + 1 token, within the 8)
     engines: Dict[str, Any] = {
         "autodeploy (prefix caching)": AutoDeployEngine(args.model, label="autodeploy (prefix caching)", dtype="float32",
                                                         max_seq_len=max_seq_len, enable_prefix_caching=True),
@@ -159,7 +195,7 @@ def main() -> int:
     meta = {"model": args.model, "dtype": "float32", "cpu": cpu_name(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "commit": git_commit(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "questions": args.questions, "question_len": args.question_len,
-            "rounds": args.rounds, "prefixes": args.prefixes}
+            "rounds": args.rounds, "prefixes": args.prefixes, "next_turn": args.next_turn}
     data = {"meta": meta, "rows": rows}
     write_results(args.out, "prefix-caching", data, table(data))
     plot(data, args.png)

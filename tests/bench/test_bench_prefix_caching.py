@@ -34,3 +34,18 @@ def test_smoke_run(tmp_path):
     plain = next(r for r in data["rows"] if r["engine"] == "autodeploy (no prefix caching)")
     assert plain["hit_tokens"] == 0
     assert os.path.exists(tmp_path / "p.png") or "matplotlib missing" in done.stdout
+
+
+@pytest.mark.slow  # ~15 s, as above
+def test_next_turn_smoke_run(tmp_path):
+    """``--next-turn``: each next turn reads every token its first turn computed (the 48-token
+    prompt: three whole pages of 16), and no others."""
+    done = subprocess.run([sys.executable, SCRIPT, "--smoke", "--next-turn", "--out", str(tmp_path), "--png",
+                           str(tmp_path / "p.png")], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
+    data = json.load(open(tmp_path / result))
+    assert data["meta"]["next_turn"] is True
+    cached = next(r for r in data["rows"] if r["engine"] == "autodeploy (prefix caching)")
+    assert cached["hit_tokens"] == 48 * data["meta"]["rounds"] * data["meta"]["questions"]
+    assert "a conversation's next turn" in open(tmp_path / result.replace(".json", ".md")).read()
