@@ -105,7 +105,11 @@ CHAT = st.fixed_dictionaries({"messages": field(st.lists(MESSAGE, max_size=3))},
                             .flatmap(lambda head: st.text(alphabet='" |()[]ab-z*+?{}0123\\#\n:=', max_size=12)
                                      .map(lambda tail: head + tail))),
     "guided_json": field(st.one_of(JUNK, st.fixed_dictionaries({"type": field(st.sampled_from(
-        ["object", "string", "integer", "array", "boolean", "null", "number"]))}))),
+        ["object", "string", "integer", "array", "boolean", "null", "number"]))}),
+        # recursion, well-formed or not: a tree, an endless one, one beside other keywords
+        st.fixed_dictionaries({"type": st.just("object"), "properties": st.fixed_dictionaries(
+            {"next": st.sampled_from([{"$ref": "#"}, {"$ref": "#", "maxItems": 1}, {"anyOf": [{"$ref": "#"}]}])}),
+            "required": st.sampled_from([[], ["next"]])}))),
 })
 
 
