@@ -109,3 +109,27 @@ def test_a_prompt_that_cannot_grow_is_refused_before_any_step(models):
     with pytest.raises(InvalidRequestError, match="prompt 1: .* do not fit in max_seq_len 64"):
         llm.beam_search([PROMPTS[0], {"prompt_token_ids": [5] * 60}], BeamSearchParams(beam_width=2, max_tokens=8))
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("model_type", ["mamba2", "lfm2"])
+def test_state_models_beams_equal_hf_and_resume_from_whole_tails(model_type):
+    """Mamba2 (state caches only) and LFM2 (a convolution beside attention): each step's
+    continuations go on from everything their beam computed, so they start from its whole tail
+    (its last page copied, the copy of its final state restored; README "Prefix caching"). The
+    hypotheses and scores equal HF's ``num_beams``. With that restore skipped Mamba2's differ (the
+    tiny random LFM2 hardly feels its state, as in test_state_prefix_caching_sweep)."""
+    from helpers import coverage_checkpoint
+
+    path, vocab = coverage_checkpoint(model_type)
+    llm = LLM(path, dtype="float32", max_seq_len=64, max_batch_size=8, page_size=4, max_num_tokens=64)
+    ids = [3 + (17 * i) % (vocab - 3) for i in range(9)]
+    k, new = 3, 8
+    out = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=k, max_tokens=new,
+                                                                       ignore_eos=True))[0]
+    with torch.no_grad():
+        ref = hf_model(path).generate(torch.tensor([ids]), num_beams=k, num_return_sequences=k, do_sample=False,
+                                      max_new_tokens=new, early_stopping=False, output_scores=True,
+                                      return_dict_in_generate=True, eos_token_id=None)
+    assert [s.token_ids for s in out.sequences] == ref.sequences[:, len(ids):].tolist()
+    assert [s.score for s in out.sequences] == pytest.approx(ref.sequences_scores.tolist(), abs=1e-4)
+    assert llm.engine.pool.num_tail_hits > 0 and llm.engine.snapshots.num_restored > 0
