@@ -116,6 +116,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ad_paged_decode_attention_f32.restype = ctypes.c_int
     lib.ad_rmsnorm_f32.argtypes = [p, i64, p, i64, p, p, p, i64, i64, f32, n]
     lib.ad_rmsnorm_f32.restype = None
+    lib.ad_rmsnorm_bf16.argtypes = [p, i64, p, i64, p, p, p, i64, i64, f32, n]
+    lib.ad_rmsnorm_bf16.restype = None
     lib.ad_gemv_f32.argtypes = [p, p, i64, p, p, i64, i64, n]
     lib.ad_gemv_f32.restype = None
     lib.ad_silu_and_mul_f32.argtypes = [p, i64, p, i64, i64, n]
@@ -245,24 +247,30 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_tab
 def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Optional[Tensor] = None
             ) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """``(rmsnorm(x [+ residual]), x + residual or None)`` over the last dim; None when the
-    kernel cannot take these inputs (contiguous float32 CPU tensors of one shape). Lean on
-    purpose: at one row the whole call is a few microseconds, so every check here counts."""
+    kernel cannot take these inputs (contiguous CPU tensors of one shape, all float32 or all
+    bfloat16: ``rmsnorm_bf16.c`` rounds where the reference does). Lean on purpose: at one row
+    the whole call is a few microseconds, so every check here counts."""
     lib = load()
-    if lib is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+    dtype = x.dtype
+    if lib is None or dtype not in _RMSNORM or weight.dtype != dtype or x.device.type != "cpu":
         return None
     hidden = x.shape[-1]
     if not x.is_contiguous() or not weight.is_contiguous() or weight.shape != (hidden,):
         return None
     summed = None
     if residual is not None:
-        if residual.shape != x.shape or residual.dtype != torch.float32 or not residual.is_contiguous():
+        if residual.shape != x.shape or residual.dtype != dtype or not residual.is_contiguous():
             return None
         summed = torch.empty_like(x)
     out = torch.empty_like(x)
-    lib.ad_rmsnorm_f32(x.data_ptr(), hidden, residual.data_ptr() if residual is not None else None, hidden,
-                       weight.data_ptr(), out.data_ptr(), summed.data_ptr() if summed is not None else None,
-                       x.numel() // hidden if hidden else 0, hidden, eps, torch.get_num_threads())
+    getattr(lib, _RMSNORM[dtype])(x.data_ptr(), hidden, residual.data_ptr() if residual is not None else None,
+                                  hidden, weight.data_ptr(), out.data_ptr(),
+                                  summed.data_ptr() if summed is not None else None,
+                                  x.numel() // hidden if hidden else 0, hidden, eps, torch.get_num_threads())
     return out, summed
+
+
+_RMSNORM = {torch.float32: "ad_rmsnorm_f32", torch.bfloat16: "ad_rmsnorm_bf16"}
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Optional[Tensor]:

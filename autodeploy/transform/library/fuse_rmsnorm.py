@@ -16,7 +16,8 @@ After (``backend: native``, the ``auto`` choice on CPU when autodeploy's kernels
     y, s = autodeploy.native_fused_add_rmsnorm(x, r, w, eps)
 
 Backends: ``torch`` (keep the reference ops), ``compile`` (CPU and CUDA) and ``native`` (CPU,
-float32; other inputs run the reference inside the op). Why native by default on CPU: at decode
+float32, or bfloat16 rounded where the reference rounds; other inputs run the reference inside
+the op). Why native by default on CPU: at decode
 sizes the reference's six ops cost their dispatches, not their arithmetic: a fused add+norm
 measured 17 -> 6 us at one row of 768 and 28 -> 13 us at 32 rows (two norms per layer). ``auto`` keeps the
 reference where native is not available or not for CPU, and under ``torch-compile``, whose
@@ -47,7 +48,7 @@ class FuseRMSNormConfig(TransformConfig):
         default="auto",
         description="RMSNorm implementation: auto (native on CPU when autodeploy's C kernels build and the graph "
         "is not for torch-compile, else torch), torch (the reference ops), compile (inductor kernels), native "
-        "(autodeploy's CPU kernel; float32 rows, anything else runs the reference).",
+        "(autodeploy's CPU kernel; float32 or bfloat16 rows, anything else runs the reference).",
     )
 
 
