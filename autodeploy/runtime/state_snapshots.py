@@ -10,9 +10,9 @@ whole prefix and are never reused, so a key is exact), in ``capacity`` rows of i
 beside the running slots (never in the graph's cache tensors: a compiled or captured graph holds
 those by address). The least recently used copy makes room for a new one. Copies of a state at
 the end of a sequence (``tail``: under its whole tail's id, ``PagePool``, or after its last page
-when it ends on one; what a conversation's next turn resumes from) live in spare rows only: a new copy of either kind replaces the least
-recently used tail copy first, and a tail copy never replaces a page-boundary copy (it is left
-out instead). Most sequences are never continued, while a page-boundary copy serves every prompt
+when it ends on one; what a conversation's next turn resumes from) live in spare rows only: a new
+copy of either kind replaces the least recently used tail copy first, and a tail copy never
+replaces a page-boundary copy (it is left out instead). Most sequences are never continued, while a page-boundary copy serves every prompt
 sharing those pages: in a simulated chat workload (page size 16, 16 copies, 32 users with a shared
 system prompt, 5 turns each) one LRU for both kinds lost 6% of the prefix hits of no whole tails
 at all, and letting tails take up to a quarter of the rows lost 64% (while gaining 65% with 16
@@ -117,6 +117,8 @@ class StateSnapshots:
         (spare rows only, module docstring)."""
         if entry_id in self._row_of:
             self._row_of.move_to_end(entry_id)
+            if not tail:  # an end-of-sequence copy wanted at a page boundary now: it stays like one
+                self._tails.discard(entry_id)
             return
         if self._free:
             row = self._free.pop()

@@ -378,6 +378,13 @@ def test_tail_copies_take_spare_rows_only():
     assert 22 not in store and set(store.entry_ids()) == {10, 11, 12} and store.num_saved == 5
     store.save(13, 0)  # with no tail copies, the least recently used copy goes
     assert set(store.entry_ids()) == {11, 12, 13}
+    # an end copy wanted at a page boundary later (a prompt parted there) is kept like a page copy
+    store = StateSnapshots(state.cache, 2)
+    store.save(30, 0, tail=True)
+    store.save(31, 0)
+    store.save(30, 0)
+    store.save(32, 0)  # no tail copy left: the least recently used, 31, goes
+    assert set(store.entry_ids()) == {30, 32}
 
 
 def test_without_prefix_caching_nothing_is_matched():
