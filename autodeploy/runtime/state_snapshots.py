@@ -13,10 +13,11 @@ the end of a sequence (``tail``: under its whole tail's id, ``PagePool``, or aft
 when it ends on one; what a conversation's next turn resumes from) live in spare rows only: a new
 copy of either kind replaces the least recently used tail copy first, and a tail copy never
 replaces a page-boundary copy (it is left out instead). Most sequences are never continued,
-while a page-boundary copy serves every prompt sharing those pages: in a simulated chat workload (page size 16, 16 copies, 32 users with a shared
-system prompt, 5 turns each) one LRU for both kinds lost 6% of the prefix hits of no whole tails
-at all, and letting tails take up to a quarter of the rows lost 64% (while gaining 65% with 16
-users); spare rows only lost none, and gained 49% with 4 users, 11% with 16, 26% with 64 copies.
+while a page-boundary copy serves every prompt sharing those pages: in a simulated chat
+workload (page size 16, 16 copies, 32 users with a shared system prompt, 5 turns each) one LRU
+for both kinds lost 6% of the prefix hits of no whole tails at all, and letting tails take up to
+a quarter of the rows lost 64% (while gaining 65% with 16 users); spare rows only lost none, and
+gained 49% with 4 users, 11% with 16, 26% with 64 copies.
 
 Where copies are taken (the scheduler decides; ``Scheduler`` docstring): a state only exists at
 the end of a step, so a prefill chunk is ended at a page boundary where a copy is wanted. That
