@@ -82,6 +82,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import fx, nn
 
+from ...utils.cpu import native_bf16
 from ...utils.hugepages import huge_page_copies
 from ...utils.logging import get_logger
 from ..graph_utils import get_attr_value, is_op
@@ -318,7 +319,7 @@ def _use_blas(gm: fx.GraphModule) -> int:
 def onednn_dtypes() -> Tuple[torch.dtype, ...]:
     """The weight dtypes oneDNN packs: float32, and bfloat16 where the CPU computes it natively
     (AVX-512 BF16 / AMX; elsewhere oneDNN's bf16 would be emulated, slower than torch's)."""
-    return (torch.float32,) + ((torch.bfloat16,) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
+    return (torch.float32,) + ((torch.bfloat16,) if native_bf16() else ())
 
 
 def _packable(gm: fx.GraphModule, node: object, dtypes: Tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
