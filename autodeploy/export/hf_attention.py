@@ -198,8 +198,8 @@ def autodeploy_attention(
         # A mask we did not build: keep it explicit, the op honours any mask.
         mask, is_causal = attention_mask, False
     mla = claimed_mla(module, query, key)
-    if mla is not None and mask is None and sliding_window is None and not softcap and sinks is None and chunk is None:
-        return mla_attention(mla, query, is_causal, scaling, topk_indices), None
+    if mla is not None and mask is None and sliding_window is None and not softcap and chunk is None:
+        return mla_attention(mla, query, is_causal, scaling, topk_indices, sinks), None
     if topk_indices is not None:
         raise RouteUnsupportedError(f"attention of {type(module).__name__} takes DSA top-k indices, which the "
                                     f"'{AD_ATTN_IMPL}' route expresses only for MLA over its latent")

@@ -10,8 +10,8 @@ interface. The latent is exactly what an MLA cache holds, so the route needs two
   a plain ``kv_b_proj``) for the duration of one export, recording which key tensor came from
   which latent;
 * ``autodeploy_attention`` (``hf_attention``) asks ``claimed_mla`` whether its key is such an
-  expansion; when it is, and the attention is plain causal (no explicit mask, window, soft-cap
-  or sinks), it emits ``torch_mla`` over the latent, the roped key part and ``kv_b_proj``'s
+  expansion; when it is, and the attention is causal (no explicit mask, window or soft-cap;
+  per-head sinks go along), it emits ``torch_mla`` over the latent, the roped key part and ``kv_b_proj``'s
   weight instead of ``torch_attention`` over the expanded K/V. The expansion is then dead code
   and export drops it.
 
@@ -129,13 +129,13 @@ def claimed_mla(module: nn.Module, query: torch.Tensor, key: torch.Tensor) -> Op
 
 
 def mla_attention(found: MLAInputs, query: torch.Tensor, is_causal: bool, scaling: Optional[float],
-                  topk_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  topk_indices: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``torch_mla`` for a claimed attention; ``query`` arrives ``bnsd``, the output leaves ``bsnd``.
-    ``topk_indices``: DSA's selection (``hf_dsa``)."""
+    ``topk_indices``: DSA's selection (``hf_dsa``); ``sinks``: per-head softmax sinks (HY-V4)."""
     module = found.module
     d_nope = module.qk_nope_head_dim
     q = query.transpose(1, 2)  # [b, s, n, d_nope + d_rope]
     latent = found.latent[:, 0]  # [b, s, L]
     kpe = found.k_rot.transpose(1, 2)  # [b, s, 1, d_rope]
     return torch.ops.autodeploy.torch_mla(q[..., :d_nope], q[..., d_nope:], latent, kpe, module.kv_b_proj.weight,
-                                          is_causal, scaling, topk_indices)
+                                          is_causal, scaling, topk_indices, sinks)

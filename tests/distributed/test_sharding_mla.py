@@ -4,9 +4,10 @@ One process (the plan): each MLA layer splits its query projection by output fea
 ``kv_b_proj``'s weight by its per-head rows and the output projection by input features; the
 latent projection (``kv_a_proj_with_mqa``) stays whole; a query with another reader leaves the
 layer whole (near miss); heads the world size does not divide are an error naming the sizes that
-do. Two real gloo ranks (``-m slow``): a tiny DeepSeek-V3 (MLA + expert-parallel MoE + shared
+do. Per-head sinks (HY-V4) are split with their heads, and sinks computed in the graph leave the layer
+whole. Two real gloo ranks (``-m slow``): a tiny DeepSeek-V3 (MLA + expert-parallel MoE + shared
 expert) gives HF's logits at two shapes and, through ``LLM`` with the latent cache, HF's greedy
-tokens.
+tokens; so does a tiny HY-V4 (sparse attention with top-k 4, sinks, a gate) through ``LLM``.
 """
 
 import copy
@@ -64,6 +65,31 @@ def test_a_query_with_another_reader_leaves_the_layer_whole():
     assert plan_mla(gm, mla[1], ShardingPlan(world_size=2, rank=0))
 
 
+def _with_sinks(gm, mla, computed: bool = False):
+    """Hands ``mla`` per-head sinks: a stored ``[4]`` weight, or (``computed``) that weight doubled."""
+    gm.register_parameter("sinks_0", torch.nn.Parameter(torch.zeros(4), requires_grad=False))
+    with gm.graph.inserting_before(mla):
+        sinks = gm.graph.get_attr("sinks_0")
+        if computed:
+            sinks = gm.graph.call_function(torch.ops.aten.mul.Tensor, (sinks, 2.0))
+    mla.args = (*mla.args[:7], None, sinks)
+
+
+def test_sinks_split_with_their_heads_and_computed_sinks_leave_the_layer_whole():
+    gm = _graph()
+    mla = next(n for n in gm.graph.nodes if n.target == ad.torch_mla.default)
+    _with_sinks(gm, mla)
+    plan = ShardingPlan(world_size=2, rank=1)
+    assert plan_mla(gm, mla, plan)
+    assert [d.weight for d in plan.decisions if isinstance(d, HeadWeightShard)] == [
+        "model.layers.0.self_attn.kv_b_proj.weight", "sinks_0"]
+    gm = _graph()
+    mla = next(n for n in gm.graph.nodes if n.target == ad.torch_mla.default)
+    _with_sinks(gm, mla, computed=True)
+    plan = ShardingPlan(world_size=2, rank=1)
+    assert not plan_mla(gm, mla, plan) and plan.decisions == []
+
+
 def test_heads_the_world_size_does_not_divide_are_an_error():
     gm = _graph()
     mla = next(n for n in gm.graph.nodes if n.target == ad.torch_mla.default)
@@ -93,4 +119,16 @@ def test_two_ranks_of_deepseek_v3_match_hf_logits_and_greedy_tokens():
         assert "error" not in r, r.get("error")
         # 4 heads of (8 nope + 16 v) rows: 2 heads a rank; the latent projection whole
         assert r["kv_b"] == [48, 32] and r["kv_a"] == [40, 64]
+    assert _tokens(checkpoint, 2) == hf_greedy_tokens(checkpoint, PROMPTS, NEW)
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: two ranks build HY-V4, then HF
+@pytest.mark.distributed
+def test_two_ranks_of_hy_v4_give_hfs_greedy_tokens():
+    from autodeploy.coverage.configs import tiny_config
+    from helpers import _cached_checkpoint
+
+    config = tiny_config("hy_v4", "a")
+    config["index_topk"] = 4  # sparse at these lengths
+    checkpoint = _cached_checkpoint("dsa-sparse-hy_v4", config)  # the one test_dsa_generation_vs_hf writes
     assert _tokens(checkpoint, 2) == hf_greedy_tokens(checkpoint, PROMPTS, NEW)

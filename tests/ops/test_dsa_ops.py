@@ -12,7 +12,7 @@ import torch
 import autodeploy.ops  # noqa: F401  (registers the ops)
 from autodeploy.cache import build_sequence_info
 from autodeploy.export.hf_attention import hf_attention_route
-from autodeploy.export.hf_dsa import _dsa_indexer, is_dsa_indexer
+from autodeploy.export.hf_dsa import IndexerLayout, _dsa_indexer, indexer_layout, is_dsa_indexer
 from helpers import rel_rmse
 
 ad = torch.ops.autodeploy
@@ -31,7 +31,8 @@ def _selected(indices: torch.Tensor) -> List[List[set]]:
     return [[set(v for v in row.tolist() if v >= 0) for row in seq] for seq in indices]
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])  # half-split and interleaved RoPE
+# half-split and interleaved RoPE; HY-V4: the roped part last, the scale on the head weights
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa", "hy_v4"])
 def test_indexer_selects_what_hfs_indexer_selects(model_type):
     from transformers import AutoConfig
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
@@ -58,6 +59,29 @@ def test_indexer_selects_what_hfs_indexer_selects(model_type):
     keep = [[set(v for v in row.tolist() if v <= s) for s, row in enumerate(b)] for b in ref]  # HF's causal picks
     assert _selected(got) == keep
     assert any(len(row) == TOPK and max(row) < s for b in keep for s, row in enumerate(b))  # a query skipped its own key
+
+
+def test_indexer_layout_is_read_from_the_forward_and_unknown_code_is_not_patched():
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
+    from transformers.models.hy_v4.modeling_hy_v4 import HYV4Indexer
+
+    assert indexer_layout(DeepseekV32Indexer) == IndexerLayout(rope_first=True, scale_on_weights=False)
+    assert indexer_layout(HYV4Indexer) == IndexerLayout(rope_first=False, scale_on_weights=True)
+
+    class Scaled(torch.nn.Module):  # the scale on both: neither layout
+        def forward(self, q, k, w):
+            q_rot, q_pass = torch.split(q, [2, 2], dim=-1)
+            scores = q_rot @ k * self.softmax_scale
+            weights = w * self.softmax_scale
+            return scores, weights
+
+    class Unsplit(torch.nn.Module):  # no split of q in the known names
+        def forward(self, q, k, w):
+            a, b = torch.split(q, [2, 2], dim=-1)
+            scores = a @ k * self.softmax_scale
+            return scores
+
+    assert indexer_layout(Scaled) is None and indexer_layout(Unsplit) is None
 
 
 def _sequences(seed: int) -> List[Dict[str, torch.Tensor]]:

@@ -4,11 +4,13 @@ ops over a paged latent cache against ``torch_mla`` on whole sequences.
 The cached scenarios schedule a few sequences over several steps (fresh prefills, chunked
 prefills continuing at ``input_pos > 0``, decodes, a prefill and decodes in one step) on page
 tables drawn from a shuffled pool. The weight-absorbed decode of the ``sdpa`` backend must equal
-the expanded decode of the reference within 1e-5 relative RMSE in fp32.
+the expanded decode of the reference within 1e-5 relative RMSE in fp32. Per-head attention sinks
+(HY-V4) are checked the same way, and ``torch_mla``'s sinks against the closed form: a sink scales
+each head's sink-free output by ``Z / (Z + exp(sink))``, ``Z`` its softmax denominator.
 """
 
 import random
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -38,8 +40,11 @@ def _inputs(total: int, gen: torch.Generator) -> Dict[str, torch.Tensor]:
             "ckv": torch.randn(total, LORA, generator=gen), "kpe": torch.randn(total, 1, D_ROPE, generator=gen)}
 
 
+SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0])
+
+
 def _run(backend: str, steps: Sequence[Sequence[Tuple[int, int, int]]], totals: Sequence[int], page_size: int = 4,
-         scale: float = 0.3, seed: int = 0):
+         scale: float = 0.3, seed: int = 0, sinks: Optional[torch.Tensor] = None):
     """Runs the schedule; returns (per-sequence outputs, per-sequence inputs, weight)."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(N * (D_NOPE + D_V), LORA, generator=gen) / LORA**0.5
@@ -58,7 +63,8 @@ def _run(backend: str, steps: Sequence[Sequence[Tuple[int, int, int]]], totals: 
         slots = ad.torch_cached_attention_prepare_metadata(info.position_ids, info.seq_len, info.cu_seqlen,
                                                            info.page_table, page_size)
         o = op(cat["q_nope"], cat["q_pe"], cat["ckv"], cat["kpe"], weight, info.batch_info, info.seq_len,
-               info.input_pos, info.cu_seqlen, info.page_table, slots, cache, scale)
+               info.input_pos, info.cu_seqlen, info.page_table, slots, cache, scale,
+               **({} if sinks is None else {"sinks": sinks}))
         assert o.shape == (1, info.num_tokens, N, D_V)
         off = 0
         for i, s, e in step:
@@ -67,34 +73,59 @@ def _run(backend: str, steps: Sequence[Sequence[Tuple[int, int, int]]], totals: 
     return outs, seqs, weight
 
 
-def _reference(seq: Dict[str, torch.Tensor], weight: torch.Tensor, scale: float) -> torch.Tensor:
+def _reference(seq: Dict[str, torch.Tensor], weight: torch.Tensor, scale: float,
+               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     return ad.torch_mla(seq["q_nope"][None], seq["q_pe"][None], seq["ckv"][None], seq["kpe"][None], weight, True,
-                        scale)[0]
+                        scale, None, sinks)[0]
 
 
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=["plain", "sinks"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_prefill_chunks_and_decodes_equal_uncached_mla(backend):
-    outs, seqs, weight = _run(backend, MIXED_STEPS, TOTALS)
+def test_prefill_chunks_and_decodes_equal_uncached_mla(backend, sinks):
+    outs, seqs, weight = _run(backend, MIXED_STEPS, TOTALS, sinks=sinks)
     for i, total in enumerate(TOTALS):
         got = torch.cat(outs[i])
         assert got.shape == (total, N, D_V)
-        assert rel_rmse(got, _reference(seqs[i], weight, 0.3)) < 1e-5, (backend, i)
+        assert rel_rmse(got, _reference(seqs[i], weight, 0.3, sinks)) < 1e-5, (backend, i)
+        if sinks is not None:  # the sinks matter at these sizes
+            assert rel_rmse(got, _reference(seqs[i], weight, 0.3)) > 1e-2, (backend, i)
 
 
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=["plain", "sinks"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_one_token_at_a_time_equals_one_prefill(backend):
+def test_one_token_at_a_time_equals_one_prefill(backend, sinks):
     steps = [[(0, t, t + 1)] for t in range(6)]
-    outs, seqs, weight = _run(backend, steps, [6])
-    assert rel_rmse(torch.cat(outs[0]), _reference(seqs[0], weight, 0.3)) < 1e-5
+    outs, seqs, weight = _run(backend, steps, [6], sinks=sinks)
+    assert rel_rmse(torch.cat(outs[0]), _reference(seqs[0], weight, 0.3, sinks)) < 1e-5
 
 
-def test_absorbed_decode_equals_expanded_decode():
+@pytest.mark.parametrize("seq", [1, 7])
+def test_torch_mla_sinks_scale_each_head_by_its_denominator_share(seq):
+    """``torch_mla(..., sinks)`` = the sink-free output times ``Z / (Z + exp(sink))`` per head and
+    query, with ``Z`` the sum of the query's exponentiated causal scores (computed here from the
+    expanded keys, apart from the op)."""
+    gen = torch.Generator().manual_seed(5)
+    s = _inputs(seq, gen)
+    weight = torch.randn(N * (D_NOPE + D_V), LORA, generator=gen) / LORA**0.5
+    k_nope = (s["ckv"] @ weight.T).view(seq, N, D_NOPE + D_V)[..., :D_NOPE]
+    keys = torch.cat([k_nope, s["kpe"].expand(seq, N, D_ROPE)], dim=-1)  # [t, n, d]
+    q = torch.cat([s["q_nope"], s["q_pe"]], dim=-1)  # [s, n, d]
+    scores = torch.einsum("snd,tnd->nst", q, keys) * 0.3
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [n, s]
+    share = torch.sigmoid(lse - SINKS[:, None]).T[..., None]  # Z / (Z + e^sink): [s, n, 1]
+    expected = _reference(s, weight, 0.3) * share
+    assert rel_rmse(_reference(s, weight, 0.3, SINKS), expected) < 1e-5
+
+
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=["plain", "sinks"])
+def test_absorbed_decode_equals_expanded_decode(sinks):
     """The sdpa backend's decodes (absorbed) against the reference's (expanded), same schedule and
     inputs: the decode steps' rows only."""
     steps = [[(0, 0, 9), (1, 0, 3), (2, 0, 14)], [(0, 9, 10), (1, 3, 4), (2, 14, 15)], [(0, 10, 11), (2, 15, 16)]]
     totals = [11, 4, 16]
-    expanded, _, _ = _run("torch", steps, totals, seed=3)
-    absorbed, _, _ = _run("sdpa", steps, totals, seed=3)
+    expanded, _, _ = _run("torch", steps, totals, seed=3, sinks=sinks)
+    absorbed, _, _ = _run("sdpa", steps, totals, seed=3, sinks=sinks)
     for i in range(len(totals)):
         decode_rows = torch.cat(expanded[i][1:])
         assert rel_rmse(absorbed[i][0], expanded[i][0]) < 1e-5  # the prefill rows: both expand

@@ -145,10 +145,15 @@ def plan_mla(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> bool:
     features, ``kv_b_proj``'s weight (read by the op itself) by its per-head rows, the output
     projection by input features. The latent and the shared roped key (``kv_a_proj``) are the same
     for every head and stay whole, so each rank caches the whole latent (the MLA cache is per token,
-    not per head) and attends with its own heads."""
+    not per head) and attends with its own heads. Per-head sinks (HY-V4) go with their heads; sinks
+    that are not a stored weight read by this op alone leave the layer whole."""
     heads = _head_count(mla, 0)
     kv_b = mla.args[4]
     kv_b_target = weight_target(gm, kv_b)
+    sinks = arg(mla, 8, "sinks")
+    sinks_target = None if sinks is None else weight_target(gm, sinks)
+    if sinks is not None and (sinks_target is None or len(sinks.users) != 1):
+        return False
     found = head_source([mla.args[0], mla.args[1]], mla)
     out_chain: List[fx.Node] = []
     out_linear = consuming_linear(mla, out_chain)
@@ -164,6 +169,8 @@ def plan_mla(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> bool:
         return False
     plan.decisions.append(ColumnShard(q_linear.name, q_split[0], q_split[1], extra=q_split[2]))
     plan.decisions.append(HeadWeightShard(mla.name, kv_b_target))
+    if sinks_target is not None:
+        plan.decisions.append(HeadWeightShard(mla.name, sinks_target))
     plan.decisions.append(RowShard(out_linear.name, *out_split))
     q_features = int(q_linear.meta["val"].shape[-1]) if "val" in q_linear.meta else -1
     _fix_layouts(plan, chain, (heads, q_features), plan.world_size)

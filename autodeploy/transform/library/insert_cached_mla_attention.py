@@ -19,6 +19,8 @@ DeepSeek Sparse Attention (``torch_dsa_indexer``, whose ``topk_indices`` feed ``
     idx = autodeploy.torch_cached_dsa_indexer(q_idx, k_idx, w_idx, batch_info, ..., slots, index_cache_0, s, topk)
     o = autodeploy.sdpa_cached_mla_with_cache(..., mla_cache_0, scale, None, None, -1, idx)
 
+A layer with attention sinks (``torch_mla``'s ``sinks``, HY-V4) hands them on the same way, after the indices.
+
 Each cache page holds, per token, the normalised latent ``c_kv`` and the roped key part ``k_pe``
 (``kv_lora_rank + qk_rope_head_dim`` values: 576 for DeepSeek-V3, where an expanded cache
 holds ``128 x (192 + 128)``). The ``sdpa`` backend decodes by weight absorption
@@ -125,12 +127,13 @@ class InsertCachedMLAAttention(BaseTransform):
             graph.erase_node(node)
         for node, cache_node in zip(nodes, caches):
             q_nope, q_pe, compressed_kv, kpe, weight = node.args[:5]
-            topk = arg(node, 7, "topk_indices")
+            topk, sinks = arg(node, 7, "topk_indices"), arg(node, 8, "sinks")
+            extra = () if topk is None and sinks is None else (None, None, ROPE_NONE, topk, sinks)
             with graph.inserting_before(node):
                 cached = graph.call_function(
                     backend.cached_op,
                     (q_nope, q_pe, compressed_kv, kpe, weight, *(meta[m] for m in backend.metadata), slots,
-                     cache_node, arg(node, 6, "scale")) + (() if topk is None else (None, None, ROPE_NONE, topk)),
+                     cache_node, arg(node, 6, "scale")) + extra,
                 )
             cached.meta["val"] = node.meta.get("val")
             node.replace_all_uses_with(cached)
