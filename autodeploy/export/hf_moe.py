@@ -131,6 +131,9 @@ def identify_activation(module: nn.Module) -> Tuple[Optional[str], float, float]
     alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
     if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)):
         candidates.append(("swiglu_oai", float(alpha), float(limit)))
+    swiglu_limit = getattr(module, "swiglu_limit", None)  # HY-V4's clamped SiLU gate (DeepSeek-V4's op)
+    if isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0:
+        candidates.append(("silu_clamp", 1.0, float(swiglu_limit)))
     for act, a, lim in candidates:
         ours = expert_activation(gate, up, act, a, lim)
         if reference.shape == ours.shape and torch.allclose(reference, ours, rtol=1e-6, atol=1e-6):

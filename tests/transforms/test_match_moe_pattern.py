@@ -14,7 +14,7 @@ from autodeploy.export.exporter import export_causal_lm
 from autodeploy.transform.cleanups import cleanup_for_matching
 from autodeploy.transform.interface import Stage
 from helpers import (MOE_FAMILIES, MOE_LAYERS, apply_transform, assert_same_outputs, build, count_op, export_gm,
-                     export_moe_block, moe_block, moe_config, moe_family_checkpoint)
+                     export_moe_block, moe_block, moe_config, moe_family_checkpoint, rel_rmse)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -124,6 +124,40 @@ def test_gelu_gated_experts_left_alone(route):
     assert count_op(gm, aten.bmm) == 2
     assert_same_outputs(reference, gm, SHAPES)
     assert_same_outputs(module, gm, SHAPES)
+
+
+def _hy_v4_moe(limit: float) -> nn.Module:
+    from transformers import AutoConfig
+    from transformers.models.hy_v4.modeling_hy_v4 import HYV4MoE
+
+    from autodeploy.coverage.configs import tiny_config
+
+    cfg = tiny_config("hy_v4", "a")
+    cfg["swiglu_limit"] = limit
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(0)
+    module = HYV4MoE(config).eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.2)
+    return module
+
+
+def test_clamped_silu_experts_export_canonically_with_their_limit():
+    """HY-V4's experts gate with ``silu(min(gate, limit)) * clamp(up, -limit, limit)``: the route's
+    probe finds ``silu_clamp`` with the module's ``swiglu_limit`` and emits the canonical op (numerics
+    equal HF's experts at two shapes); at a limit of 0.5 the clamps change the output, so a limit
+    lost on the way (plain SiLU) would fail."""
+    module = _hy_v4_moe(0.5)
+    gm = export_moe_block(module, "autodeploy")
+    node = gm.graph.find_nodes(op="call_function", target=ad.torch_moe_fused.default)
+    assert len(node) == 1 and tuple(node[0].args[7:10]) == ("silu_clamp", 1.0, 0.5)
+    assert count_op(gm, aten.bmm) == 0
+    assert_same_outputs(module, gm, SHAPES)
+    node[0].args = (*node[0].args[:7], "silu", 1.0, 0.0, *node[0].args[10:])
+    gm.recompile()
+    with torch.no_grad():
+        assert rel_rmse(gm(SHAPES[0][0]), module(SHAPES[0][0])) > 1e-2
 
 
 class CrossWiredExperts(nn.Module):
