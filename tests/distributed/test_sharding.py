@@ -168,3 +168,33 @@ def test_a_projection_with_another_reader_is_left_whole():
     split = {d.weight for d in plan.decisions if isinstance(d, (ColumnShard, RowShard))}
     assert not any("layers.0.self_attn" in w for w in split)  # layer 0's attention stays whole
     assert any("layers.1.self_attn.q_proj" in w for w in split)  # layer 1's is still split
+
+
+class _GatedAttention(torch.nn.Module):
+    """Attention whose output is gated per head, ``o * sigmoid(gate(x))`` before the output
+    projection (``shared_gate``: one gate value per token and feature, broadcast over the heads)."""
+
+    def __init__(self, shared_gate: bool = False):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.gate = torch.nn.Linear(32, 8 if shared_gate else 32, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 4, 8) for p in (self.q, self.k, self.v))
+        out = ad.torch_attention(q, k, v, None, 0.0, True, None, None, None, None)
+        gate = torch.sigmoid(self.gate(x).view(b, s, -1, 8))
+        return self.o((out * gate).reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("shared_gate", [False, True], ids=["per-head gate", "shared gate"])
+def test_a_per_head_output_gate_splits_with_the_heads(shared_gate):
+    from helpers import export_gm
+
+    gm = export_gm(_GatedAttention(shared_gate), torch.randn(2, 5, 32))
+    decisions = detect(gm, world_size=2, rank=0, lm_head=False, embedding=False).decisions
+    split = {d.weight for d in decisions if isinstance(d, (ColumnShard, RowShard))}
+    if shared_gate:  # near miss: a gate shared by every head does not split with them; the layer stays whole
+        assert split == set()
+    else:
+        assert split == {"q.weight", "k.weight", "v.weight", "gate.weight", "o.weight"}

@@ -7,7 +7,8 @@ layer whole (near miss); heads the world size does not divide are an error namin
 do. Per-head sinks (HY-V4) are split with their heads, and sinks computed in the graph leave the layer
 whole. Two real gloo ranks (``-m slow``): a tiny DeepSeek-V3 (MLA + expert-parallel MoE + shared
 expert) gives HF's logits at two shapes and, through ``LLM`` with the latent cache, HF's greedy
-tokens; so does a tiny HY-V4 (sparse attention with top-k 4, sinks, a gate) through ``LLM``.
+tokens; so does a tiny HY-V4 (sparse attention with top-k 4, sinks, a per-head output gate, all split
+by heads) through ``LLM``.
 """
 
 import copy
@@ -122,13 +123,75 @@ def test_two_ranks_of_deepseek_v3_match_hf_logits_and_greedy_tokens():
     assert _tokens(checkpoint, 2) == hf_greedy_tokens(checkpoint, PROMPTS, NEW)
 
 
-@pytest.mark.slow  # ~40 s on 2 cores: two ranks build HY-V4, then HF
-@pytest.mark.distributed
-def test_two_ranks_of_hy_v4_give_hfs_greedy_tokens():
+def _hy_v4_checkpoint() -> str:
     from autodeploy.coverage.configs import tiny_config
     from helpers import _cached_checkpoint
 
     config = tiny_config("hy_v4", "a")
     config["index_topk"] = 4  # sparse at these lengths
-    checkpoint = _cached_checkpoint("dsa-sparse-hy_v4", config)  # the one test_dsa_generation_vs_hf writes
-    assert _tokens(checkpoint, 2) == hf_greedy_tokens(checkpoint, PROMPTS, NEW)
+    return _cached_checkpoint("dsa-sparse-hy_v4", config)  # the one test_dsa_generation_vs_hf writes
+
+
+def test_hy_v4_attention_splits_with_its_sinks_and_output_gate():
+    """HY-V4's MLA layers: query projection, kv_b_proj, sinks, output gate (``sigmoid(gate_proj(x))``
+    times the attention output, per head) and output projection split by heads; the indexer stays
+    whole (every rank selects the same keys)."""
+    gm = build(_hy_v4_checkpoint(), up_to=Stage.PATTERN_MATCHER).graph_module
+    plan = detect(gm, world_size=2, rank=1)
+    layers = 3
+    heads = {d.weight for d in plan.decisions if isinstance(d, HeadWeightShard)}
+    columns = {d.weight for d in plan.decisions if isinstance(d, ColumnShard)}
+    rows = {d.weight for d in plan.decisions if isinstance(d, RowShard)}
+    for i in range(layers):
+        prefix = f"model.layers.{i}.self_attn."
+        assert {prefix + "kv_b_proj.weight", prefix + "learnable_sink_param"} <= heads
+        assert {prefix + "q_b_proj.weight", prefix + "linear_gate.weight"} <= columns
+        assert prefix + "o_proj.weight" in rows
+    assert not any("indexer" in w for w in columns | rows | heads)
+
+
+def test_an_output_gate_broadcast_over_the_heads_leaves_the_layer_whole():
+    """Near miss: the same gate reduced to one value per token (``[b, s, 1, d]``, shared by every
+    head) is not split with the heads, so the layer stays whole."""
+    gm = build(_hy_v4_checkpoint(), up_to=Stage.PATTERN_MATCHER).graph_module
+    mla = next(n for n in gm.graph.nodes if n.target == ad.torch_mla.default)
+    mul = next(iter(mla.users))
+    gate = next(a for a in mul.args if a is not mla)
+    with gm.graph.inserting_before(mul):
+        shared = gm.graph.call_function(torch.ops.aten.mean.dim, (gate, [2], True))
+    shared.meta["val"] = gate.meta["val"].mean(2, keepdim=True)
+    mul.args = tuple(shared if a is gate else a for a in mul.args)
+    assert not plan_mla(gm, mla, ShardingPlan(world_size=2, rank=0))
+
+
+def _hy_v4_job(rank: int) -> Dict[str, Any]:
+    from autodeploy import LLM, SamplingParams
+
+    llm = LLM(_hy_v4_checkpoint(), world_size=2, max_seq_len=64, max_batch_size=4, max_num_tokens=64)
+    prefix = "model.layers.0.self_attn."
+    shapes = {k[len(prefix):]: list(v.shape) for k, v in (*llm.build.graph_module.named_parameters(),
+                                                           *llm.build.graph_module.named_buffers())
+              if k.startswith(prefix) and "norm" not in k}
+    if not llm.is_driver:
+        llm.follow()
+        return {"shapes": shapes}
+    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                       SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
+    llm.shutdown()
+    return {"shapes": shapes, "tokens": [list(o.outputs[0].token_ids) for o in out]}
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: two ranks build HY-V4, then HF
+@pytest.mark.distributed
+def test_two_ranks_of_hy_v4_give_hfs_greedy_tokens():
+    checkpoint = _hy_v4_checkpoint()
+    results = _run_ranks(_hy_v4_job, world=2, timeout=400)
+    for r in results:
+        assert "error" not in r, r.get("error")
+        # 4 heads, 2 a rank. The linears reading the layer input are fused into one GEMM after
+        # sharding: q_a 32 + kv_a 40 + indexer wk 16 + weights_proj 2 (whole) + the gate's 2 heads x 16
+        # = 122 rows (154 on one rank); q_b's 2 heads x 24 + the indexer's wq_b 32 (whole) = 80
+        assert r["shapes"] == {"learnable_sink_param": [2], "kv_b_proj.weight": [64, 32], "o_proj.weight": [64, 32],
+                               "fused_q_a_proj_kv_a_proj_with_mqa_wk_linear_gate_weights_proj": [122, 64],
+                               "fused_q_b_proj_wq_b": [80, 32]}
+    assert results[0]["tokens"] == hf_greedy_tokens(checkpoint, PROMPTS, NEW)

@@ -373,12 +373,57 @@ def _per_head(norm: fx.Node) -> bool:
     return val is not None and val.dim() == 4 and len(norm.users) == 1
 
 
-def consuming_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
-    """The linear the attention output feeds, through single-user layout ops."""
+# Gate activations of a per-head attention output gate (HY-V4: ``o * sigmoid(gate_proj(x))``)
+GATE_ACTIVATIONS = (aten.sigmoid.default,)
+
+
+def _static_dims(node: fx.Node, first: int) -> Optional[Tuple[int, ...]]:
+    """The dims of ``node``'s value from ``first`` on, when all of them are plain ints."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dim() <= first:
+        return None
+    dims = tuple(value.shape[first:])
+    return dims if all(type(d) is int for d in dims) else None
+
+
+@dataclass
+class OutputGate:
+    """A per-head output gate on the way from an attention op to its output projection: the gate's
+    linear (split by output features with the heads) and the layout nodes between it and the gate."""
+
+    linear: fx.Node
+    chain: List[fx.Node]
+
+
+def output_gate(node: fx.Node, mul: fx.Node) -> Optional[OutputGate]:
+    """The gate when ``mul`` multiplies ``node`` (an attention output, ``[b, s, heads, d]``) by
+    ``sigmoid(layout(linear(x)))`` of the same shape: each head's output by its own head's gate
+    values. None for anything else (a gate broadcast over the heads is not split with them)."""
+    if mul.target != aten.mul.Tensor or len(mul.args) != 2 or mul.kwargs:
+        return None
+    other = mul.args[1] if mul.args[0] is node else mul.args[0] if mul.args[1] is node else None
+    if not isinstance(other, fx.Node) or other is node or other.target not in GATE_ACTIVATIONS:
+        return None
+    heads = _static_dims(node, 2)
+    if len(other.users) != 1 or heads is None or _static_dims(other, 2) != heads or _static_dims(mul, 2) != heads:
+        return None
+    chain: List[fx.Node] = []
+    linear = producing_linear(other.args[0], chain)
+    return None if linear is None else OutputGate(linear, chain)
+
+
+def consuming_linear(node: fx.Node, path: List[fx.Node], gates: Optional[List[OutputGate]] = None) -> Optional[fx.Node]:
+    """The linear the attention output feeds, through single-user layout ops (and, when ``gates``
+    collects them, per-head output gates: ``output_gate``)."""
     while len(node.users) == 1:
         (user,) = node.users
         if is_linear(user) and user.args[0] is node:
             return user
+        gate = output_gate(node, user) if gates is not None else None
+        if gate is not None:
+            gates.append(gate)  # type: ignore[union-attr]
+            node = user
+            continue
         if user.target not in LAYOUT_OPS:
             return None
         path.append(user)

@@ -47,9 +47,9 @@ from ...utils.logging import get_logger
 from ..graph_utils import arg, get_attr_value
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._sharding import (SHARDING_HINTS_META, ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard,
-                        HeadWeightShard, RowShard, ShardingPlan, SwigluShard, consuming_linear, head_source, is_linear,
-                        linear_split, linear_weights, literal_dims, producing_linear, sizes_that_divide,
-                        weight_target)
+                        HeadWeightShard, LinearSplit, OutputGate, RowShard, ShardingPlan, SwigluShard, consuming_linear,
+                        head_source, is_linear, linear_split, linear_weights, literal_dims, producing_linear,
+                        sizes_that_divide, weight_target)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -106,13 +106,15 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
     projections are not linears over stored weights (plain or quantized, each splittable into whole
     blocks of its format), or when it carries ALiBi slopes (one per query head: splitting the heads
     would need the slopes split with them, not done yet, so such an attention stays whole on every
-    rank rather than reading another rank's slopes)."""
+    rank rather than reading another rank's slopes). A per-head output gate between the op and the
+    output projection (``output_gate``) is split with the heads."""
     if arg(attn, 10, "alibi_slopes") is not None:
         return False
     chains: List[List[fx.Node]] = [[], [], []]
     projections = [producing_linear(attn.args[i], chains[i]) for i in range(3)]
     out_chain: List[fx.Node] = []
-    out_linear = consuming_linear(attn, out_chain)
+    gates: List[OutputGate] = []
+    out_linear = consuming_linear(attn, out_chain, gates)
     heads, kv_heads = _head_count(attn, 0), _head_count(attn, 1)
     if any(p is None or linear_weights(gm, p) is None for p in (*projections, out_linear)):
         return False
@@ -122,7 +124,8 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
     splits = [linear_split(gm, p, rows=False, parts=parts if i > 0 else plan.world_size)
               for i, p in enumerate(projections)]
     out_split = linear_split(gm, out_linear, rows=True, parts=plan.world_size)
-    if out_split is None or any(s is None for s in splits):
+    gate_splits = _gate_splits(gm, gates, plan)
+    if out_split is None or any(s is None for s in splits) or gate_splits is None:
         logger.info("attention %s kept whole on every rank: a quantized projection does not split into whole blocks "
                     "of its format at world_size %d", attn.name, plan.world_size)
         return False
@@ -137,7 +140,22 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
     plan.decisions.append(RowShard(out_linear.name, weight, bias, extra=extra))
     _fix_layouts(plan, out_chain, (heads, int(out_linear.args[0].meta["val"].shape[-1])
                                    if "val" in out_linear.args[0].meta else -1), plan.world_size)
+    _add_gates(plan, gates, gate_splits, heads)
     return True
+
+
+def _gate_splits(gm: fx.GraphModule, gates: List[OutputGate], plan: ShardingPlan) -> Optional[List[LinearSplit]]:
+    """Each output gate's column split, or None when one does not split."""
+    splits = [linear_split(gm, g.linear, rows=False, parts=plan.world_size) for g in gates]
+    return None if any(s is None for s in splits) else splits  # type: ignore[return-value]
+
+
+def _add_gates(plan: ShardingPlan, gates: List[OutputGate], splits: List[LinearSplit], heads: int) -> None:
+    """Output gates split by output features with the heads, their views' head counts divided."""
+    for gate, (weight, bias, extra) in zip(gates, splits):
+        plan.decisions.append(ColumnShard(gate.linear.name, weight, bias, extra=extra))
+        features = int(gate.linear.meta["val"].shape[-1]) if "val" in gate.linear.meta else -1
+        _fix_layouts(plan, gate.chain, (heads, features), plan.world_size)
 
 
 def plan_mla(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> bool:
@@ -146,7 +164,8 @@ def plan_mla(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> bool:
     projection by input features. The latent and the shared roped key (``kv_a_proj``) are the same
     for every head and stay whole, so each rank caches the whole latent (the MLA cache is per token,
     not per head) and attends with its own heads. Per-head sinks (HY-V4) go with their heads; sinks
-    that are not a stored weight read by this op alone leave the layer whole."""
+    that are not a stored weight read by this op alone leave the layer whole. So does a per-head output
+    gate (HY-V4, ``output_gate``)."""
     heads = _head_count(mla, 0)
     kv_b = mla.args[4]
     kv_b_target = weight_target(gm, kv_b)
@@ -156,7 +175,8 @@ def plan_mla(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> bool:
         return False
     found = head_source([mla.args[0], mla.args[1]], mla)
     out_chain: List[fx.Node] = []
-    out_linear = consuming_linear(mla, out_chain)
+    gates: List[OutputGate] = []
+    out_linear = consuming_linear(mla, out_chain, gates)
     if heads is None or kv_b_target is None or len(kv_b.users) != 1 or found is None or out_linear is None:
         return False
     if heads % plan.world_size:
@@ -165,7 +185,8 @@ def plan_mla(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> bool:
     q_linear, chain = found
     q_split = linear_split(gm, q_linear, rows=False, parts=plan.world_size)
     out_split = linear_split(gm, out_linear, rows=True, parts=plan.world_size)
-    if q_split is None or out_split is None:
+    gate_splits = _gate_splits(gm, gates, plan)
+    if q_split is None or out_split is None or gate_splits is None:
         return False
     plan.decisions.append(ColumnShard(q_linear.name, q_split[0], q_split[1], extra=q_split[2]))
     plan.decisions.append(HeadWeightShard(mla.name, kv_b_target))
@@ -176,6 +197,7 @@ def plan_mla(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> bool:
     _fix_layouts(plan, chain, (heads, q_features), plan.world_size)
     out_features = int(out_linear.args[0].meta["val"].shape[-1]) if "val" in out_linear.args[0].meta else -1
     _fix_layouts(plan, out_chain, (heads, out_features), plan.world_size)
+    _add_gates(plan, gates, gate_splits, heads)
     return True
 
 
