@@ -192,9 +192,10 @@ def test_a_per_head_output_gate_splits_with_the_heads(shared_gate):
     from helpers import export_gm
 
     gm = export_gm(_GatedAttention(shared_gate), torch.randn(2, 5, 32))
-    decisions = detect(gm, world_size=2, rank=0, lm_head=False, embedding=False).decisions
-    split = {d.weight for d in decisions if isinstance(d, (ColumnShard, RowShard))}
+    plan = detect(gm, world_size=2, rank=0, lm_head=False, embedding=False)
+    split = {d.weight for d in plan.decisions if isinstance(d, (ColumnShard, RowShard))}
     if shared_gate:  # near miss: a gate shared by every head does not split with them; the layer stays whole
-        assert split == set()
+        assert split == set() and plan.whole_attention == ["torch_attention"]
     else:
         assert split == {"q.weight", "k.weight", "v.weight", "gate.weight", "o.weight"}
+        assert plan.whole_attention == []

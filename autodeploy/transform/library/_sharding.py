@@ -214,6 +214,8 @@ class ShardingPlan:
     # view/reshape nodes whose literal sizes count heads or features of a sharded projection
     # (node name -> {index of the size in its shape argument: what it is divided by})
     layout_fixes: Dict[str, Dict[int, int]] = field(default_factory=dict)
+    # attention ops (torch_attention, torch_mla) left whole on every rank: each rank runs all their heads
+    whole_attention: List[str] = field(default_factory=list)
 
     def summary(self) -> str:
         kinds: Dict[str, int] = {}

@@ -413,7 +413,8 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
         if node.op != "call_function":
             continue
         if node.target == ad.torch_attention.default:
-            plan_attention(gm, node, plan)
+            if not plan_attention(gm, node, plan):
+                plan.whole_attention.append(node.name)
         elif node.target == ad.torch_swiglu_mlp.default:
             plan_swiglu(gm, node, plan)
         elif node.target == ad.torch_moe.default or node.target in QUANT_MOE_OPS:
@@ -421,7 +422,8 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
         elif node.target == ad.torch_moe_fused.default or node.target in STACKED_QUANT_MOE_OPS:
             plan_stacked_moe(gm, node, plan)
         elif node.target == ad.torch_mla.default:
-            plan_mla(gm, node, plan)
+            if not plan_mla(gm, node, plan):
+                plan.whole_attention.append(node.name)
         elif node.target == aten.embedding.default and embedding:
             plan_embedding(gm, node, plan)
     if lm_head:
@@ -449,5 +451,10 @@ class DetectSharding(BaseTransform):
         cfg: DetectShardingConfig = self.config  # type: ignore[assignment]
         plan = detect(gm, ctx.world_size, ctx.rank, lm_head=cfg.shard_lm_head, embedding=cfg.shard_embedding)
         logger.info("sharding plan for rank %d of %d: %s", ctx.rank, ctx.world_size, plan.summary())
+        if plan.whole_attention and ctx.rank == 0:
+            logger.warning("%d attention layer(s) stay whole on every rank (each rank computes all their heads: the "
+                           "same answer, without the speed-up or memory saving of a split), starting with %s: the "
+                           "ops between their projections and the attention are not ones the planner splits by head",
+                           len(plan.whole_attention), plan.whole_attention[0])
         ctx.sharding_plan = plan
         return TransformInfo(num_matches=len(plan.decisions), is_clean=True, has_valid_shapes=True)
