@@ -80,6 +80,7 @@ def torch_attention(
     alibi_slopes: Optional[Tensor] = None,
     attention_chunk: Optional[int] = None,
     out_scale: Optional[Tensor] = None,
+    rel_logits: Optional[Tensor] = None,
 ) -> Tensor:
     """Reference attention in ``bsnd`` layout, computed in fp32 and cast back to q's dtype.
 
@@ -93,6 +94,10 @@ def torch_attention(
     chunk of that many positions (``key_pos // chunk == query_pos // chunk``), with the same alignment.
     ``out_scale`` (``fuse_trtllm_attn_quant_fp8``): the output leaves as the FP8 e4m3 values the
     following FP8 projection reads, ``e4m3(out / out_scale) * out_scale`` in q's dtype.
+    ``rel_logits`` (``[b, s_q, n, R]``, Inkling's query-conditioned relative position bias) adds
+    ``rel_logits[b, i, h, d]`` to query ``i``'s score of the key ``d = q_pos - k_pos`` positions
+    back, for ``0 <= d < R`` (nothing elsewhere), after the scale (positions aligned as the causal
+    mask's).
     """
     if dropout_p != 0.0:
         raise ValueError("torch_attention is an inference op: dropout_p must be 0.0")
@@ -114,6 +119,10 @@ def torch_attention(
         q_pos = torch.arange(s_q, device=q.device) + (s_kv - s_q)
         alibi = alibi_bias(alibi_slopes, q_pos, torch.arange(s_kv, device=q.device))
         bias = alibi if bias is None else bias + alibi
+    if rel_logits is not None:
+        q_pos = torch.arange(s_q, device=q.device) + (s_kv - s_q)
+        rel = relative_bias(rel_logits, q_pos, torch.arange(s_kv, device=q.device))
+        bias = rel if bias is None else bias + rel
     if bias is not None:
         scores = scores + bias
     if sinks is not None:
@@ -123,6 +132,17 @@ def torch_attention(
         probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vh).to(q.dtype)
     return fp8_output(out.transpose(1, 2).contiguous(), out_scale)
+
+
+def relative_bias(rel_logits: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """``[b, n, len(q_pos), len(k_pos)]`` fp32: ``rel_logits [b, len(q_pos), n, R]`` read at each key's
+    distance back from its query, zero outside ``0 <= distance < R`` (Inkling's bias; the causal
+    mask, not this, hides later keys)."""
+    extent = rel_logits.shape[-1]
+    distance = (q_pos[:, None] - k_pos[None, :])  # [s_q, s_kv]
+    rel = rel_logits.float().transpose(1, 2)  # [b, n, s_q, R]
+    index = distance.clamp(0, extent - 1).expand(*rel.shape[:2], -1, -1)
+    return rel.gather(-1, index).masked_fill((distance < 0) | (distance >= extent), 0.0)
 
 
 def fp8_output(out: Tensor, out_scale: Optional[Tensor]) -> Tensor:
@@ -136,7 +156,7 @@ def fp8_output(out: Tensor, out_scale: Optional[Tensor]) -> Tensor:
 @torch_attention.register_fake
 def _torch_attention_fake(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                           sinks=None, sliding_window=None, logit_cap=None, alibi_slopes=None, attention_chunk=None,
-                          out_scale=None):
+                          out_scale=None, rel_logits=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 

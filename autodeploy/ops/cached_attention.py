@@ -3,7 +3,7 @@
 Inputs are the canonical attention's q/k/v for every token of the step (``[1, T, heads, dim]``,
 bsnd) plus the step metadata (``autodeploy.cache.sequence_info``). Each op writes the step's
 keys/values into the cache pages first, then attends each sequence's queries to all of its
-keys so far (bottom-right causal, optional sliding window, soft-cap, sinks).
+keys so far (bottom-right causal, optional sliding window, soft-cap, sinks, relative bias).
 
 Two implementations with one signature:
 
@@ -11,7 +11,8 @@ Two implementations with one signature:
   canonical ``torch_attention`` math. Easy to read, used to check the others.
 * ``sdpa_cached_attention_with_cache``: batched decode (all one-token sequences in one
   ``scaled_dot_product_attention`` call over their gathered pages) and ``is_causal`` SDPA for
-  fresh prefills. Falls back to the reference math for soft-cap and sinks, which SDPA lacks.
+  fresh prefills. Falls back to the reference math for soft-cap, sinks and Inkling's relative
+  position bias (``rel_logits``), which SDPA lacks.
   On CPU with float32 caches the decodes run autodeploy's paged kernel instead
   (``native.paged_decode_attention``: reads the pages in place, no gather, no mask; in a decode
   step it also writes the new k/v), when the native kernels are available. Measured on the
@@ -190,22 +191,24 @@ def torch_cached_attention_with_cache(
     rotary_dim: int = 0,
     attention_chunk: Optional[int] = None,
     out_scale: Optional[Tensor] = None,
+    rel_logits: Optional[Tensor] = None,
 ) -> Tensor:
     """Reference: write the step's k/v, then attend each sequence separately. ``k_scale`` /
     ``v_scale``: the fp8 cache's per-tensor scales (module docstring); ignored for a float cache.
     ``rope_*`` / ``rotary_dim``: the RoPE applied to q and k first (module docstring).
-    ``out_scale``: the output rounded to FP8 for the next projection (``torch_attention``)."""
+    ``out_scale``: the output rounded to FP8 for the next projection (``torch_attention``).
+    ``rel_logits [1, T, n, R]``: each query's relative position bias (``torch_attention``)."""
     q, k = apply_rope(q, k, rope_cos, rope_sin, rope_style, rotary_dim)
     _write_cache(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale)
     return fp8_output(_attend_each_sequence(
         q, v_cache.shape[-1], seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache,
-        scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes, attention_chunk,
+        scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes, attention_chunk, rel_logits,
     ), out_scale)
 
 
 def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache, scale, sinks,
                           sliding_window, logit_cap, k_scale=None, v_scale=None, alibi_slopes=None,
-                          attention_chunk=None) -> Tensor:
+                          attention_chunk=None, rel_logits=None) -> Tensor:
     """Each sequence's queries against its gathered keys, with ``torch_attention``'s math."""
     out = q.new_empty(*q.shape[:-1], d_v)
     lengths, starts, offsets = host_lists(seq_len, input_pos, cu_seqlen)
@@ -216,7 +219,7 @@ def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_c
         rows = slice(offsets[i], offsets[i] + n)
         out[:, rows] = torch.ops.autodeploy.torch_attention(
             q[:, rows], keys, values, None, 0.0, True, scale, sinks, sliding_window, logit_cap, alibi_slopes,
-            attention_chunk,
+            attention_chunk, None, None if rel_logits is None else rel_logits[:, rows],
         )
     return out
 
@@ -225,7 +228,7 @@ def _attend_each_sequence(q, d_v, seq_len, input_pos, cu_seqlen, page_table, k_c
 def _torch_cached_fake(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache,
                        v_cache, scale=None, sinks=None, sliding_window=None, logit_cap=None, k_scale=None,
                        v_scale=None, alibi_slopes=None, rope_cos=None, rope_sin=None,
-                       rope_style=-1, rotary_dim=0, attention_chunk=None, out_scale=None):
+                       rope_style=-1, rotary_dim=0, attention_chunk=None, out_scale=None, rel_logits=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
@@ -265,26 +268,29 @@ def sdpa_cached_attention_with_cache(
     rotary_dim: int = 0,
     attention_chunk: Optional[int] = None,
     out_scale: Optional[Tensor] = None,
+    rel_logits: Optional[Tensor] = None,
 ) -> Tensor:
     """Batched: fresh prefills with causal SDPA on their own k/v, all decodes in one SDPA.
     ``k_scale`` / ``v_scale``: the fp8 cache's per-tensor scales (module docstring); ignored for
     a float cache. ``rope_*`` / ``rotary_dim``: the RoPE applied to q and k first (module docstring).
-    ``out_scale``: the output rounded to FP8 for the next projection (``torch_attention``)."""
+    ``out_scale``: the output rounded to FP8 for the next projection (``torch_attention``).
+    ``rel_logits``: a relative position bias (``torch_attention``), on the per-sequence path."""
     return fp8_output(_sdpa_attend(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping,
                                    k_cache, v_cache, scale, sinks, sliding_window, logit_cap, k_scale, v_scale,
-                                   alibi_slopes, rope_cos, rope_sin, rope_style, rotary_dim, attention_chunk),
+                                   alibi_slopes, rope_cos, rope_sin, rope_style, rotary_dim, attention_chunk,
+                                   rel_logits),
                       out_scale)
 
 
 def _sdpa_attend(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache, v_cache,
                  scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes, rope_cos, rope_sin,
-                 rope_style, rotary_dim, attention_chunk) -> Tensor:
+                 rope_style, rotary_dim, attention_chunk, rel_logits=None) -> Tensor:
     """``sdpa_cached_attention_with_cache``'s attention (its arguments but ``out_scale``)."""
     q, k = apply_rope(q, k, rope_cos, rope_sin, rope_style, rotary_dim)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    # chunked-local attention (rare: Llama 4) takes the per-sequence reference path
-    plain = sinks is None and (logit_cap is None or logit_cap <= 0) and attention_chunk is None
+    # chunked-local attention (rare: Llama 4) and relative biases (Inkling) take the per-sequence reference path
+    plain = sinks is None and (logit_cap is None or logit_cap <= 0) and attention_chunk is None and rel_logits is None
     fp8 = k_cache.dtype == KV_FP8_DTYPE  # the native kernel reads float32 pages only
     native_ok = not fp8 and alibi_slopes is None  # ... and adds no ALiBi bias
     if plain and native_ok and q.device.type == "cpu" and q.shape[1] == seq_len.shape[0]:
@@ -297,7 +303,7 @@ def _sdpa_attend(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table,
     if not plain:
         return _attend_each_sequence(
             q, v_cache.shape[-1], seq_len, input_pos, cu_seqlen, page_table, k_cache, v_cache,
-            scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes, attention_chunk,
+            scale, sinks, sliding_window, logit_cap, k_scale, v_scale, alibi_slopes, attention_chunk, rel_logits,
         )
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     if q.shape[1] == seq_len.shape[0]:
@@ -392,7 +398,7 @@ def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tens
 def _sdpa_cached_fake(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping, k_cache,
                       v_cache, scale=None, sinks=None, sliding_window=None, logit_cap=None, k_scale=None,
                       v_scale=None, alibi_slopes=None, rope_cos=None, rope_sin=None,
-                      rope_style=-1, rotary_dim=0, attention_chunk=None, out_scale=None):
+                      rope_style=-1, rotary_dim=0, attention_chunk=None, out_scale=None, rel_logits=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 

@@ -152,6 +152,32 @@ def test_alibi_matches_float64_hand_computation(s_q, s_kv, n_kv):
     torch.testing.assert_close(out.double(), ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("s_q, s_kv", [(9, 9), (1, 12), (3, 12)])
+def test_relative_bias_equals_inklings_dense_position_bias(s_q, s_kv):
+    """``rel_logits`` against HF's own ``InklingRelativeLogits`` (the dense ``[b, n, q, kv]`` bias
+    from the same per-query table, extent 5 below the key count) and Inkling's eager attention."""
+    from transformers.models.inkling.modeling_inkling import InklingRelativeLogits, eager_attention_forward
+
+    torch.manual_seed(0)
+    b, n, n_kv, d, d_rel, extent = 2, 4, 2, 8, 3, 5
+    rel_module = InklingRelativeLogits(d_rel, extent)
+    rel_module.proj.data.normal_()
+    states = torch.randn(b, s_q, n, d_rel)
+    q, k, v = torch.randn(b, s_q, n, d), torch.randn(b, s_kv, n_kv, d), torch.randn(b, s_kv, n_kv, d)
+    q_pos = torch.arange(s_q) + (s_kv - s_q)
+    with torch.no_grad():
+        bias = rel_module(states, q_pos, torch.arange(s_kv))
+        causal = torch.zeros(s_q, s_kv).masked_fill(torch.arange(s_kv)[None] > q_pos[:, None], float("-inf"))
+        module = type("M", (), {"num_key_value_groups": n // n_kv, "training": False})()
+        ref, _ = eager_attention_forward(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         causal[None, None], 0.25, position_bias=bias)
+        rel_logits = states @ rel_module.proj  # [b, s_q, n, R]
+    got = ad.torch_attention(q, k, v, None, 0.0, True, 0.25, None, None, None, None, None, None, rel_logits)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    plain = ad.torch_attention(q, k, v, None, 0.0, True, 0.25, None, None, None)
+    assert not torch.allclose(plain, ref, atol=1e-3)
+
+
 def test_alibi_slope_count_must_match_heads():
     q, k, v = _qkv(n=4, n_kv=2)
     with pytest.raises(ValueError, match="ALiBi slopes"):

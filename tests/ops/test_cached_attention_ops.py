@@ -60,8 +60,10 @@ def _run(
     cap: Optional[float] = None,
     alibi: Optional[torch.Tensor] = None,
     chunk: Optional[int] = None,
+    rel: Optional[List[torch.Tensor]] = None,
 ):
-    """Runs the schedule; returns (per-sequence outputs, q, k, v, page tables, k_cache, v_cache)."""
+    """Runs the schedule; returns (per-sequence outputs, q, k, v, page tables, k_cache, v_cache).
+    ``rel``: per sequence, its queries' relative position bias tables ``[t, n, R]``."""
     num_pages = sum(-(-t // page_size) for t in totals) + 3
     k_cache = torch.zeros(num_pages, page_size, n_kv, d)
     v_cache = torch.zeros(num_pages, page_size, n_kv, d)
@@ -78,9 +80,10 @@ def _run(
         v = torch.cat([V[i][s:e] for i, s, e in step])[None]
         slots = ad.torch_cached_attention_prepare_metadata(
             info.position_ids, info.seq_len, info.cu_seqlen, info.page_table, page_size)
+        extra = {} if rel is None else {"rel_logits": torch.cat([rel[i][s:e] for i, s, e in step])[None]}
         o = _op(backend)(q, k, v, info.batch_info, info.seq_len, info.input_pos, info.cu_seqlen, info.page_table,
                          slots, k_cache, v_cache, scale, sinks, window, cap, alibi_slopes=alibi,
-                         attention_chunk=chunk)
+                         attention_chunk=chunk, **extra)
         assert o.shape == q.shape
         off = 0
         for i, s, e in step:
@@ -92,12 +95,13 @@ def _run(
 def _check(backend: str, totals=TOTALS, steps=MIXED_STEPS, **kw):
     outs, Q, K, V, *_ = _run(backend, totals, steps, **kw)
     n = Q[0].shape[1]
-    sinks, window, cap, scale, alibi, chunk = (kw.get(k) for k in ("sinks", "window", "cap", "scale", "alibi", "chunk"))
+    sinks, window, cap, scale, alibi, chunk, rel = (kw.get(k) for k in ("sinks", "window", "cap", "scale", "alibi",
+                                                                        "chunk", "rel"))
     for i, t in enumerate(totals):
         got = torch.cat(outs[i])
         assert got.shape == (t, n, Q[0].shape[2])
         ref = ad.torch_attention(Q[i][None], K[i][None], V[i][None], None, 0.0, True, scale, sinks, window, cap,
-                                 alibi, chunk)[0]
+                                 alibi, chunk, None, None if rel is None else rel[i][None])[0]
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"sequence {i}: {m}")
 
 
@@ -155,6 +159,20 @@ def test_chunked_local_attention_is_not_a_window():
     out = ad.torch_attention(q, k, v, None, 0.0, True, None, None, None, None, None, 4)
     torch.testing.assert_close(out[0, 4, 0], torch.eye(6)[4])  # only its own value
     assert (out[0, 3, 0, :4] > 0).all() and (out[0, 3, 0, 4:] == 0).all()  # chunk 0: positions 0-3
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_relative_bias_prefill_chunks_and_decodes_match_full_attention(backend, window):
+    """Inkling's per-query relative bias (extent 5, below the sequences' lengths) through chunked
+    prefills and decodes: each query reads its table at its absolute distance to every key."""
+    torch.manual_seed(0)
+    rel = [torch.randn(t, 4, 5) * 2 for t in TOTALS]
+    _check(backend, rel=rel, window=window)
+    q, k, v = torch.randn(1, 13, 4, 8), torch.randn(1, 13, 2, 8), torch.randn(1, 13, 2, 8)
+    biased = ad.torch_attention(q, k, v, None, 0.0, True, None, None, window, None, None, None, None, rel[2][None])
+    plain = ad.torch_attention(q, k, v, None, 0.0, True, None, None, window, None)
+    assert not torch.allclose(biased, plain, atol=1e-2)  # the bias matters at these sizes
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -108,8 +108,8 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
     would need the slopes split with them, not done yet, so such an attention stays whole on every
     rank rather than reading another rank's slopes). A per-head output gate between the op and the
     output projection (``output_gate``) is split with the heads."""
-    if arg(attn, 10, "alibi_slopes") is not None:
-        return False
+    if arg(attn, 10, "alibi_slopes") is not None or arg(attn, 13, "rel_logits") is not None:
+        return False  # per-head tensors beside the projections (ALiBi slopes, Inkling's relative bias): not split
     chains: List[List[fx.Node]] = [[], [], []]
     projections = [producing_linear(attn.args[i], chains[i]) for i in range(3)]
     out_chain: List[fx.Node] = []

@@ -3,7 +3,7 @@
 Before (per layer; the graph takes ``input_ids``/``position_ids``)::
 
     o = autodeploy.torch_attention(q, k, v, None, 0.0, True, scale, sinks, window, cap[, alibi_slopes=slopes]
-                                   [, attention_chunk=C])
+                                   [, attention_chunk=C][, rel_logits=rel])
 
 After (one prepare node per graph; metadata and per-layer cache inputs added)::
 
@@ -12,7 +12,7 @@ After (one prepare node per graph; metadata and per-layer cache inputs added)::
     slots = autodeploy.torch_cached_attention_prepare_metadata(position_ids, seq_len, cu_seqlen, page_table, P)
     o = autodeploy.sdpa_cached_attention_with_cache(q, k, v, batch_info, seq_len, input_pos, cu_seqlen,
                                                     page_table, slots, k_cache_0, v_cache_0, scale, sinks, window, cap
-                                                    [, alibi_slopes=slopes])
+                                                    [, alibi_slopes=slopes][, rel_logits=rel])
 
 After this the graph is called with every token of a step flattened into one row
 (``[1, total_tokens]``); see ``autodeploy.cache.sequence_info``. The metadata inputs are added
@@ -151,9 +151,11 @@ class InsertCachedAttention(BaseTransform):
             q, k, v = node.args[:3]
             alibi, chunk = arg(node, 10, "alibi_slopes"), arg(node, 11, "attention_chunk")
             out_scale = arg(node, 12, "out_scale")  # fuse_trtllm_attn_quant_fp8's FP8 output
+            rel_logits = arg(node, 13, "rel_logits")  # Inkling's relative position bias
             extra = {**({"alibi_slopes": alibi} if alibi is not None else {}),
                      **({"attention_chunk": chunk} if chunk is not None else {}),
-                     **({"out_scale": out_scale} if out_scale is not None else {})}
+                     **({"out_scale": out_scale} if out_scale is not None else {}),
+                     **({"rel_logits": rel_logits} if rel_logits is not None else {})}
             with graph.inserting_before(node):
                 cached = graph.call_function(
                     backend.cached_op,
