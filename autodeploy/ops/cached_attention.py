@@ -11,8 +11,8 @@ Two implementations with one signature:
   canonical ``torch_attention`` math. Easy to read, used to check the others.
 * ``sdpa_cached_attention_with_cache``: batched decode (all one-token sequences in one
   ``scaled_dot_product_attention`` call over their gathered pages) and ``is_causal`` SDPA for
-  fresh prefills. Falls back to the reference math for soft-cap, sinks and Inkling's relative
-  position bias (``rel_logits``), which SDPA lacks.
+  fresh prefills. Falls back to the reference math for soft-cap and sinks, which SDPA lacks;
+  ALiBi and Inkling's relative position bias (``rel_logits``) join its additive mask.
   On CPU with float32 caches the decodes run autodeploy's paged kernel instead
   (``native.paged_decode_attention``: reads the pages in place, no gather, no mask; in a decode
   step it also writes the new k/v), when the native kernels are available. Measured on the
@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import attention  # noqa: F401  (torch_attention, the math of the reference path)
-from .attention import alibi_bias, fp8_output
+from .attention import alibi_bias, fp8_output, relative_bias
 from . import native
 from .rope import ROPE_NONE, apply_rope
 from .host_reads import host_lists
@@ -274,7 +274,7 @@ def sdpa_cached_attention_with_cache(
     ``k_scale`` / ``v_scale``: the fp8 cache's per-tensor scales (module docstring); ignored for
     a float cache. ``rope_*`` / ``rotary_dim``: the RoPE applied to q and k first (module docstring).
     ``out_scale``: the output rounded to FP8 for the next projection (``torch_attention``).
-    ``rel_logits``: a relative position bias (``torch_attention``), on the per-sequence path."""
+    ``rel_logits``: a relative position bias (``torch_attention``), added to the SDPA masks."""
     return fp8_output(_sdpa_attend(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table, slot_mapping,
                                    k_cache, v_cache, scale, sinks, sliding_window, logit_cap, k_scale, v_scale,
                                    alibi_slopes, rope_cos, rope_sin, rope_style, rotary_dim, attention_chunk,
@@ -289,10 +289,10 @@ def _sdpa_attend(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table,
     q, k = apply_rope(q, k, rope_cos, rope_sin, rope_style, rotary_dim)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    # chunked-local attention (rare: Llama 4) and relative biases (Inkling) take the per-sequence reference path
-    plain = sinks is None and (logit_cap is None or logit_cap <= 0) and attention_chunk is None and rel_logits is None
+    # chunked-local attention (rare: Llama 4) takes the per-sequence reference path
+    plain = sinks is None and (logit_cap is None or logit_cap <= 0) and attention_chunk is None
     fp8 = k_cache.dtype == KV_FP8_DTYPE  # the native kernel reads float32 pages only
-    native_ok = not fp8 and alibi_slopes is None  # ... and adds no ALiBi bias
+    native_ok = not fp8 and alibi_slopes is None and rel_logits is None  # ... and adds no ALiBi / relative bias
     if plain and native_ok and q.device.type == "cpu" and q.shape[1] == seq_len.shape[0]:
         # a decode step: the C kernel writes the new k/v and attends in one call
         attended = native.paged_decode_attention(q[0], k_cache, v_cache, page_table, input_pos, seq_len, scale,
@@ -315,13 +315,13 @@ def _sdpa_attend(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table,
             width = -(-int((input_pos + seq_len).max()) // k_cache.shape[1])
             page_table = page_table[:, :width]
         out[0] = _decode_sdpa(q[0], seq_len, input_pos, page_table, k_cache, v_cache, scale, sliding_window,
-                              k_scale, v_scale, alibi_slopes)
+                              k_scale, v_scale, alibi_slopes, None if rel_logits is None else rel_logits[0])
         return out
     if fp8:  # fresh prefills attend to the values as stored, like every later read
         k, v = dequantize_kv(k_stored, k_scale, q.dtype), dequantize_kv(v_stored, v_scale, q.dtype)
     (num_prefill, _, num_decode), lengths, starts, offsets = host_lists(batch_info, seq_len, input_pos, cu_seqlen)
     _prefill_sdpa(q, k, v, out, num_prefill, lengths, starts, offsets, page_table, k_cache,
-                  v_cache, scale, sliding_window, k_scale, v_scale, alibi_slopes)
+                  v_cache, scale, sliding_window, k_scale, v_scale, alibi_slopes, rel_logits)
     if num_decode:
         dec = slice(num_prefill, num_prefill + num_decode)
         rows = slice(offsets[num_prefill], offsets[num_prefill] + num_decode)
@@ -334,24 +334,28 @@ def _sdpa_attend(q, k, v, batch_info, seq_len, input_pos, cu_seqlen, page_table,
         totals = input_pos[dec] + seq_len[dec]
         width = -(-int(totals.max()) // k_cache.shape[1])
         out[0, rows] = _decode_sdpa(q[0, rows], seq_len[dec], input_pos[dec], page_table[dec, :width], k_cache, v_cache,
-                                    scale, sliding_window, k_scale, v_scale, alibi_slopes)
+                                    scale, sliding_window, k_scale, v_scale, alibi_slopes,
+                                    None if rel_logits is None else rel_logits[0, rows])
     return out
 
 
 def _prefill_sdpa(q: Tensor, k: Tensor, v: Tensor, out: Tensor, num_prefill: int, lengths: List[int],
                   starts: List[int], offsets: List[int], page_table: Tensor, k_cache: Tensor, v_cache: Tensor,
                   scale: float, sliding_window: Optional[int], k_scale: Optional[float],
-                  v_scale: Optional[float], alibi_slopes: Optional[Tensor] = None) -> None:
+                  v_scale: Optional[float], alibi_slopes: Optional[Tensor] = None,
+                  rel_logits: Optional[Tensor] = None) -> None:
     """The first ``num_prefill`` sequences into ``out``: a fresh prefill with causal SDPA on the
-    step's own ``k``/``v``, a continued chunk against its gathered pages. With ALiBi both take
-    an additive mask (the causal/window mask plus the slopes' bias at absolute positions)."""
+    step's own ``k``/``v``, a continued chunk against its gathered pages. With ALiBi or a relative
+    bias (``rel_logits [1, T, heads, R]``) both take an additive mask (the causal/window mask plus
+    the bias at absolute positions)."""
     for i in range(num_prefill):
         n, start = lengths[i], starts[i]
         rows = slice(offsets[i], offsets[i] + n)
         # 4-D [1, heads, n, d]: with 3-D inputs torch's CPU SDPA takes the unfused math path
         # (measured 3.2x slower for a 512-token GQA prefill).
         qi = q[:, rows].transpose(1, 2)
-        if start == 0 and (sliding_window is None or n <= sliding_window) and alibi_slopes is None:
+        biased = alibi_slopes is not None or rel_logits is not None
+        if start == 0 and (sliding_window is None or n <= sliding_window) and not biased:
             ki, vi = k[:, rows].transpose(1, 2), v[:, rows].transpose(1, 2)
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -361,18 +365,24 @@ def _prefill_sdpa(q: Tensor, k: Tensor, v: Tensor, out: Tensor, num_prefill: int
             qpos = torch.arange(start, total, device=q.device)[:, None]
             kpos = torch.arange(total, device=q.device)[None, :]
             mask = _window_mask(kpos, qpos, torch.tensor(total, device=q.device), sliding_window)
-            if alibi_slopes is not None:
-                bias = alibi_bias(alibi_slopes, qpos[:, 0], kpos[0]).masked_fill_(~mask, float("-inf"))
-                mask = bias.to(q.dtype)[None]
+            if biased:
+                bias = torch.zeros(mask.shape, device=q.device)
+                if alibi_slopes is not None:
+                    bias = bias + alibi_bias(alibi_slopes, qpos[:, 0], kpos[0])
+                if rel_logits is not None:
+                    bias = bias + relative_bias(rel_logits[:, rows], qpos[:, 0], kpos[0])[0]
+                mask = bias.masked_fill_(~mask, float("-inf")).to(q.dtype)[None]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[0, rows] = o[0].transpose(0, 1)
 
 
 def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tensor, k_cache: Tensor, v_cache: Tensor,
                  scale: float, sliding_window: Optional[int], k_scale: Optional[float] = None,
-                 v_scale: Optional[float] = None, alibi_slopes: Optional[Tensor] = None) -> Tensor:
+                 v_scale: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+                 rel_logits: Optional[Tensor] = None) -> Tensor:
     """One new query per sequence (``q [B, heads, d]``) against its cached keys, in one SDPA
-    over the pages in ``page_table`` (keys beyond each sequence's length are masked)."""
+    over the pages in ``page_table`` (keys beyond each sequence's length are masked;
+    ``rel_logits [B, heads, R]``: each query's relative bias, read at each key's distance back)."""
     batch, n_kv = q.shape[0], k_cache.shape[2]
     # One index_select over the flattened page list (advanced indexing ``k_cache[pages]`` was
     # 8x slower for 32 sequences on CPU).
@@ -390,6 +400,12 @@ def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tens
     if alibi_slopes is not None:  # [B, heads, 1, K]: slope_h * (key_pos - query_pos), query at totals - 1
         rel = (kpos - (totals - 1)).float()
         mask = mask + (alibi_slopes.float().reshape(1, -1, 1, 1) * rel).to(q.dtype)
+    if rel_logits is not None:  # [B, heads, 1, K]: the query's table at each key's distance back
+        distance = (totals - 1) - kpos
+        extent = rel_logits.shape[-1]
+        index = distance.clamp(0, extent - 1).expand(batch, rel_logits.shape[1], 1, -1)
+        bias = rel_logits.float()[:, :, None, :].gather(-1, index)
+        mask = mask + bias.masked_fill_((distance < 0) | (distance >= extent), 0.0).to(q.dtype)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
 
