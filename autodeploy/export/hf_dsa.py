@@ -15,7 +15,7 @@ interleaved for GLM-MoE-DSA and Dots3): the patched forward calls the function t
 forward calls, found in its module. HY-V4 also lays the roped part last in each vector (the
 others first) and applies the softmax scale to the head weights instead of the scores (the
 same ranking up to rounding, so its order is kept: the op then gets scale 1.0, an exact
-multiplication). Both are read from the forward's own code (``_layout``); a forward whose code
+multiplication). Both are read from the forward's own code (``indexer_layout``); a forward whose code
 says neither plainly is not patched (it then exports with HF's own code, in recompute mode).
 On the eager/sdpa routes (the exporter's retry, HF eager runs) the original forward runs.
 """
