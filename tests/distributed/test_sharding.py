@@ -199,3 +199,23 @@ def test_a_per_head_output_gate_splits_with_the_heads(shared_gate):
     else:
         assert split == {"q.weight", "k.weight", "v.weight", "gate.weight", "o.weight"}
         assert plan.whole_attention == []
+
+
+def test_qwen3_next_attention_splits_with_its_partial_rope_and_query_half_gate():
+    """Qwen3-Next's attention: q_proj's heads hold the query and the output gate (two halves of each
+    head), q/k pass per-head norms and a RoPE on part of each head (slice, rotate, concatenate). One
+    column split of q_proj serves query and gate; k/v by their heads; o_proj by rows. (Two ranks
+    of it give HF's tokens: ``test_tp_greedy_tokens``, ``-m slow``.) Near miss: OLMo-Hybrid's q/k
+    norms run over all heads' features, so its attention stays whole."""
+    from helpers import coverage_checkpoint
+
+    gm = build(coverage_checkpoint("qwen3_next")[0], up_to=Stage.PATTERN_MATCHER).graph_module
+    plan = detect(gm, world_size=2, rank=0)
+    attention = sorted((type(d).__name__, d.weight.rsplit(".", 2)[-2]) for d in plan.decisions
+                       if ".self_attn." in getattr(d, "weight", ""))
+    assert attention == [("ColumnShard", "k_proj"), ("ColumnShard", "q_proj"), ("ColumnShard", "v_proj"),
+                         ("RowShard", "o_proj")]
+    assert plan.whole_attention == []
+    gm = build(coverage_checkpoint("olmo_hybrid")[0], up_to=Stage.PATTERN_MATCHER).graph_module
+    plan = detect(gm, world_size=2, rank=0)
+    assert len(plan.whole_attention) == 1 and not any(".self_attn." in getattr(d, "weight", "") for d in plan.decisions)

@@ -34,7 +34,7 @@ Nodes are named, not held, so a plan can be logged and compared.
 
 import operator
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import fx
@@ -312,14 +312,22 @@ def producing_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
     return None
 
 
-def head_source(starts: Sequence[fx.Node], sink: fx.Node) -> Optional[Tuple[fx.Node, List[fx.Node]]]:
-    """The one linear that the per-head inputs ``starts`` of ``sink`` are computed from, through
-    ops that keep each head's values to that head (layout ops; slices, splits and concatenations of
-    the last, per-head feature dim; RoPE; per-head norms), and the layout nodes on the way. MLA's
-    query takes this shape: ``q_b_proj`` -> heads -> split into a nope and a rope part -> RoPE on
-    one -> concatenated -> sliced again into ``q_nope`` and ``q_pe``. None when anything else is on
-    the way, when the inputs come from several linears, or when a value on the way has a reader
+# Ops that cut the last (per-head feature) dim into parts, read through getitem: their dim argument's index
+_SPLITS = {aten.split_with_sizes.default: 2, aten.split.Tensor: 2, aten.chunk.default: 2}
+
+
+def head_source(starts: Sequence[fx.Node], sink: Union[fx.Node, Collection[fx.Node]]
+                ) -> Optional[Tuple[fx.Node, List[fx.Node]]]:
+    """The one linear that the per-head inputs ``starts`` of ``sink`` (one node, or several: an
+    attention and the activation of an output gate computed from the same projection) are computed
+    from, through ops that keep each head's values to that head (layout ops; slices, splits, chunks
+    and concatenations of the last, per-head feature dim; RoPE; per-head norms), and the layout
+    nodes on the way. MLA's query takes this shape: ``q_b_proj`` -> heads -> split into a nope and a
+    rope part -> RoPE on one -> concatenated -> sliced again into ``q_nope`` and ``q_pe``; Qwen3-Next's
+    query and output gate are the two halves of each head of ``q_proj``. None when anything else is
+    on the way, when the inputs come from several linears, or when a value on the way has a reader
     outside it (which would see this rank's heads only)."""
+    sinks = {sink} if isinstance(sink, fx.Node) else set(sink)
     visited: set = set()
     passthrough: set = set()  # multi-output ops entered through one output (RoPE: q or k)
     linears: List[fx.Node] = []
@@ -348,7 +356,7 @@ def head_source(starts: Sequence[fx.Node], sink: fx.Node) -> Optional[Tuple[fx.N
             if source.target in ROPE_OPS and index in (0, 1):
                 passthrough.add(source)
                 stack.append(source.args[index])
-            elif source.target == aten.split_with_sizes.default and _last_dim(source.args[0], _arg(source, 2, 0)):
+            elif source.target in _SPLITS and _last_dim(source.args[0], _arg(source, _SPLITS[source.target], 0)):
                 visited.add(source)
                 stack.append(source.args[0])
             else:
@@ -357,7 +365,7 @@ def head_source(starts: Sequence[fx.Node], sink: fx.Node) -> Optional[Tuple[fx.N
             return None
     if len(set(linears)) != 1:
         return None
-    if any(u not in visited and u is not sink and u not in passthrough for n in visited for u in n.users):
+    if any(u not in visited and u not in sinks and u not in passthrough for n in visited for u in n.users):
         return None
     return linears[0], [n for n in visited if n.target in LAYOUT_OPS]
 
@@ -390,17 +398,22 @@ def _static_dims(node: fx.Node, first: int) -> Optional[Tuple[int, ...]]:
 
 @dataclass
 class OutputGate:
-    """A per-head output gate on the way from an attention op to its output projection: the gate's
-    linear (split by output features with the heads) and the layout nodes between it and the gate."""
+    """A per-head output gate on the way from an attention op to its output projection: its
+    activation, the activation's input, and the gate's own linear (split by output features with
+    the heads) with the layout nodes between them; ``linear`` None when the gate is not a linear's
+    output through layout ops alone (Qwen3-Next's: a half of each head of the query projection,
+    which ``head_source`` follows together with the query)."""
 
-    linear: fx.Node
+    activation: fx.Node
+    start: fx.Node
+    linear: Optional[fx.Node]
     chain: List[fx.Node]
 
 
 def output_gate(node: fx.Node, mul: fx.Node) -> Optional[OutputGate]:
-    """The gate when ``mul`` multiplies ``node`` (an attention output, ``[b, s, heads, d]``) by
-    ``sigmoid(layout(linear(x)))`` of the same shape: each head's output by its own head's gate
-    values. None for anything else (a gate broadcast over the heads is not split with them)."""
+    """The gate when ``mul`` multiplies ``node`` (an attention output, ``[b, s, heads, d]`` or
+    ``[b, s, heads * d]``) by ``sigmoid(...)`` of the same shape: each head's output by its own head's
+    gate values. None for anything else (a gate broadcast over the heads is not split with them)."""
     if mul.target != aten.mul.Tensor or len(mul.args) != 2 or mul.kwargs:
         return None
     other = mul.args[1] if mul.args[0] is node else mul.args[0] if mul.args[1] is node else None
@@ -411,7 +424,7 @@ def output_gate(node: fx.Node, mul: fx.Node) -> Optional[OutputGate]:
         return None
     chain: List[fx.Node] = []
     linear = producing_linear(other.args[0], chain)
-    return None if linear is None else OutputGate(linear, chain)
+    return OutputGate(other, other.args[0], linear, chain if linear is not None else [])
 
 
 def consuming_linear(node: fx.Node, path: List[fx.Node], gates: Optional[List[OutputGate]] = None) -> Optional[fx.Node]:

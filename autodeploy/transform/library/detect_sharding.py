@@ -106,15 +106,21 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
     projections are not linears over stored weights (plain or quantized, each splittable into whole
     blocks of its format), or when it carries ALiBi slopes (one per query head: splitting the heads
     would need the slopes split with them, not done yet, so such an attention stays whole on every
-    rank rather than reading another rank's slopes). A per-head output gate between the op and the
-    output projection (``output_gate``) is split with the heads."""
+    rank rather than reading another rank's slopes). The query and key projections are found through
+    per-head slices and concatenations too (partial RoPE); a per-head output gate between the op and
+    the output projection (``output_gate``) is split with the heads, also when it is a part of each
+    head of the query projection (Qwen3-Next: one column split serves both)."""
     if arg(attn, 10, "alibi_slopes") is not None or arg(attn, 13, "rel_logits") is not None:
         return False  # per-head tensors beside the projections (ALiBi slopes, Inkling's relative bias): not split
-    chains: List[List[fx.Node]] = [[], [], []]
-    projections = [producing_linear(attn.args[i], chains[i]) for i in range(3)]
     out_chain: List[fx.Node] = []
     gates: List[OutputGate] = []
     out_linear = consuming_linear(attn, out_chain, gates)
+    shared = [g for g in gates if g.linear is None]  # parts of the query projection's heads
+    gates = [g for g in gates if g.linear is not None]
+    found = [head_source([attn.args[0], *(g.start for g in shared)], {attn, *(g.activation for g in shared)}),
+             head_source([attn.args[1]], attn)]
+    chains: List[List[fx.Node]] = [f[1] if f is not None else [] for f in found] + [[]]
+    projections = [f[0] if f is not None else None for f in found] + [producing_linear(attn.args[2], chains[2])]
     heads, kv_heads = _head_count(attn, 0), _head_count(attn, 1)
     if any(p is None or linear_weights(gm, p) is None for p in (*projections, out_linear)):
         return False
