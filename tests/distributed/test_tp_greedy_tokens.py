@@ -1,7 +1,8 @@
 """Greedy tokens through ``LLM`` at world size 2 and 4 equal HF's (and so world size 1's) for the
 families the sharding has to get right: GQA with fewer KV heads than ranks (Qwen3 at 4: each KV
 head replicated on two ranks), per-head q/k norms (Qwen3), expert parallelism (Mixtral, Qwen3-MoE),
-Gemma's (1 + w) norms and tied head (kept whole). Rank 0 schedules and samples; the others follow.
+Gemma's (1 + w) norms and tied head (kept whole), GPT-OSS's attention sinks (split with their
+heads), half-table RoPE and alternating sliding windows. Rank 0 schedules and samples; the others follow.
 Each rank reports the bytes of the weights it holds, so the test also pins what a rank saves."""
 
 from functools import partial
@@ -49,7 +50,7 @@ def _hf_greedy(family: str) -> list:
 @pytest.mark.distributed
 @pytest.mark.parametrize("family,world", [("llama", 2), ("llama", 4), ("qwen3", 2), ("qwen3", 4), ("gemma", 2),
                                           ("gemma", 4), ("mixtral", 2), ("mixtral", 4), ("qwen3_moe", 2),
-                                          ("qwen3_moe", 4)])
+                                          ("qwen3_moe", 4), ("gpt_oss", 2)])
 def test_greedy_tokens_at_several_ranks_equal_hf(family, world):
     results = _run_ranks(partial(_job, family=family, world=world), world=world, timeout=400)
     for r in results:

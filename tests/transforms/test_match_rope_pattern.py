@@ -289,3 +289,48 @@ def test_rope_ops_equal_hf_functions(b, s):
     q, k, freqs_cis = complex_inputs(b, s)
     for a, r in zip(ad.torch_rope_with_complex_freqs(q, k, freqs_cis, 2), apply_rotary_emb(q, k, freqs_cis)):
         torch.testing.assert_close(a, r, rtol=0, atol=1e-6)
+
+
+class GptOssRope(nn.Module):
+    def forward(self, q, k, cos, sin):
+        from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as gpt_oss_rope
+
+        return gpt_oss_rope(q, k, cos, sin)
+
+
+class HalvesWrongSign(nn.Module):
+    """GPT-OSS's form with the second half's sign flipped: not a rotation."""
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        out = []
+        for x in (q, k):
+            x1, x2 = torch.chunk(x, 2, dim=-1)
+            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos - x1 * sin), dim=-1))
+        return tuple(out)
+
+
+def half_tables(b, s, d=16):
+    q, k, cos, sin = bnsd(b, s, d=d)
+    return q, k, cos[..., : d // 2].contiguous(), sin[..., : d // 2].contiguous()
+
+
+def test_gpt_oss_halves_become_rotate_half_with_full_tables():
+    """GPT-OSS's RoPE (half-width tables on the two halves of each head) -> one
+    ``torch_rope_with_explicit_cos_sin`` on ``cat([t, t])`` tables; exact at two shapes."""
+    reference, gm, record = _run(GptOssRope(), *half_tables(2, 5))
+    assert record.num_matches == 1
+    (node,) = _rope_nodes(gm)
+    assert node.target == ad.torch_rope_with_explicit_cos_sin.default
+    ph = _placeholders(gm)
+    assert node.args[:2] == (ph["q"], ph["k"]) and node.args[4] == 1
+    for table, name in ((node.args[2], "cos"), (node.args[3], "sin")):
+        assert table.target == aten.cat.default and table.args[0] == [ph[name], ph[name]]
+    assert count_op(gm, [aten.chunk, aten.sub, aten.mul]) == 0
+    assert_same_outputs(reference, gm, [half_tables(2, 5), half_tables(3, 9)], tol=1e-6)
+
+
+def test_halves_with_a_wrong_sign_are_left_alone():
+    reference, gm, record = _run(HalvesWrongSign(), *half_tables(2, 5))
+    assert record.num_matches == 0 and not _rope_nodes(gm)
+    assert_same_outputs(reference, gm, [half_tables(2, 5), half_tables(3, 4)], tol=1e-6)

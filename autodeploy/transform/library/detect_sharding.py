@@ -106,12 +106,16 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
     projections are not linears over stored weights (plain or quantized, each splittable into whole
     blocks of its format), or when it carries ALiBi slopes (one per query head: splitting the heads
     would need the slopes split with them, not done yet, so such an attention stays whole on every
-    rank rather than reading another rank's slopes). The query and key projections are found through
+    rank rather than reading another rank's slopes). Per-head sinks (GPT-OSS) split with the heads. The query and key projections are found through
     per-head slices and concatenations too (partial RoPE); a per-head output gate between the op and
     the output projection (``output_gate``) is split with the heads, also when it is a part of each
     head of the query projection (Qwen3-Next: one column split serves both)."""
     if arg(attn, 10, "alibi_slopes") is not None or arg(attn, 13, "rel_logits") is not None:
         return False  # per-head tensors beside the projections (ALiBi slopes, Inkling's relative bias): not split
+    sinks = arg(attn, 7, "sinks")  # GPT-OSS: one per query head, split with them
+    sinks_target = None if sinks is None else weight_target(gm, sinks)
+    if sinks is not None and (sinks_target is None or len(sinks.users) != 1):
+        return False
     out_chain: List[fx.Node] = []
     gates: List[OutputGate] = []
     out_linear = consuming_linear(attn, out_chain, gates)
@@ -147,6 +151,8 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
     _fix_layouts(plan, out_chain, (heads, int(out_linear.args[0].meta["val"].shape[-1])
                                    if "val" in out_linear.args[0].meta else -1), plan.world_size)
     _add_gates(plan, gates, gate_splits, heads)
+    if sinks_target is not None:
+        plan.decisions.append(HeadWeightShard(attn.name, sinks_target))
     return True
 
 

@@ -9,7 +9,10 @@ After::
 
     q2, k2 = autodeploy.torch_rope_with_explicit_cos_sin(q, k, cos, sin, 1)
 
-Also: DeepSeek's interleaved pairs (``q[..., 0::2]``, ``q[..., 1::2]`` rotated by half-width
+Also: GPT-OSS's halves with half-width tables (``x1, x2 = chunk(x, 2, -1); cat([x1 * c - x2 * s,
+x2 * c + x1 * s])``: rotate-half with tables ``cat([c, c])`` / ``cat([s, s])``, which the rewrite
+builds; exact, since ``a - b`` is ``a + (-b)``) -> ``torch_rope_with_explicit_cos_sin``;
+DeepSeek's interleaved pairs (``q[..., 0::2]``, ``q[..., 1::2]`` rotated by half-width
 cos/sin tables) -> ``torch_rope_with_qk_interleaving`` (on those half tables, exact for any
 table); Llama-4's complex form (``view_as_complex(q) *
 freqs_cis``) -> ``torch_rope_with_complex_freqs``. Partial rotary works unchanged: q is then
@@ -57,6 +60,17 @@ def _interleaved(q, k, cos, sin):
     k1, k2 = k[..., 0::2], k[..., 1::2]
     q_out = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
     k_out = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+    return q_out, k_out
+
+
+def _halves(q, k, cos, sin):
+    # GPT-OSS: cos/sin are the half-width tables, applied to the two halves of each head
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    q1, q2 = torch.chunk(q, 2, dim=-1)
+    k1, k2 = torch.chunk(k, 2, dim=-1)
+    q_out = torch.cat((q1 * cos - q2 * sin, q2 * cos + q1 * sin), dim=-1)
+    k_out = torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1)
     return q_out, k_out
 
 
@@ -121,6 +135,24 @@ def _rope_handler(op: Callable) -> Callable:
     return handler
 
 
+def _full_tables_handler(op: Callable) -> Callable:
+    """``_rope_handler`` for half-width tables: the op gets ``cat([t, t], -1)`` of each."""
+    base = _rope_handler(op)
+
+    def handler(match: Match, graph: fx.Graph, q: fx.Node, k: fx.Node, cos: fx.Node, sin: fx.Node) -> None:
+        full = []
+        for table in (cos, sin):
+            with graph.inserting_after(table):
+                node = graph.call_function(aten.cat.default, ([table, table], -1))
+            value = table.meta.get("val")
+            if value is not None:
+                node.meta["val"] = torch.cat([value, value], -1)
+            full.append(node)
+        base(match, graph, q, k, cos=full[0], sin=full[1])
+
+    return handler
+
+
 def _last_dim(node: fx.Node) -> Optional[int]:
     v = node.meta.get("val") if isinstance(node, fx.Node) else None
     return int(v.shape[-1]) if v is not None and isinstance(v.shape[-1], int) else None
@@ -153,6 +185,16 @@ def _check_structure(slice_kind: str) -> Callable[[Match], bool]:
                 else:  # "pairs": q[..., 0::2] / q[..., 1::2]
                     ok = start in (0, 1) and step == 2 and end in (size, INT64_MAX, None)
                 if not ok:
+                    return False
+            elif is_op(node, aten.chunk) or is_op(node, aten.split):
+                src = node.args[0]
+                chunks = arg(node, 1, "chunks" if is_op(node, aten.chunk) else "split_size")
+                size = _last_dim(src)
+                if is_op(node, aten.split) and size is not None:
+                    chunks = size // chunks if isinstance(chunks, int) and chunks and size % chunks == 0 else None
+                if _norm_dim(arg(node, 2, "dim", 0), src) != src.meta["val"].dim() - 1 or chunks != 2:
+                    return False
+                if size is None or size % 2:
                     return False
             elif is_op(node, aten.reshape) and slice_kind == "complex":
                 src, out = node.args[0].meta["val"], node.meta["val"]
@@ -188,6 +230,9 @@ def rope_patterns() -> PatternSet:
             ps.add(_explicit, [q, k, cos, sin], handler=_rope_handler(ops.torch_rope_with_explicit_cos_sin.default),
                    extra_check=_check_structure("half"))
             half_cos, half_sin = cos[..., :4].contiguous(), sin[..., :4].contiguous()
+            ps.add(_halves, [q, k, half_cos, half_sin],
+                   handler=_full_tables_handler(ops.torch_rope_with_explicit_cos_sin.default),
+                   extra_check=_check_structure("half"))
             ps.add(_interleaved, [q, k, half_cos, half_sin],
                    handler=_rope_handler(ops.torch_rope_with_qk_interleaving.default),
                    extra_check=_check_structure("pairs"))
