@@ -172,19 +172,27 @@ def test_a_projection_with_another_reader_is_left_whole():
 
 class _GatedAttention(torch.nn.Module):
     """Attention whose output is gated per head, ``o * sigmoid(gate(x))`` before the output
-    projection (``shared_gate``: one gate value per token and feature, broadcast over the heads)."""
+    projection (``shared_gate``: one gate value per token and feature, broadcast over the heads;
+    ``fused``: query and gate from one projection, chunked into ``[q | gate]`` before the view into
+    heads, so its first half of features is all of q)."""
 
-    def __init__(self, shared_gate: bool = False):
+    def __init__(self, shared_gate: bool = False, fused: bool = False):
         super().__init__()
-        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.fused = fused
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 64 if fused and i == 0 else 32, bias=False)
+                                          for i in range(4))
         self.gate = torch.nn.Linear(32, 8 if shared_gate else 32, bias=False)
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, 4, 8) for p in (self.q, self.k, self.v))
+        if self.fused:
+            q, gate = self.q(x).chunk(2, dim=-1)
+            q, gate = q.view(b, s, 4, 8), gate.view(b, s, 4, 8)
+        else:
+            q, gate = self.q(x).view(b, s, 4, 8), self.gate(x).view(b, s, -1, 8)
+        k, v = (p(x).view(b, s, 4, 8) for p in (self.k, self.v))
         out = ad.torch_attention(q, k, v, None, 0.0, True, None, None, None, None)
-        gate = torch.sigmoid(self.gate(x).view(b, s, -1, 8))
-        return self.o((out * gate).reshape(b, s, -1))
+        return self.o((out * torch.sigmoid(gate)).reshape(b, s, -1))
 
 
 @pytest.mark.parametrize("shared_gate", [False, True], ids=["per-head gate", "shared gate"])
@@ -219,3 +227,14 @@ def test_qwen3_next_attention_splits_with_its_partial_rope_and_query_half_gate()
     gm = build(coverage_checkpoint("olmo_hybrid")[0], up_to=Stage.PATTERN_MATCHER).graph_module
     plan = detect(gm, world_size=2, rank=0)
     assert len(plan.whole_attention) == 1 and not any(".self_attn." in getattr(d, "weight", "") for d in plan.decisions)
+
+
+def test_a_query_and_gate_chunked_before_the_heads_view_leave_the_layer_whole():
+    """Near miss to Qwen3-Next's layout: the fused projection is chunked into ``[q | gate]`` on its
+    flat features, so a split of it by ranks would not follow the heads: the layer stays whole."""
+    from helpers import export_gm
+
+    gm = export_gm(_GatedAttention(fused=True), torch.randn(2, 5, 32))
+    plan = detect(gm, world_size=2, rank=0, lm_head=False, embedding=False)
+    assert not any(isinstance(d, (ColumnShard, RowShard)) for d in plan.decisions)
+    assert plan.whole_attention == ["torch_attention"]

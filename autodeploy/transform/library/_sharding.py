@@ -347,16 +347,16 @@ def head_source(starts: Sequence[fx.Node], sink: Union[fx.Node, Collection[fx.No
             stack.append(node.args[0])
         elif target == ad.torch_rmsnorm.default and _per_head(node):
             stack.append(node.args[0])
-        elif target == aten.slice.Tensor and _last_dim(node.args[0], node.args[1]):
+        elif target == aten.slice.Tensor and _head_features(node.args[0], node.args[1]):
             stack.append(node.args[0])
-        elif target == aten.cat.default and _last_dim(node.args[0][0], node.args[1] if len(node.args) > 1 else 0):
+        elif target == aten.cat.default and _head_features(node.args[0][0], node.args[1] if len(node.args) > 1 else 0):
             stack.extend(node.args[0])
         elif target is operator.getitem and isinstance(node.args[0], fx.Node):
             source, index = node.args
             if source.target in ROPE_OPS and index in (0, 1):
                 passthrough.add(source)
                 stack.append(source.args[index])
-            elif source.target in _SPLITS and _last_dim(source.args[0], _arg(source, _SPLITS[source.target], 0)):
+            elif source.target in _SPLITS and _head_features(source.args[0], _arg(source, _SPLITS[source.target], 0)):
                 visited.add(source)
                 stack.append(source.args[0])
             else:
@@ -374,6 +374,15 @@ def _last_dim(value: object, dim: object) -> bool:
     """``dim`` names the last dim of ``value``'s tensor (the per-head features)."""
     val = value.meta.get("val") if isinstance(value, fx.Node) else None
     return isinstance(dim, int) and val is not None and dim in (-1, val.dim() - 1)
+
+
+def _head_features(value: object, dim: object) -> bool:
+    """``dim`` is the per-head feature dim of a ``[b, s, heads, d]`` (or ``[b, heads, s, d]``) value: a
+    cut there keeps each head's values to its head. On ``[b, s, heads * d]`` it would not: a fused
+    ``[q | gate]`` projection chunked before its view into heads has all of q in its first half of
+    features, which a split by ranks would hand to the first ranks alone."""
+    val = value.meta.get("val") if isinstance(value, fx.Node) else None
+    return _last_dim(value, dim) and val is not None and val.dim() == 4
 
 
 def _per_head(norm: fx.Node) -> bool:
