@@ -106,8 +106,9 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
     projections are not linears over stored weights (plain or quantized, each splittable into whole
     blocks of its format), or when it carries ALiBi slopes (one per query head: splitting the heads
     would need the slopes split with them, not done yet, so such an attention stays whole on every
-    rank rather than reading another rank's slopes). Per-head sinks (GPT-OSS) split with the heads. The query and key projections are found through
-    per-head slices and concatenations too (partial RoPE); a per-head output gate between the op and
+    rank rather than reading another rank's slopes). Per-head sinks (GPT-OSS) split with the heads.
+    The query and key projections are found through per-head slices and concatenations too
+    (partial RoPE); a per-head output gate between the op and
     the output projection (``output_gate``) is split with the heads, also when it is a part of each
     head of the query projection (Qwen3-Next: one column split serves both)."""
     if arg(attn, 10, "alibi_slopes") is not None or arg(attn, 13, "rel_logits") is not None:
@@ -189,6 +190,8 @@ def plan_mla(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> bool:
     out_chain: List[fx.Node] = []
     gates: List[OutputGate] = []
     out_linear = consuming_linear(mla, out_chain, gates)
+    if any(g.linear is None for g in gates):
+        return False  # a gate that is not its own projection's output (only plain attention follows those)
     if heads is None or kv_b_target is None or len(kv_b.users) != 1 or found is None or out_linear is None:
         return False
     if heads % plan.world_size:
