@@ -121,7 +121,7 @@ def torch_attention(
         bias = alibi if bias is None else bias + alibi
     if rel_logits is not None:
         q_pos = torch.arange(s_q, device=q.device) + (s_kv - s_q)
-        rel = relative_bias(rel_logits, q_pos, torch.arange(s_kv, device=q.device))
+        rel = relative_bias(rel_logits, q_pos[:, None] - torch.arange(s_kv, device=q.device)[None, :])
         bias = rel if bias is None else bias + rel
     if bias is not None:
         scores = scores + bias
@@ -134,14 +134,16 @@ def torch_attention(
     return fp8_output(out.transpose(1, 2).contiguous(), out_scale)
 
 
-def relative_bias(rel_logits: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-    """``[b, n, len(q_pos), len(k_pos)]`` fp32: ``rel_logits [b, len(q_pos), n, R]`` read at each key's
-    distance back from its query, zero outside ``0 <= distance < R`` (Inkling's bias; the causal
-    mask, not this, hides later keys)."""
+def relative_bias(rel_logits: Tensor, distance: Tensor) -> Tensor:
+    """``[b, n, s_q, s_kv]`` fp32: ``rel_logits [b, s_q, n, R]`` read at each key's ``distance`` back
+    from its query (query position minus key position, broadcastable to ``[b, n, s_q, s_kv]``: one
+    ``[s_q, s_kv]`` grid, or one row per sequence), zero outside ``0 <= distance < R`` (Inkling's
+    bias; the causal mask, not this, hides later keys). Shared by the reference op and the cached
+    backends, so they add the same numbers."""
     extent = rel_logits.shape[-1]
-    distance = (q_pos[:, None] - k_pos[None, :])  # [s_q, s_kv]
     rel = rel_logits.float().transpose(1, 2)  # [b, n, s_q, R]
-    index = distance.clamp(0, extent - 1).expand(*rel.shape[:2], -1, -1)
+    shape = torch.broadcast_shapes((*rel.shape[:-1], distance.shape[-1]), distance.shape)
+    index = distance.clamp(0, extent - 1).expand(shape)
     return rel.gather(-1, index).masked_fill((distance < 0) | (distance >= extent), 0.0)
 
 

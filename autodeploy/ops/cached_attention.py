@@ -370,7 +370,7 @@ def _prefill_sdpa(q: Tensor, k: Tensor, v: Tensor, out: Tensor, num_prefill: int
                 if alibi_slopes is not None:
                     bias = bias + alibi_bias(alibi_slopes, qpos[:, 0], kpos[0])
                 if rel_logits is not None:
-                    bias = bias + relative_bias(rel_logits[:, rows], qpos[:, 0], kpos[0])[0]
+                    bias = bias + relative_bias(rel_logits[:, rows], qpos - kpos)[0]
                 mask = bias.masked_fill_(~mask, float("-inf")).to(q.dtype)[None]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[0, rows] = o[0].transpose(0, 1)
@@ -400,12 +400,8 @@ def _decode_sdpa(q: Tensor, seq_len: Tensor, input_pos: Tensor, page_table: Tens
     if alibi_slopes is not None:  # [B, heads, 1, K]: slope_h * (key_pos - query_pos), query at totals - 1
         rel = (kpos - (totals - 1)).float()
         mask = mask + (alibi_slopes.float().reshape(1, -1, 1, 1) * rel).to(q.dtype)
-    if rel_logits is not None:  # [B, heads, 1, K]: the query's table at each key's distance back
-        distance = (totals - 1) - kpos
-        extent = rel_logits.shape[-1]
-        index = distance.clamp(0, extent - 1).expand(batch, rel_logits.shape[1], 1, -1)
-        bias = rel_logits.float()[:, :, None, :].gather(-1, index)
-        mask = mask + bias.masked_fill_((distance < 0) | (distance >= extent), 0.0).to(q.dtype)
+    if rel_logits is not None:  # [B, heads, 1, K]: each query (at totals - 1) reads its table by distance
+        mask = mask + relative_bias(rel_logits[:, None], (totals - 1) - kpos).to(q.dtype)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
 
