@@ -63,9 +63,10 @@ def test_inkling_keeps_its_caches_and_gives_hfs_greedy_tokens():
 
 
 @pytest.mark.parametrize("position, expected", [(0, 1.0), (3, 1.0), (7, 1.0 + 0.5 * math.log(2.0))])
-def test_log_scaling_follows_the_position_ids(position, expected):
-    """``tau`` from the positions handed to the graph (HF's formula), not from an arange that would
-    restart at 0 in each cached step."""
+def test_log_scaling_is_hfs_formula_at_absolute_positions(position, expected):
+    """``tau`` at absolute positions, HF's formula (1 below the floor of 4). That the graph takes those
+    positions from ``position_ids``, not from an arange restarting at 0 each cached step, is what the
+    generation test above checks (with the arange it fails)."""
     from transformers import AutoConfig
 
     from autodeploy.export.hf_inkling import log_scaling
