@@ -1,4 +1,5 @@
-"""Collectives as canonical ops: ``torch_dist_all_reduce`` and ``torch_dist_all_gather``.
+"""Collectives as canonical ops: ``torch_dist_all_reduce``, ``torch_dist_all_gather``, and
+``torch_dist_rmsnorm`` (an RMSNorm over features split across the ranks).
 
 Why ops and not calls into ``torch.distributed`` in the graph: the sharding transforms insert
 them into exported graphs, which shape propagation, the fusions (all-reduce + residual add +
@@ -6,9 +7,9 @@ RMSNorm) and the compile backends then have to see as one node with known output
 custom op with a fake kernel is exactly that; ``torch.distributed``'s own functions are not
 traceable and mutate in place.
 
-With one rank (no process group, or a group of one) both are the identity, so a graph that was
-sharded for one rank, or a test that runs a sharded graph alone, needs no group. Both return a
-new tensor (a custom op may not return its input).
+With one rank (no process group, or a group of one) the first two are the identity and the norm a
+plain RMSNorm, so a graph that was sharded for one rank, or a test that runs a sharded graph alone,
+needs no group. All return a new tensor (a custom op may not return its input).
 """
 
 import torch
@@ -49,3 +50,24 @@ def _all_gather_fake(x, dim=-1):
     shape = list(x.shape)
     shape[dim] *= world_size()
     return x.new_empty(shape)
+
+
+@torch.library.custom_op("autodeploy::torch_dist_rmsnorm", mutates_args=())
+def torch_dist_rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``torch_rmsnorm`` over features split across the ranks (OLMo-2's query/key norms over all
+    heads, with the heads split): ``x`` and ``weight`` are this rank's slice, and the mean of
+    squares is the ranks' summed squares over ``world_size`` times the local width. Exact also
+    where a slice is held by several ranks (key/value heads replicated): every slice is then held
+    by equally many ranks, which scales the sum and the width alike."""
+    xf = x.float()
+    squares = xf.pow(2).sum(-1, keepdim=True)
+    n = world_size()
+    if n > 1:
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM)
+    normed = xf * torch.rsqrt(squares / (x.shape[-1] * n) + eps)
+    return weight * normed.to(x.dtype)
+
+
+@torch_dist_rmsnorm.register_fake
+def _dist_rmsnorm_fake(x, weight, eps):
+    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))

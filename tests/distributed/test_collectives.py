@@ -2,8 +2,9 @@
 
 One rank (no group): both ops are the identity and survive export and shape propagation. Two
 ranks: all-reduce sums, all-gather concatenates in rank order, an exported graph with the ops
-runs on each rank with shapes its fake kernels derived from the group, and a rank that dies
-makes the other fail with an error instead of waiting forever.
+runs on each rank with shapes its fake kernels derived from the group, an RMSNorm over features
+split across the ranks equals the whole norm, and a rank that dies makes the other fail with an
+error instead of waiting forever.
 """
 
 import os
@@ -140,6 +141,32 @@ def test_two_gloo_ranks_reduce_gather_and_run_an_exported_graph():
         assert torch.equal(r["gathered_last"], torch.cat([expected0[:2, :2], expected0[2:, :2]], dim=-1))
         # all_reduce(2x) over ranks holding 0 and 1 -> 2, then gathered twice along the last dim
         assert torch.equal(r["exported"], torch.full((4, 6), 2.0))
+
+
+def _dist_rmsnorm_job(rank: int) -> Dict[str, Any]:
+    """Every rank builds the same full ``x`` and weight; the norm runs on this rank's half of the
+    features (split), and on all of them on both ranks (one slice held by every rank: the key norm
+    of a key/value head replicated on the ranks)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 8), torch.randn(8)
+    half = slice(4 * rank, 4 * rank + 4)
+    return {"split": ad.torch_dist_rmsnorm(x[..., half], w[half], 1e-6).tolist(),
+            "replicated": ad.torch_dist_rmsnorm(x, w, 1e-6).tolist()}
+
+
+@pytest.mark.distributed
+def test_a_norm_over_features_split_across_two_ranks_equals_the_whole_norm():
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 8), torch.randn(8)
+    whole = ad.torch_rmsnorm(x, w, 1e-6)
+    assert torch.allclose(ad.torch_dist_rmsnorm(x, w, 1e-6), whole, atol=1e-6)  # one rank: the plain norm
+    results = _run_ranks(_dist_rmsnorm_job)
+    for rank, r in enumerate(results):
+        assert "error" not in r, r.get("error")
+        assert torch.allclose(torch.tensor(r["split"]), whole[..., 4 * rank:4 * rank + 4], atol=1e-6)
+        assert torch.allclose(torch.tensor(r["replicated"]), whole, atol=1e-6)
+    # the half alone, normalised by its own squares, is a different answer: the sum over ranks matters
+    assert not torch.allclose(ad.torch_rmsnorm(x[..., :4], w[:4], 1e-6), whole[..., :4], atol=1e-2)
 
 
 def _dying_job(rank: int) -> Dict[str, Any]:

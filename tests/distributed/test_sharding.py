@@ -203,18 +203,18 @@ def test_a_per_head_output_gate_splits_with_the_heads(shared_gate):
     plan = detect(gm, world_size=2, rank=0, lm_head=False, embedding=False)
     split = {d.weight for d in plan.decisions if isinstance(d, (ColumnShard, RowShard))}
     if shared_gate:  # near miss: a gate shared by every head does not split with them; the layer stays whole
-        assert split == set() and plan.whole_attention == ["torch_attention"]
+        assert split == set() and list(plan.whole_attention) == ["torch_attention"]
     else:
         assert split == {"q.weight", "k.weight", "v.weight", "gate.weight", "o.weight"}
-        assert plan.whole_attention == []
+        assert plan.whole_attention == {}
 
 
 def test_qwen3_next_attention_splits_with_its_partial_rope_and_query_half_gate():
     """Qwen3-Next's attention: q_proj's heads hold the query and the output gate (two halves of each
     head), q/k pass per-head norms and a RoPE on part of each head (slice, rotate, concatenate). One
     column split of q_proj serves query and gate; k/v by their heads; o_proj by rows. (Two ranks
-    of it give HF's tokens: ``test_tp_greedy_tokens``, ``-m slow``.) Near miss: OLMo-Hybrid's q/k
-    norms run over all heads' features, so its attention stays whole."""
+    of it give HF's tokens: ``test_tp_greedy_tokens``, ``-m slow``.) OLMo-Hybrid's q/k norms run
+    over all heads' features: they split with the heads as norms whose squares are summed over ranks."""
     from helpers import coverage_checkpoint
 
     gm = build(coverage_checkpoint("qwen3_next")[0], up_to=Stage.PATTERN_MATCHER).graph_module
@@ -223,10 +223,14 @@ def test_qwen3_next_attention_splits_with_its_partial_rope_and_query_half_gate()
                        if ".self_attn." in getattr(d, "weight", ""))
     assert attention == [("ColumnShard", "k_proj"), ("ColumnShard", "q_proj"), ("ColumnShard", "v_proj"),
                          ("RowShard", "o_proj")]
-    assert plan.whole_attention == []
+    assert plan.whole_attention == {}
     gm = build(coverage_checkpoint("olmo_hybrid")[0], up_to=Stage.PATTERN_MATCHER).graph_module
     plan = detect(gm, world_size=2, rank=0)
-    assert len(plan.whole_attention) == 1 and not any(".self_attn." in getattr(d, "weight", "") for d in plan.decisions)
+    attention = sorted((type(d).__name__, d.weight.rsplit(".", 2)[-2]) for d in plan.decisions
+                       if ".self_attn." in getattr(d, "weight", ""))
+    assert attention == [("ColumnShard", "k_proj"), ("ColumnShard", "q_proj"), ("ColumnShard", "v_proj"),
+                         ("NormShard", "k_norm"), ("NormShard", "q_norm"), ("RowShard", "o_proj")]
+    assert plan.whole_attention == {}
 
 
 def test_a_query_and_gate_chunked_before_the_heads_view_leave_the_layer_whole():
@@ -237,4 +241,4 @@ def test_a_query_and_gate_chunked_before_the_heads_view_leave_the_layer_whole():
     gm = export_gm(_GatedAttention(fused=True), torch.randn(2, 5, 32))
     plan = detect(gm, world_size=2, rank=0, lm_head=False, embedding=False)
     assert not any(isinstance(d, (ColumnShard, RowShard)) for d in plan.decisions)
-    assert plan.whole_attention == ["torch_attention"]
+    assert list(plan.whole_attention) == ["torch_attention"]

@@ -20,6 +20,8 @@ A plan is a list of decisions over graph nodes, each a plain dataclass:
 * ``ExpertTensorShard``: tensor parallelism inside the experts, for a ``torch_moe`` whose experts
   the world size does not divide (fewer experts than ranks): every rank holds every expert's
   slice of the hidden features (gate/up rows, down columns), one all-reduce after.
+* ``NormShard``: an RMSNorm over all heads' features between a projection and its attention
+  (OLMo-2's q/k norms), its weight split with the heads and its mean of squares summed over ranks.
 
 Linears are ``aten.linear`` or one of the quantized linears (``torch_quant_*_linear``): a
 :class:`LinearLayout` says which of the op's tensors split with the output features (a column
@@ -32,9 +34,8 @@ produce (``apply_sharding_hints``, from ``torch_linear_with_hint``), so there is
 Nodes are named, not held, so a plan can be logged and compared.
 """
 
-import operator
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import fx
@@ -47,8 +48,8 @@ ad = torch.ops.autodeploy
 
 # Ops between a projection and the attention op (or after it) that only change the layout of
 # each token's features: heads split or merged, axes swapped.
-LAYOUT_OPS = (aten.view.default, aten.reshape.default, aten.transpose.int, aten.contiguous.default,
-              aten.clone.default, aten._unsafe_view.default)
+LAYOUT_OPS = (aten.view.default, aten.reshape.default, aten.transpose.int, aten.permute.default,
+              aten.flatten.using_ints, aten.contiguous.default, aten.clone.default, aten._unsafe_view.default)
 
 
 # gm.meta key set by apply_sharding_hints on a graph whose own hints planned its sharding: the
@@ -64,14 +65,25 @@ ROPE_OPS = (ad.torch_rope_with_explicit_cos_sin.default, ad.torch_rope_with_qk_i
 @dataclass(frozen=True)
 class WeightShard:
     """The slice of a checkpoint tensor one rank loads: part ``index`` of ``parts`` equal parts
-    along ``dim``."""
+    along ``dim``; or, with ``blocks`` (a fused projection's ``[q | k | v]`` rows), the tensor cut
+    into blocks of the given sizes along ``dim``, and part ``index`` of ``parts`` of each block, per
+    block, concatenated."""
 
     dim: int
     index: int
     parts: int
+    blocks: Tuple[Tuple[int, int, int], ...] = ()  # (size, parts, index) of each block, in order
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         size = tensor.shape[self.dim]
+        if self.blocks:
+            if sum(b[0] for b in self.blocks) != size or any(b[0] % b[1] for b in self.blocks):
+                raise ValueError(f"a tensor of shape {tuple(tensor.shape)} cannot be cut into blocks "
+                                 f"{[b[0] for b in self.blocks]} split {[b[1] for b in self.blocks]} ways along dim "
+                                 f"{self.dim}")
+            starts = [sum(b[0] for b in self.blocks[:i]) for i in range(len(self.blocks))]
+            return torch.cat([tensor.narrow(self.dim, start + i * (n // parts), n // parts)
+                              for start, (n, parts, i) in zip(starts, self.blocks)], dim=self.dim)
         if size % self.parts:
             raise ValueError(f"a tensor of shape {tuple(tensor.shape)} cannot be split into {self.parts} equal parts "
                              f"along dim {self.dim}")
@@ -130,6 +142,9 @@ class ColumnShard:
     gather: bool = False
     # a quantized linear's other tensors split with the weight's rows: (get_attr target, dim)
     extra: Tuple[Tuple[str, int], ...] = ()
+    # a fused projection (Phi-3's ``qkv_proj``): its output features in blocks (q, k, v), each
+    # split on its own, ``(size, parts, index)`` in order; ``parts``/``index`` above are then unused
+    blocks: Tuple[Tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -202,8 +217,20 @@ class EmbeddingShard:
     end: int
 
 
+@dataclass(frozen=True)
+class NormShard:
+    """An RMSNorm over all heads' features of a projection split by heads (OLMo-2's q/k norms): its
+    weight splits with the projection's output features (``parts``/``index`` as its ``ColumnShard``'s),
+    and the op becomes ``torch_dist_rmsnorm``, whose mean of squares is a sum over the ranks."""
+
+    node: str  # the torch_rmsnorm node
+    weight: str
+    parts: Optional[int] = None
+    index: Optional[int] = None
+
+
 Decision = Union[ColumnShard, RowShard, SwigluShard, ExpertShard, ExpertTensorShard, HeadWeightShard,
-                 EmbeddingShard]
+                 EmbeddingShard, NormShard]
 
 
 @dataclass
@@ -214,8 +241,12 @@ class ShardingPlan:
     # view/reshape nodes whose literal sizes count heads or features of a sharded projection
     # (node name -> {index of the size in its shape argument: what it is divided by})
     layout_fixes: Dict[str, Dict[int, int]] = field(default_factory=dict)
-    # attention ops (torch_attention, torch_mla) left whole on every rank: each rank runs all their heads
-    whole_attention: List[str] = field(default_factory=list)
+    # attention ops (torch_attention, torch_mla) left whole on every rank (each rank runs all their
+    # heads): node name -> why
+    whole_attention: Dict[str, str] = field(default_factory=dict)
+    # arguments to replace on nodes that cut a fused projection's output into its blocks (slice
+    # bounds, split sizes: each rank's blocks are smaller): node name -> {argument index: value}
+    arg_fixes: Dict[str, Dict[int, object]] = field(default_factory=dict)
 
     def summary(self) -> str:
         kinds: Dict[str, int] = {}
@@ -286,175 +317,6 @@ def _tensor_target(gm: fx.GraphModule, node: fx.Node, index: int) -> Optional[st
     return None
 
 
-def producing_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
-    """The linear (``aten.linear`` or quantized) an attention input comes from, through layout ops, per-head norms and
-    RoPE (whose q output comes from its first input and k output from its second); ``path`` collects the
-    layout nodes passed. None when the chain is anything else, or when a node on it has another
-    reader (that reader would get this rank's slice instead of the whole tensor)."""
-    while isinstance(node, fx.Node):
-        if len(node.users) != 1 and (is_linear(node) or node.target in LAYOUT_OPS):
-            return None  # another reader would see this rank's slice only: leave the projection whole
-        if is_linear(node):
-            return node
-        if node.target in LAYOUT_OPS:
-            path.append(node)
-            node = node.args[0]
-            continue
-        if node.target == ad.torch_rmsnorm.default and _per_head(node):  # Qwen3's q/k norms
-            node = node.args[0]
-            continue
-        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-            rope = node.args[0]
-            if rope.op == "call_function" and rope.target in ROPE_OPS and node.args[1] in (0, 1):
-                node = rope.args[node.args[1]]
-                continue
-        return None
-    return None
-
-
-# Ops that cut the last (per-head feature) dim into parts, read through getitem: their dim argument's index
-_SPLITS = {aten.split_with_sizes.default: 2, aten.split.Tensor: 2, aten.chunk.default: 2}
-
-
-def head_source(starts: Sequence[fx.Node], sink: Union[fx.Node, Collection[fx.Node]]
-                ) -> Optional[Tuple[fx.Node, List[fx.Node]]]:
-    """The one linear that the per-head inputs ``starts`` of ``sink`` (one node, or several: an
-    attention and the activation of an output gate computed from the same projection) are computed
-    from, through ops that keep each head's values to that head (layout ops; slices, splits, chunks
-    and concatenations of the last, per-head feature dim; RoPE; per-head norms), and the layout
-    nodes on the way. MLA's query takes this shape: ``q_b_proj`` -> heads -> split into a nope and a
-    rope part -> RoPE on one -> concatenated -> sliced again into ``q_nope`` and ``q_pe``; Qwen3-Next's
-    query and output gate are the two halves of each head of ``q_proj``. None when anything else is
-    on the way, when the inputs come from several linears, or when a value on the way has a reader
-    outside it (which would see this rank's heads only)."""
-    sinks = {sink} if isinstance(sink, fx.Node) else set(sink)
-    visited: set = set()
-    passthrough: set = set()  # multi-output ops entered through one output (RoPE: q or k)
-    linears: List[fx.Node] = []
-    stack = list(starts)
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, fx.Node):
-            return None
-        if node in visited:
-            continue
-        visited.add(node)
-        if is_linear(node):
-            linears.append(node)
-            continue
-        target = node.target
-        if target in LAYOUT_OPS:
-            stack.append(node.args[0])
-        elif target == ad.torch_rmsnorm.default and _per_head(node):
-            stack.append(node.args[0])
-        elif target == aten.slice.Tensor and _head_features(node.args[0], node.args[1]):
-            stack.append(node.args[0])
-        elif target == aten.cat.default and _head_features(node.args[0][0], node.args[1] if len(node.args) > 1 else 0):
-            stack.extend(node.args[0])
-        elif target is operator.getitem and isinstance(node.args[0], fx.Node):
-            source, index = node.args
-            if source.target in ROPE_OPS and index in (0, 1):
-                passthrough.add(source)
-                stack.append(source.args[index])
-            elif source.target in _SPLITS and _head_features(source.args[0], _arg(source, _SPLITS[source.target], 0)):
-                visited.add(source)
-                stack.append(source.args[0])
-            else:
-                return None
-        else:
-            return None
-    if len(set(linears)) != 1:
-        return None
-    if any(u not in visited and u not in sinks and u not in passthrough for n in visited for u in n.users):
-        return None
-    return linears[0], [n for n in visited if n.target in LAYOUT_OPS]
-
-
-def _last_dim(value: object, dim: object) -> bool:
-    """``dim`` names the last dim of ``value``'s tensor (the per-head features)."""
-    val = value.meta.get("val") if isinstance(value, fx.Node) else None
-    return isinstance(dim, int) and val is not None and dim in (-1, val.dim() - 1)
-
-
-def _head_features(value: object, dim: object) -> bool:
-    """``dim`` is the per-head feature dim of a ``[b, s, heads, d]`` (or ``[b, heads, s, d]``) value: a
-    cut there keeps each head's values to its head. On ``[b, s, heads * d]`` it would not: a fused
-    ``[q | gate]`` projection chunked before its view into heads has all of q in its first half of
-    features, which a split by ranks would hand to the first ranks alone."""
-    val = value.meta.get("val") if isinstance(value, fx.Node) else None
-    return _last_dim(value, dim) and val is not None and val.dim() == 4
-
-
-def _per_head(norm: fx.Node) -> bool:
-    """A norm over each head's features alone (input ``[b, s, heads, head_dim]``): it commutes with a
-    split by heads. A norm over all heads' features (OLMo-2's q/k norms) does not."""
-    val = norm.args[0].meta.get("val") if isinstance(norm.args[0], fx.Node) else None
-    return val is not None and val.dim() == 4 and len(norm.users) == 1
-
-
-# Gate activations of a per-head attention output gate (HY-V4: ``o * sigmoid(gate_proj(x))``)
-GATE_ACTIVATIONS = (aten.sigmoid.default,)
-
-
-def _static_dims(node: fx.Node, first: int) -> Optional[Tuple[int, ...]]:
-    """The dims of ``node``'s value from ``first`` on, when all of them are plain ints."""
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor) or value.dim() <= first:
-        return None
-    dims = tuple(value.shape[first:])
-    return dims if all(type(d) is int for d in dims) else None
-
-
-@dataclass
-class OutputGate:
-    """A per-head output gate on the way from an attention op to its output projection: its
-    activation, the activation's input, and the gate's own linear (split by output features with
-    the heads) with the layout nodes between them; ``linear`` None when the gate is not a linear's
-    output through layout ops alone (Qwen3-Next's: a half of each head of the query projection,
-    which ``head_source`` follows together with the query)."""
-
-    activation: fx.Node
-    start: fx.Node
-    linear: Optional[fx.Node]
-    chain: List[fx.Node]
-
-
-def output_gate(node: fx.Node, mul: fx.Node) -> Optional[OutputGate]:
-    """The gate when ``mul`` multiplies ``node`` (an attention output, ``[b, s, heads, d]`` or
-    ``[b, s, heads * d]``) by ``sigmoid(...)`` of the same shape: each head's output by its own head's
-    gate values. None for anything else (a gate broadcast over the heads is not split with them)."""
-    if mul.target != aten.mul.Tensor or len(mul.args) != 2 or mul.kwargs:
-        return None
-    other = mul.args[1] if mul.args[0] is node else mul.args[0] if mul.args[1] is node else None
-    if not isinstance(other, fx.Node) or other is node or other.target not in GATE_ACTIVATIONS:
-        return None
-    heads = _static_dims(node, 2)
-    if len(other.users) != 1 or heads is None or _static_dims(other, 2) != heads or _static_dims(mul, 2) != heads:
-        return None
-    chain: List[fx.Node] = []
-    linear = producing_linear(other.args[0], chain)
-    return OutputGate(other, other.args[0], linear, chain if linear is not None else [])
-
-
-def consuming_linear(node: fx.Node, path: List[fx.Node], gates: Optional[List[OutputGate]] = None) -> Optional[fx.Node]:
-    """The linear the attention output feeds, through single-user layout ops (and, when ``gates``
-    collects them, per-head output gates: ``output_gate``)."""
-    while len(node.users) == 1:
-        (user,) = node.users
-        if is_linear(user) and user.args[0] is node:
-            return user
-        gate = output_gate(node, user) if gates is not None else None
-        if gate is not None:
-            gates.append(gate)  # type: ignore[union-attr]
-            node = user
-            continue
-        if user.target not in LAYOUT_OPS:
-            return None
-        path.append(user)
-        node = user
-    return None
-
-
 def sizes_that_divide(counts: Sequence[int], upto: int = 64) -> List[int]:
     """World sizes that split every count evenly (for an error message)."""
     return [n for n in range(1, upto + 1) if all(c % n == 0 for c in counts)]
@@ -469,6 +331,9 @@ def literal_dims(node: fx.Node, full: Tuple[int, ...]) -> List[int]:
         return []
     if not isinstance(shape, (list, tuple)):
         return []
-    # the last entry of a head split is the head size, never sharded
-    last = len(shape) - 1
-    return [i for i, s in enumerate(shape) if isinstance(s, int) and s in full and not (i == last and len(shape) == 4)]
+    found = [i for i, s in enumerate(shape) if isinstance(s, int) and s in full]
+    if len(shape) < 4:  # [b, s, heads * d]: the merged features
+        return found
+    # a view into heads ([b, s, heads, d], [b, s, heads, d / 2, 2]): its heads dim comes first; the
+    # entries after it are per-head sizes that may equal the head count by chance (never the last)
+    return [i for i in found if i != len(shape) - 1][:1]

@@ -27,9 +27,15 @@ rows (``shard_embedding``), and the LM head split by vocabulary with an all-gath
 them, where the split keeps whole blocks (a fine-grained FP8 linear whose 128-wide tiles a rank
 would cut stays whole). MLA attention (``torch_mla``) is split by heads too: the query projection
 and ``kv_b_proj``'s per-head rows, the output projection by input features; the latent and the
-shared roped key stay whole (each rank caches the whole latent). What it cannot split stays
-replicated on every rank, which is correct and only costs memory: the norms, quantized experts the
-world size does not divide, and any projection it does not recognise.
+shared roped key stay whole (each rank caches the whole latent). Between a projection and its
+attention the planner follows only ops it proves head-local (``_sharding_heads``: layout ops, RoPE
+matched or written out, per-head norms, element-wise ops with operands shared by the heads); a norm
+over all heads' features splits as ``torch_dist_rmsnorm`` (``NormShard``), a fused q/k/v projection
+by heads (laid out head by head) or block by block (``[q | k | v]``: ``ColumnShard.blocks``, the
+cuts' bounds in ``arg_fixes``). What it cannot split stays replicated on every rank, which is
+correct and only costs memory and speed: the norms, quantized experts the world size does not
+divide, any projection it does not recognise, and attention it cannot prove head-local (its reason
+in ``ShardingPlan.whole_attention``, rank 0 warns).
 Head or feature counts that the world size does not split are an error listing the world sizes
 that would work. A graph whose model stated its own sharding (``torch_linear_with_hint``) was
 planned by ``apply_sharding_hints`` and is skipped here.
@@ -44,12 +50,12 @@ from torch import fx
 from ...ops.quant.moe import quant_moe_ops, stacked_quant_moe_ops
 from ...utils.errors import ConfigError
 from ...utils.logging import get_logger
-from ..graph_utils import arg, get_attr_value
+from ..graph_utils import get_attr_value
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._sharding import (SHARDING_HINTS_META, ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard,
-                        HeadWeightShard, LinearSplit, OutputGate, RowShard, ShardingPlan, SwigluShard, consuming_linear,
-                        head_source, is_linear, linear_split, linear_weights, literal_dims, producing_linear,
-                        sizes_that_divide, weight_target)
+from ._sharding import (SHARDING_HINTS_META, ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, RowShard,
+                        ShardingPlan, SwigluShard, is_linear, linear_split, linear_weights, sizes_that_divide,
+                        weight_target)
+from ._sharding_attention import plan_attention, plan_mla
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -80,148 +86,6 @@ class DetectShardingConfig(TransformConfig):
         description="Vocab-parallel embedding: each rank holds 1/world_size of the table's rows and looks up the ids "
         "in its range; one all-reduce per step joins the rows (on CPU/gloo ~1 ms at 2 ranks). Off keeps the whole "
         "table on every rank (and a tied LM head whole with it).")
-
-
-def _head_count(node: fx.Node, index: int) -> Optional[int]:
-    val = node.args[index].meta.get("val") if isinstance(node.args[index], fx.Node) else None
-    return int(val.shape[2]) if val is not None and val.dim() == 4 else None  # bsnd
-
-
-def _kv_split(heads: int, kv_heads: int, world_size: int, rank: int, name: str) -> Tuple[int, int]:
-    """``(parts, index)`` of this rank's key/value heads: its share of them when the world size
-    divides them, else the one head its query heads read (replicated on world_size / kv_heads
-    ranks); an error listing the world sizes that work otherwise."""
-    if heads % world_size == 0 and kv_heads % world_size == 0:
-        return world_size, rank
-    if heads % world_size == 0 and world_size % kv_heads == 0:
-        return kv_heads, rank // (world_size // kv_heads)
-    works = [n for n in range(1, 65) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
-    raise ConfigError(
-        f"attention {name} has {heads} query and {kv_heads} key/value heads, which world_size {world_size} does not "
-        f"split (query heads evenly, key/value heads evenly or replicated); world sizes that split them: {works}")
-
-
-def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> bool:
-    """Add the decisions for one ``torch_attention`` node; False (nothing added) when its
-    projections are not linears over stored weights (plain or quantized, each splittable into whole
-    blocks of its format), or when it carries ALiBi slopes (one per query head: splitting the heads
-    would need the slopes split with them, not done yet, so such an attention stays whole on every
-    rank rather than reading another rank's slopes). Per-head sinks (GPT-OSS) split with the heads.
-    The query and key projections are found through per-head slices and concatenations too
-    (partial RoPE); a per-head output gate between the op and
-    the output projection (``output_gate``) is split with the heads, also when it is a part of each
-    head of the query projection (Qwen3-Next: one column split serves both)."""
-    if arg(attn, 10, "alibi_slopes") is not None or arg(attn, 13, "rel_logits") is not None:
-        return False  # per-head tensors beside the projections (ALiBi slopes, Inkling's relative bias): not split
-    sinks = arg(attn, 7, "sinks")  # GPT-OSS: one per query head, split with them
-    sinks_target = None if sinks is None else weight_target(gm, sinks)
-    if sinks is not None and (sinks_target is None or len(sinks.users) != 1):
-        return False
-    out_chain: List[fx.Node] = []
-    gates: List[OutputGate] = []
-    out_linear = consuming_linear(attn, out_chain, gates)
-    shared = [g for g in gates if g.linear is None]  # parts of the query projection's heads
-    gates = [g for g in gates if g.linear is not None]
-    found = [head_source([attn.args[0], *(g.start for g in shared)], {attn, *(g.activation for g in shared)}),
-             head_source([attn.args[1]], attn)]
-    chains: List[List[fx.Node]] = [f[1] if f is not None else [] for f in found] + [[]]
-    projections = [f[0] if f is not None else None for f in found] + [producing_linear(attn.args[2], chains[2])]
-    heads, kv_heads = _head_count(attn, 0), _head_count(attn, 1)
-    if any(p is None or linear_weights(gm, p) is None for p in (*projections, out_linear)):
-        return False
-    if heads is None or kv_heads is None:
-        return False
-    parts, index = _kv_split(heads, kv_heads, plan.world_size, plan.rank, attn.name)
-    splits = [linear_split(gm, p, rows=False, parts=parts if i > 0 else plan.world_size)
-              for i, p in enumerate(projections)]
-    out_split = linear_split(gm, out_linear, rows=True, parts=plan.world_size)
-    gate_splits = _gate_splits(gm, gates, plan)
-    if out_split is None or any(s is None for s in splits) or gate_splits is None:
-        logger.info("attention %s kept whole on every rank: a quantized projection does not split into whole blocks "
-                    "of its format at world_size %d", attn.name, plan.world_size)
-        return False
-    for i, (linear, (weight, bias, extra)) in enumerate(zip(projections, splits)):  # type: ignore[misc]
-        kv = i > 0 and parts != plan.world_size
-        plan.decisions.append(ColumnShard(linear.name, weight, bias, parts if kv else None, index if kv else None,
-                                          extra=extra))
-        count = kv_heads if i > 0 else heads
-        features = int(linear.meta["val"].shape[-1]) if "val" in linear.meta else -1
-        _fix_layouts(plan, chains[i], (count, features), parts if i > 0 else plan.world_size)
-    weight, bias, extra = out_split
-    plan.decisions.append(RowShard(out_linear.name, weight, bias, extra=extra))
-    _fix_layouts(plan, out_chain, (heads, int(out_linear.args[0].meta["val"].shape[-1])
-                                   if "val" in out_linear.args[0].meta else -1), plan.world_size)
-    _add_gates(plan, gates, gate_splits, heads)
-    if sinks_target is not None:
-        plan.decisions.append(HeadWeightShard(attn.name, sinks_target))
-    return True
-
-
-def _gate_splits(gm: fx.GraphModule, gates: List[OutputGate], plan: ShardingPlan) -> Optional[List[LinearSplit]]:
-    """Each output gate's column split, or None when one does not split."""
-    splits = [linear_split(gm, g.linear, rows=False, parts=plan.world_size) for g in gates]
-    return None if any(s is None for s in splits) else splits  # type: ignore[return-value]
-
-
-def _add_gates(plan: ShardingPlan, gates: List[OutputGate], splits: List[LinearSplit], heads: int) -> None:
-    """Output gates split by output features with the heads, their views' head counts divided."""
-    for gate, (weight, bias, extra) in zip(gates, splits):
-        plan.decisions.append(ColumnShard(gate.linear.name, weight, bias, extra=extra))
-        features = int(gate.linear.meta["val"].shape[-1]) if "val" in gate.linear.meta else -1
-        _fix_layouts(plan, gate.chain, (heads, features), plan.world_size)
-
-
-def plan_mla(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> bool:
-    """Split one ``torch_mla`` by heads: the query projection (``q_b_proj`` or ``q_proj``) by output
-    features, ``kv_b_proj``'s weight (read by the op itself) by its per-head rows, the output
-    projection by input features. The latent and the shared roped key (``kv_a_proj``) are the same
-    for every head and stay whole, so each rank caches the whole latent (the MLA cache is per token,
-    not per head) and attends with its own heads. Per-head sinks (HY-V4) go with their heads; sinks
-    that are not a stored weight read by this op alone leave the layer whole. So does a per-head output
-    gate (HY-V4, ``output_gate``)."""
-    heads = _head_count(mla, 0)
-    kv_b = mla.args[4]
-    kv_b_target = weight_target(gm, kv_b)
-    sinks = arg(mla, 8, "sinks")
-    sinks_target = None if sinks is None else weight_target(gm, sinks)
-    if sinks is not None and (sinks_target is None or len(sinks.users) != 1):
-        return False
-    found = head_source([mla.args[0], mla.args[1]], mla)
-    out_chain: List[fx.Node] = []
-    gates: List[OutputGate] = []
-    out_linear = consuming_linear(mla, out_chain, gates)
-    if any(g.linear is None for g in gates):
-        return False  # a gate that is not its own projection's output (only plain attention follows those)
-    if heads is None or kv_b_target is None or len(kv_b.users) != 1 or found is None or out_linear is None:
-        return False
-    if heads % plan.world_size:
-        raise ConfigError(f"MLA attention {mla.name} has {heads} heads, which world_size {plan.world_size} does not "
-                          f"divide; world sizes that split them: {sizes_that_divide([heads])}")
-    q_linear, chain = found
-    q_split = linear_split(gm, q_linear, rows=False, parts=plan.world_size)
-    out_split = linear_split(gm, out_linear, rows=True, parts=plan.world_size)
-    gate_splits = _gate_splits(gm, gates, plan)
-    if q_split is None or out_split is None or gate_splits is None:
-        return False
-    plan.decisions.append(ColumnShard(q_linear.name, q_split[0], q_split[1], extra=q_split[2]))
-    plan.decisions.append(HeadWeightShard(mla.name, kv_b_target))
-    if sinks_target is not None:
-        plan.decisions.append(HeadWeightShard(mla.name, sinks_target))
-    plan.decisions.append(RowShard(out_linear.name, *out_split))
-    q_features = int(q_linear.meta["val"].shape[-1]) if "val" in q_linear.meta else -1
-    _fix_layouts(plan, chain, (heads, q_features), plan.world_size)
-    out_features = int(out_linear.args[0].meta["val"].shape[-1]) if "val" in out_linear.args[0].meta else -1
-    _fix_layouts(plan, out_chain, (heads, out_features), plan.world_size)
-    _add_gates(plan, gates, gate_splits, heads)
-    return True
-
-
-def _fix_layouts(plan: ShardingPlan, chain: List[fx.Node], full: Tuple[int, ...], divisor: int) -> None:
-    """Literal head/feature counts in the views of one projection's chain, divided by ``divisor``."""
-    for node in chain:
-        dims = literal_dims(node, full)
-        if dims:
-            plan.layout_fixes.setdefault(node.name, {}).update({d: divisor for d in dims})
 
 
 def plan_swiglu(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> bool:
@@ -428,8 +292,7 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
         if node.op != "call_function":
             continue
         if node.target == ad.torch_attention.default:
-            if not plan_attention(gm, node, plan):
-                plan.whole_attention.append(node.name)
+            plan_attention(gm, node, plan)
         elif node.target == ad.torch_swiglu_mlp.default:
             plan_swiglu(gm, node, plan)
         elif node.target == ad.torch_moe.default or node.target in QUANT_MOE_OPS:
@@ -437,8 +300,7 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
         elif node.target == ad.torch_moe_fused.default or node.target in STACKED_QUANT_MOE_OPS:
             plan_stacked_moe(gm, node, plan)
         elif node.target == ad.torch_mla.default:
-            if not plan_mla(gm, node, plan):
-                plan.whole_attention.append(node.name)
+            plan_mla(gm, node, plan)
         elif node.target == aten.embedding.default and embedding:
             plan_embedding(gm, node, plan)
     if lm_head:
@@ -467,9 +329,9 @@ class DetectSharding(BaseTransform):
         plan = detect(gm, ctx.world_size, ctx.rank, lm_head=cfg.shard_lm_head, embedding=cfg.shard_embedding)
         logger.info("sharding plan for rank %d of %d: %s", ctx.rank, ctx.world_size, plan.summary())
         if plan.whole_attention and ctx.rank == 0:
+            first, why = next(iter(plan.whole_attention.items()))
             logger.warning("%d attention layer(s) stay whole on every rank (each rank computes all their heads: the "
-                           "same answer, without the speed-up or memory saving of a split), starting with %s: the "
-                           "ops between their projections and the attention are not ones the planner splits by head",
-                           len(plan.whole_attention), plan.whole_attention[0])
+                           "same answer, without the speed-up or memory saving of a split), starting with %s: %s",
+                           len(plan.whole_attention), first, why)
         ctx.sharding_plan = plan
         return TransformInfo(num_matches=len(plan.decisions), is_clean=True, has_valid_shapes=True)

@@ -42,17 +42,27 @@ sizes need nothing. The vocab-parallel LM head is a column shard whose slices an
 ``torch_dist_all_gather`` joins, so every rank holds all the logits::
 
     logits = autodeploy.torch_dist_all_gather(linear(h, W_lm), -1)     # W_lm [vocab/n, hidden]
+
+A norm over all heads' features between a split projection and its attention (``NormShard``,
+OLMo-2's q/k norms) keeps its slice of the weight and sums its squares over the ranks::
+
+    q = autodeploy.torch_dist_rmsnorm(linear(x, Wq), w_q[r*H*D/n ...], eps)
+
+A fused ``[q | k | v]`` projection (``ColumnShard.blocks``) keeps this rank's part of each block,
+and the slices or split sizes that cut it take this rank's smaller blocks (``arg_fixes``)::
+
+    qkv = linear(x, W[q_r | k_r | v_r]);  q = qkv[..., 0:Q/n];  k = qkv[..., Q/n:Q/n + K/n]; ...
 """
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import fx, nn
 
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._quant_from_config import GRAPH_IGNORED_TENSORS
-from ._sharding import (ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, HeadWeightShard, RowShard,
-                        ShardingPlan, SwigluShard, WeightShard)
+from ._sharding import (ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, HeadWeightShard, NormShard,
+                        RowShard, ShardingPlan, SwigluShard, WeightShard)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -63,9 +73,11 @@ class ShardingExecutorConfig(TransformConfig):
 
 
 def _shard_param(gm: fx.GraphModule, target: str, dim: int, plan: ShardingPlan,
-                 shards: Dict[str, WeightShard], parts: Optional[int] = None, index: Optional[int] = None) -> None:
+                 shards: Dict[str, WeightShard], parts: Optional[int] = None, index: Optional[int] = None,
+                 blocks: Tuple[Tuple[int, int, int], ...] = ()) -> None:
     """Replace the (meta) tensor at ``target`` by one of this rank's shard shape, and record the
-    slice load_weights reads: part ``index`` of ``parts`` (default: the rank's of world_size).
+    slice load_weights reads: part ``index`` of ``parts`` (default: the rank's of world_size), or
+    its part of each of ``blocks`` (``WeightShard``).
     Every other name of the same tensor (a tied embedding and LM head) gets the new one too, so
     the loader's tied groups hold one slice, not a slice and the whole table."""
     parts = plan.world_size if parts is None else parts
@@ -75,7 +87,7 @@ def _shard_param(gm: fx.GraphModule, target: str, dim: int, plan: ShardingPlan,
     *path, leaf = target.split(".")
     old = getattr(gm.get_submodule(".".join(path)) if path else gm, leaf)
     shape = list(old.shape)
-    shape[dim] //= parts
+    shape[dim] = sum(n // p for n, p, _ in blocks) if blocks else shape[dim] // parts
     new = torch.empty(shape, dtype=old.dtype, device=old.device)
     aliases = [name for name, t in (*gm.named_parameters(remove_duplicate=False),
                                     *gm.named_buffers(remove_duplicate=False)) if t is old]
@@ -88,7 +100,7 @@ def _shard_param(gm: fx.GraphModule, target: str, dim: int, plan: ShardingPlan,
             owner.register_parameter(leaf, replacement)  # type: ignore[arg-type]
         else:
             owner.register_buffer(leaf, replacement)
-        shards[name] = WeightShard(dim=dim, index=index, parts=parts)
+        shards[name] = WeightShard(dim=dim, index=index, parts=parts, blocks=blocks)
 
 
 def _all_reduce_after(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
@@ -174,9 +186,9 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
     for decision in plan.decisions:
         node = nodes[decision.node]
         if isinstance(decision, ColumnShard):
-            _shard_param(gm, decision.weight, 0, plan, shards, decision.parts, decision.index)
+            _shard_param(gm, decision.weight, 0, plan, shards, decision.parts, decision.index, decision.blocks)
             if decision.bias is not None:
-                _shard_param(gm, decision.bias, 0, plan, shards, decision.parts, decision.index)
+                _shard_param(gm, decision.bias, 0, plan, shards, decision.parts, decision.index, decision.blocks)
             for target, dim in decision.extra:  # a quantized linear's block/group scales
                 _shard_param(gm, target, dim, plan, shards, decision.parts, decision.index)
             if decision.gather:
@@ -208,6 +220,9 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
             _split_inside_experts(gm, node, decision, plan, shards)
         elif isinstance(decision, HeadWeightShard):  # torch_mla's kv_b_proj: this rank's heads' rows
             _shard_param(gm, decision.weight, decision.dim, plan, shards)
+        elif isinstance(decision, NormShard):  # a norm over all heads: its slice, squares summed over ranks
+            _shard_param(gm, decision.weight, 0, plan, shards, decision.parts, decision.index)
+            node.target = ad.torch_dist_rmsnorm.default
         elif isinstance(decision, EmbeddingShard):
             _shard_param(gm, decision.weight, 0, plan, shards)
             _lookup_local_rows(gm, node, decision)
@@ -217,6 +232,11 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
         for i, divisor in divisors.items():
             shape[i] //= divisor
         node.args = (node.args[0], shape, *node.args[2:])
+    for name, values in plan.arg_fixes.items():  # a fused projection's cuts: this rank's block bounds
+        args = list(nodes[name].args)
+        for i, value in values.items():
+            args[i] = value
+        nodes[name].args = tuple(args)
     gm.graph.lint()
     gm.recompile()
     return shards

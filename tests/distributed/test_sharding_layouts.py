@@ -1,0 +1,300 @@
+"""Tensor parallelism through the many ways models lay out their attention: what ``detect_sharding``
+proves head-local and splits, and the near misses it must leave whole.
+
+One process: the plans on synthetic modules (one per layout, each with a near miss) and on tiny
+real checkpoints (Phi-3's fused ``qkv_proj``, GPT-NeoX's per-head fused projection), and the loader's
+block slices. Two real gloo ranks (``-m slow``): greedy tokens and log-probabilities equal HF eager
+for one model of each layout.
+"""
+
+from functools import partial
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from autodeploy.transform.interface import Stage
+from autodeploy.transform.library._sharding import ColumnShard, NormShard, RowShard, WeightShard, literal_dims
+from autodeploy.transform.library.detect_sharding import detect
+from helpers import build, coverage_checkpoint, export_gm, family_checkpoint, hf_model
+from test_collectives import _run_ranks
+
+ad = torch.ops.autodeploy
+QUERY_WHOLE = "the query is not one projection's heads through ops that keep each head's values to its head"
+
+
+def _plan(module: torch.nn.Module, rank: int = 1):
+    gm = export_gm(module, torch.randn(2, 5, 32))
+    return detect(gm, world_size=2, rank=rank, lm_head=False, embedding=False)
+
+
+def _split(plan) -> set:
+    return {d.weight for d in plan.decisions if isinstance(d, (ColumnShard, RowShard))}
+
+
+class _WrittenOutAttention(torch.nn.Module):
+    """Attention whose query passes ops the planner must prove head-local, by ``variant``: an RMSNorm
+    over all heads' features (OLMo-2), RoPE written out with ``rotate_half`` and cos/sin tables
+    shared by the heads, a norm written out per head (``q * rsqrt(mean(q * q, -1) + eps)``); and the
+    near misses: a LayerNorm over all heads, a per-head scale (a ``[heads, 1]`` parameter), and a
+    scale computed from all heads' values."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.norm = torch.nn.Parameter(torch.rand(32) + 0.5)
+        self.scale = torch.nn.Parameter(torch.rand(4, 1) + 0.5)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x)
+        if self.variant == "all-heads rmsnorm":
+            q = ad.torch_rmsnorm(q, self.norm, 1e-6)
+        elif self.variant == "all-heads layernorm":
+            q = torch.nn.functional.layer_norm(q, (32,), self.norm)
+        q = q.view(b, s, 4, 8)
+        if self.variant == "written-out rope":
+            angles = torch.arange(s, dtype=x.dtype)[:, None] * torch.linspace(0.1, 1.0, 8)
+            rotated = torch.cat([-q[..., 4:], q[..., :4]], dim=-1)
+            q = q * angles.cos()[None, :, None, :] + rotated * angles.sin()[None, :, None, :]
+        elif self.variant == "written-out per-head norm":
+            q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6)
+        elif self.variant == "per-head scale":
+            q = q * self.scale
+        elif self.variant == "scale from all heads":
+            q = q / q.flatten(2).abs().amax(-1)[:, :, None, None]
+        k, v = (p(x).view(b, s, 4, 8) for p in (self.k, self.v))
+        out = ad.torch_attention(q, k, v, None, 0.0, True, None, None, None, None)
+        return self.o(out.reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("variant", ["all-heads rmsnorm", "written-out rope", "written-out per-head norm",
+                                     "all-heads layernorm", "per-head scale", "scale from all heads"])
+def test_ops_between_projection_and_attention_split_only_when_they_keep_heads_apart(variant):
+    plan = _plan(_WrittenOutAttention(variant))
+    split = _split(plan)
+    norms = [d for d in plan.decisions if isinstance(d, NormShard)]
+    if variant in ("all-heads layernorm", "per-head scale", "scale from all heads"):  # near misses: whole
+        assert split == set() and norms == []
+        assert plan.whole_attention == {"torch_attention": QUERY_WHOLE}
+        return
+    assert split == {"q.weight", "k.weight", "v.weight", "o.weight"} and plan.whole_attention == {}
+    # the norm's weight splits with the query's heads (rank 1: the second half), its squares summed
+    assert [(d.weight, d.parts, d.index) for d in norms] == ([("norm", None, None)] if variant == "all-heads rmsnorm"
+                                                             else [])
+
+
+
+
+def _sum_over_ranks(module: torch.nn.Module, world: int, x: torch.Tensor) -> torch.Tensor:
+    """Every rank's graph, one after another in this process, each with its slices of the module's
+    own weights (``WeightShard.take``, as the loader cuts them): with no process group the
+    all-reduce after the output projection is the identity, so each graph returns its partial sum,
+    and the ranks' partial sums add up to the whole layer's output when the split is right."""
+    from autodeploy.transform.library.sharding_transform_executor import execute
+
+    state = module.state_dict()
+    total = torch.zeros(())
+    for rank in range(world):
+        gm = export_gm(module, torch.randn(2, 5, 32))
+        shards = execute(gm, detect(gm, world_size=world, rank=rank, lm_head=False, embedding=False))
+        for name, shard in shards.items():
+            *path, leaf = name.split(".")
+            owner = gm.get_submodule(".".join(path)) if path else gm
+            setattr(owner, leaf, torch.nn.Parameter(shard.take(state[name]), requires_grad=False))
+        out = gm(x)
+        total = total + (out[0] if isinstance(out, (tuple, list)) else out)
+    return total
+
+
+class _FusedAttention(torch.nn.Module):
+    """q (4 heads of 8), k and v (2 heads each) from one projection ``qkv``, by ``layout``: sliced
+    into ``[q | k | v]`` on its flat features (Phi-3), clamped and split by sizes (DBRX), or viewed head
+    by head as ``[heads, 3 * d]`` and chunked (GPT-NeoX; 4 key/value heads). Near misses: blocks that
+    overlap (k reads part of q), and a fused output with another reader."""
+
+    def __init__(self, layout: str):
+        super().__init__()
+        self.layout = layout
+        self.qkv = torch.nn.Linear(32, 96 if layout == "per-head chunks" else 64)
+        self.o = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        heads = lambda t, n: t.reshape(b, s, n, 8)  # noqa: E731
+        if self.layout == "per-head chunks":
+            q, k, v = qkv.view(b, s, 4, 24).chunk(3, dim=-1)
+        elif self.layout == "clamped split":
+            q, k, v = qkv.clamp(-8.0, 8.0).split([32, 16, 16], dim=-1)
+            q, k, v = heads(q, 4), heads(k, 2), heads(v, 2)
+        else:
+            k_start = 24 if self.layout == "overlapping blocks" else 32
+            q, k, v = heads(qkv[..., :32], 4), heads(qkv[..., k_start:k_start + 16], 2), heads(qkv[..., 48:], 2)
+        out = self.o(ad.torch_attention(q, k, v, None, 0.0, True, None, None, None, None).reshape(b, s, -1))
+        return out + qkv.mean() if self.layout == "another reader" else out
+
+
+@pytest.mark.parametrize("layout", ["sliced", "clamped split", "per-head chunks", "overlapping blocks",
+                                    "another reader"])
+def test_a_fused_qkv_projection_splits_block_by_block(layout):
+    torch.manual_seed(0)
+    module = _FusedAttention(layout).eval()
+    plan = _plan(module)
+    if layout in ("overlapping blocks", "another reader"):
+        assert _split(plan) == set() and plan.arg_fixes == {}
+        assert plan.whole_attention == {"torch_attention": QUERY_WHOLE}
+        return
+    (qkv,) = [d for d in plan.decisions if isinstance(d, ColumnShard)]
+    assert (qkv.weight, qkv.bias) == ("qkv.weight", "qkv.bias") and _split(plan) == {"qkv.weight", "o.weight"}
+    if layout == "per-head chunks":  # whole heads of q, k and v together: one plain split
+        assert qkv.blocks == () and plan.arg_fixes == {} and list(plan.layout_fixes.values()) == [{2: 2}]
+    else:  # rank 1 of 2: the second half of each block; the cuts' bounds follow the smaller blocks
+        assert qkv.blocks == ((32, 2, 1), (16, 2, 1), (16, 2, 1))
+        fixes = sorted(map(str, plan.arg_fixes.values()))
+        assert fixes == (["{1: [16, 8, 8]}"] if layout == "clamped split" else
+                         ["{2: 0, 3: 16}", "{2: 16, 3: 24}", "{2: 24, 3: 32}"])
+    with torch.no_grad():  # the ranks' partial outputs add up to the layer's, at two shapes
+        for shape in ((2, 5, 32), (1, 3, 32)):
+            x = torch.randn(shape)
+            assert torch.allclose(_sum_over_ranks(module, 2, x), module(x), atol=1e-5)
+
+
+def test_key_value_blocks_of_a_fused_projection_are_replicated_past_their_head_count():
+    """Four ranks, two key/value heads: each rank holds its quarter of q and the one k/v head its
+    query heads read (ranks 0-1 head 0, ranks 2-3 head 1); the sum over the four ranks is exact."""
+    torch.manual_seed(0)
+    module = _FusedAttention("sliced").eval()
+    gm = export_gm(module, torch.randn(2, 5, 32))
+    (qkv,) = [d for d in detect(gm, world_size=4, rank=3, lm_head=False, embedding=False).decisions
+              if isinstance(d, ColumnShard)]
+    assert qkv.blocks == ((32, 4, 3), (16, 2, 1), (16, 2, 1))
+    with torch.no_grad():
+        x = torch.randn(2, 5, 32)
+        assert torch.allclose(_sum_over_ranks(module, 4, x), module(x), atol=1e-5)
+
+
+class _GatedHeads(torch.nn.Module):
+    """Attention output gated by one value per head, ``o * softplus(g(x))[..., None]`` (Laguna; LFM3
+    and Bailing with sigmoid), or normed over all heads before the output projection (BitNet's
+    ``attn_sub_norm``). Near miss: one gate value for all heads, ``[b, s, 1]``."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.g = torch.nn.Linear(32, 1 if variant == "one gate for all heads" else 4, bias=False)
+        self.norm = torch.nn.Parameter(torch.rand(32) + 0.5)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 4, 8) for p in (self.q, self.k, self.v))
+        out = ad.torch_attention(q, k, v, None, 0.0, True, None, None, None, None)
+        if self.variant == "output norm":
+            return self.o(ad.torch_rmsnorm(out.reshape(b, s, -1), self.norm, 1e-6))
+        return self.o((out * torch.nn.functional.softplus(self.g(x))[..., None]).reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("variant", ["per-head gate", "output norm", "one gate for all heads"])
+def test_gates_and_norms_after_the_attention_split_with_its_heads(variant):
+    torch.manual_seed(0)
+    module = _GatedHeads(variant).eval()
+    plan = _plan(module)
+    if variant == "one gate for all heads":
+        assert _split(plan) == set()
+        assert plan.whole_attention == {"torch_attention": "the output does not reach one output projection "
+                                                           "through layout ops and per-head gates"}
+        return
+    norms = [(d.weight, d.parts) for d in plan.decisions if isinstance(d, NormShard)]
+    if variant == "output norm":  # its weight with the heads, its squares summed over ranks (2-rank test)
+        assert _split(plan) == {"q.weight", "k.weight", "v.weight", "o.weight"} and norms == [("norm", None)]
+        return
+    assert _split(plan) == {"q.weight", "k.weight", "v.weight", "g.weight", "o.weight"} and norms == []
+    with torch.no_grad():
+        for shape in ((2, 5, 32), (1, 3, 32)):
+            x = torch.randn(shape)
+            assert torch.allclose(_sum_over_ranks(module, 2, x), module(x), atol=1e-5)
+
+
+def test_block_slices_take_each_blocks_part_in_order():
+    rows = torch.arange(12.0)
+    assert WeightShard(0, 1, 2, blocks=((6, 2, 1), (4, 2, 1), (2, 2, 1))).take(rows).tolist() == [3, 4, 5, 8, 9, 11]
+    assert WeightShard(0, 0, 4, blocks=((8, 4, 0), (4, 2, 0))).take(rows).tolist() == [0, 1, 8, 9]
+    with pytest.raises(ValueError, match=r"cannot be cut into blocks \[6, 4\]"):
+        WeightShard(0, 0, 2, blocks=((6, 2, 0), (4, 2, 0))).take(rows)
+
+
+def test_only_the_heads_entry_of_a_view_into_heads_is_divided():
+    """Llama-4's complex RoPE views the key ``[b, s, 2, -1, 2]``: with 2 key/value heads only the
+    heads entry divides, not the pair; a per-head size equal to the head count stays; the merged
+    features of ``[b, s, heads * d]`` divide."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    view = lambda shape: graph.call_function(torch.ops.aten.reshape.default, (x, shape))  # noqa: E731
+    assert literal_dims(view([x, x, 2, -1, 2]), (2, 32)) == [2]
+    assert literal_dims(view([x, x, 4, 4]), (4, 64)) == [2]
+    assert literal_dims(view([x, x, 64]), (4, 64)) == [2]
+    assert literal_dims(view([x, 4, x, 16]), (4, 64)) == [1]
+
+
+def test_fused_projections_of_real_models_split():
+    """Phi-3's ``qkv_proj`` (sliced into q, k and v) and GPT-NeoX's ``query_key_value`` (per head):
+    one column split each, the dense projection by rows."""
+    gm = build(family_checkpoint("phi3"), up_to=Stage.PATTERN_MATCHER).graph_module
+    plan = detect(gm, world_size=2, rank=0)
+    fused = [d for d in plan.decisions if isinstance(d, ColumnShard) and "qkv_proj" in d.weight]
+    assert len(fused) == 2 and all(d.blocks == ((64, 2, 0), (32, 2, 0), (32, 2, 0)) for d in fused)
+    assert plan.whole_attention == {}
+    gm = build(coverage_checkpoint("gpt_neox")[0], up_to=Stage.PATTERN_MATCHER).graph_module
+    plan = detect(gm, world_size=2, rank=0)
+    attention = sorted((type(d).__name__, d.weight.rsplit(".", 2)[-2]) for d in plan.decisions
+                       if ".attention." in getattr(d, "weight", ""))
+    assert attention == [("ColumnShard", "query_key_value")] * 2 + [("RowShard", "dense")] * 2
+    assert plan.whole_attention == {}
+
+
+def _layout_job(rank: int, model_type: str) -> Dict[str, Any]:
+    import random
+
+    from autodeploy import LLM, SamplingParams
+
+    path, vocab = coverage_checkpoint(model_type)
+    llm = LLM(path, dtype="float32", world_size=2, max_seq_len=64, max_batch_size=4, max_num_tokens=64)
+    plan = llm.build.context.sharding_plan
+    whole = dict(plan.whole_attention) if plan is not None else None
+    if not llm.is_driver:
+        llm.follow()
+        return {"whole": whole}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (9, 4)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    llm.shutdown()
+    return {"whole": whole, "prompts": prompts, "tokens": [list(o.token_ids) for o in outs],
+            "logprobs": [[step[t] for step, t in zip(o.logprobs, o.token_ids)] for o in outs]}
+
+
+@pytest.mark.slow  # ~30 s each on 2 cores: both ranks build the engine
+@pytest.mark.distributed
+@pytest.mark.parametrize("model_type", ["olmo2", "cohere", "llama4_text", "phi3", "dbrx", "gpt_neox", "laguna",
+                                        "bitnet"])
+def test_two_ranks_of_each_layout_give_hfs_tokens_and_logprobs(model_type):
+    """OLMo-2: q/k norms over all heads; Cohere: interleaved RoPE written out; Llama-4: complex RoPE
+    views and a per-position query scale; Phi-3 and DBRX: fused q/k/v blocks (DBRX's clamped);
+    GPT-NeoX: q/k/v per head; Laguna: a gate value per head; BitNet: a norm over all heads before
+    the output projection. Every attention is split (none left whole), and the tokens and their
+    log-probabilities equal HF eager's."""
+    results = _run_ranks(partial(_layout_job, model_type=model_type), world=2, timeout=400)
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert r["whole"] == {}
+    lead = results[0]
+    model = hf_model(coverage_checkpoint(model_type)[0])
+    for prompt, tokens, logprobs in zip(lead["prompts"], lead["tokens"], lead["logprobs"]):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+        expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+        assert expected.argmax(-1).tolist() == tokens
+        want = expected.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(logprobs), want, atol=1e-4), (logprobs, want.tolist())
