@@ -125,7 +125,8 @@ def main() -> None:
     if args.smoke:
         return
     os.makedirs(RESULTS, exist_ok=True)
-    stem = os.path.join(RESULTS, f"tp-memory-{args.model}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    name = os.path.basename(os.path.normpath(args.model))  # a preset, or a checkpoint directory's name
+    stem = os.path.join(RESULTS, f"tp-memory-{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     with open(stem + ".json", "w") as f:
         json.dump({"meta": {"model": args.model, "torch": torch.__version__, "hf_bytes": hf}, "rows": rows}, f, indent=2)
     with open(stem + ".md", "w") as f:

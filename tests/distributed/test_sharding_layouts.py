@@ -217,6 +217,39 @@ def test_gates_and_norms_after_the_attention_split_with_its_heads(variant):
             assert torch.allclose(_sum_over_ranks(module, 2, x), module(x), atol=1e-5)
 
 
+class _PerHeadInputs(torch.nn.Module):
+    """Attention with per-head inputs computed in the graph: ALiBi slopes ``[heads]`` (BLOOM, MPT)
+    and a relative bias ``[b, s, heads, R]`` from a projection (Inkling's ``r_proj``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.r = torch.nn.Linear(32, 4 * 3, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 4, 8) for p in (self.q, self.k, self.v))
+        slopes = torch.exp2(-torch.arange(1, 5, dtype=x.dtype) * (1.0 + x[0, 0, :1]))  # computed, not stored
+        out = ad.torch_attention(q, k, v, None, 0.0, True, None, None, None, None, slopes, None, None,
+                                 self.r(x).view(b, s, 4, 3))
+        return self.o(out.reshape(b, s, -1))
+
+
+def test_per_head_inputs_computed_in_the_graph_are_sliced_to_each_ranks_heads():
+    from autodeploy.transform.library._sharding import HeadSlice
+
+    torch.manual_seed(0)
+    module = _PerHeadInputs().eval()
+    plan = _plan(module)
+    assert sorted((d.name, d.dim) for d in plan.decisions if isinstance(d, HeadSlice)) == [
+        ("alibi_slopes", 0), ("rel_logits", 2)]
+    assert _split(plan) == {"q.weight", "k.weight", "v.weight", "o.weight"} and plan.whole_attention == {}
+    with torch.no_grad():  # each rank's heads read their own slopes and bias: the partial sums add up
+        for shape in ((2, 5, 32), (1, 3, 32)):
+            x = torch.randn(shape)
+            assert torch.allclose(_sum_over_ranks(module, 2, x), module(x), atol=1e-5)
+
+
 def test_block_slices_take_each_blocks_part_in_order():
     rows = torch.arange(12.0)
     assert WeightShard(0, 1, 2, blocks=((6, 2, 1), (4, 2, 1), (2, 2, 1))).take(rows).tolist() == [3, 4, 5, 8, 9, 11]
@@ -278,12 +311,12 @@ def _layout_job(rank: int, model_type: str) -> Dict[str, Any]:
 @pytest.mark.slow  # ~30 s each on 2 cores: both ranks build the engine
 @pytest.mark.distributed
 @pytest.mark.parametrize("model_type", ["olmo2", "cohere", "llama4_text", "phi3", "dbrx", "gpt_neox", "laguna",
-                                        "bitnet"])
+                                        "bitnet", "bloom"])
 def test_two_ranks_of_each_layout_give_hfs_tokens_and_logprobs(model_type):
     """OLMo-2: q/k norms over all heads; Cohere: interleaved RoPE written out; Llama-4: complex RoPE
     views and a per-position query scale; Phi-3 and DBRX: fused q/k/v blocks (DBRX's clamped);
     GPT-NeoX: q/k/v per head; Laguna: a gate value per head; BitNet: a norm over all heads before
-    the output projection. Every attention is split (none left whole), and the tokens and their
+    the output projection; BLOOM: ALiBi slopes sliced per rank, q/k/v viewed ``[heads, 3, d]``. Every attention is split (none left whole), and the tokens and their
     log-probabilities equal HF eager's."""
     results = _run_ranks(partial(_layout_job, model_type=model_type), world=2, timeout=400)
     for r in results:

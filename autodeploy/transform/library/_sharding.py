@@ -20,6 +20,8 @@ A plan is a list of decisions over graph nodes, each a plain dataclass:
 * ``ExpertTensorShard``: tensor parallelism inside the experts, for a ``torch_moe`` whose experts
   the world size does not divide (fewer experts than ranks): every rank holds every expert's
   slice of the hidden features (gate/up rows, down columns), one all-reduce after.
+* ``HeadSlice``: an attention's per-head input computed in the graph (ALiBi slopes, a relative
+  bias), sliced to this rank's heads right before the op.
 * ``NormShard``: an RMSNorm over all heads' features between a projection and its attention
   (OLMo-2's q/k norms), its weight split with the heads and its mean of squares summed over ranks.
 
@@ -205,6 +207,19 @@ class HeadWeightShard:
 
 
 @dataclass(frozen=True)
+class HeadSlice:
+    """A per-head tensor an attention op reads that is computed in the graph (ALiBi slopes ``[n]``,
+    Inkling's relative logits ``[b, s, n, R]``): the op reads this rank's heads of it, sliced along
+    ``dim`` right before the op (computed whole on every rank, so it costs its computation, not
+    correctness)."""
+
+    node: str  # the attention op
+    index: int  # its argument position
+    name: str  # its keyword name
+    dim: int
+
+
+@dataclass(frozen=True)
 class EmbeddingShard:
     """A vocab-parallel embedding: this rank holds rows ``[start, end)`` of the table, looks up the
     ids in that range (the others read row 0 and are zeroed), and an all-reduce sums the ranks'
@@ -230,7 +245,7 @@ class NormShard:
 
 
 Decision = Union[ColumnShard, RowShard, SwigluShard, ExpertShard, ExpertTensorShard, HeadWeightShard,
-                 EmbeddingShard, NormShard]
+                 EmbeddingShard, NormShard, HeadSlice]
 
 
 @dataclass

@@ -16,8 +16,8 @@ from torch import fx
 
 from ...utils.errors import ConfigError
 from ..graph_utils import arg
-from ._sharding import (ColumnShard, HeadWeightShard, LinearSplit, NormShard, RowShard, ShardingPlan, linear_split,
-                        linear_weights, literal_dims, sizes_that_divide, weight_target)
+from ._sharding import (ColumnShard, HeadSlice, HeadWeightShard, LinearSplit, NormShard, RowShard, ShardingPlan,
+                        linear_split, linear_weights, literal_dims, sizes_that_divide, weight_target)
 from ._sharding_heads import Cut, OutputGate, consuming_linear, head_source
 
 aten = torch.ops.aten
@@ -45,11 +45,10 @@ def _kv_split(heads: int, kv_heads: int, world_size: int, rank: int, name: str) 
 def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> bool:
     """Add the decisions for one ``torch_attention`` node; False (nothing added, the reason in
     ``plan.whole_attention``) when its projections are not linears over stored weights (plain or
-    quantized, each splittable into whole blocks of its format), when the ops between them and the
-    attention are not ones that keep each head's values to its head (``_sharding_heads``), or when it
-    carries ALiBi slopes or Inkling's relative bias (per-head tensors beside the projections: not
-    split yet, so such an attention stays whole on every rank rather than reading another rank's).
-    Per-head sinks (GPT-OSS) split with the heads; so do norms over all heads' features (OLMo-2's
+    quantized, each splittable into whole blocks of its format), or when the ops between them and the
+    attention are not ones that keep each head's values to its head (``_sharding_heads``). Per-head
+    sinks (GPT-OSS) split with the heads (a stored weight by its rows; computed ones, ALiBi slopes
+    and Inkling's relative bias are sliced before the op: ``HeadSlice``); so do norms over all heads' features (OLMo-2's
     q/k norms: ``NormShard``) and a per-head output gate between the op and the output projection
     (``output_gate``), also when it is a part of each head of the query projection (Qwen3-Next: one
     column split serves both)."""
@@ -61,21 +60,23 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
 
 def _attention_whole(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> Optional[str]:
     """``plan_attention``'s work: None when planned, else why the layer stays whole."""
-    if arg(attn, 10, "alibi_slopes") is not None or arg(attn, 13, "rel_logits") is not None:
-        return "ALiBi slopes or a relative bias (per-head tensors not split yet)"
+    heads, kv_heads = _head_count(attn, 0), _head_count(attn, 1)
+    if heads is None or kv_heads is None:
+        return "head counts not static"
     sinks = arg(attn, 7, "sinks")  # GPT-OSS: one per query head, split with them
     sinks_target = None if sinks is None else weight_target(gm, sinks)
-    if sinks is not None and (sinks_target is None or len(sinks.users) != 1):
-        return "sinks that are not a stored weight of this layer alone"
+    if sinks_target is not None and len(sinks.users) != 1:
+        sinks_target = None  # read elsewhere too: sliced before the op instead
+    slices = [HeadSlice(attn.name, i, name, dim) for i, name, dim in _PER_HEAD_INPUTS
+              if arg(attn, i, name) is not None and not (name == "sinks" and sinks_target is not None)]
+    if any(_dim_size(arg(attn, s.index, s.name), s.dim) != heads for s in slices):
+        return "a per-head input (sinks, ALiBi slopes or a relative bias) whose head dim is not the query heads"
     out_chain: List[fx.Node] = []
     gates: List[OutputGate] = []
     out_norms: List[fx.Node] = []
     out_linear = consuming_linear(attn, out_chain, gates, out_norms)
     shared = [g for g in gates if g.linear is None]  # parts of the query projection's heads
     gates = [g for g in gates if g.linear is not None]
-    heads, kv_heads = _head_count(attn, 0), _head_count(attn, 1)
-    if heads is None or kv_heads is None:
-        return "head counts not static"
     projections = _projections(gm, attn, shared, heads, kv_heads)
     if isinstance(projections, str):
         return projections
@@ -107,7 +108,17 @@ def _attention_whole(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> O
     _add_gates(plan, gates, gate_splits, heads)
     if sinks_target is not None:
         plan.decisions.append(HeadWeightShard(attn.name, sinks_target))
+    plan.decisions.extend(slices)
     return None
+
+
+# per-head inputs of torch_attention beside q/k/v: (argument position, keyword, head dim)
+_PER_HEAD_INPUTS = ((7, "sinks", 0), (10, "alibi_slopes", 0), (13, "rel_logits", 2))
+
+
+def _dim_size(node: object, dim: int) -> Optional[int]:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return int(value.shape[dim]) if isinstance(value, torch.Tensor) and value.dim() > dim else None
 
 
 @dataclass

@@ -59,10 +59,11 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import fx, nn
 
+from ..graph_utils import arg
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._quant_from_config import GRAPH_IGNORED_TENSORS
-from ._sharding import (ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, HeadWeightShard, NormShard,
-                        RowShard, ShardingPlan, SwigluShard, WeightShard)
+from ._sharding import (ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, HeadSlice, HeadWeightShard,
+                        NormShard, RowShard, ShardingPlan, SwigluShard, WeightShard)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -166,6 +167,19 @@ def _lookup_local_rows(gm: fx.GraphModule, node: fx.Node, shard: EmbeddingShard)
     _all_reduce_after(gm, zeroed)
 
 
+def _slice_heads(gm: fx.GraphModule, node: fx.Node, shard: HeadSlice, plan: ShardingPlan) -> None:
+    """The op reads this rank's heads of a per-head input computed in the graph (``HeadSlice``)."""
+    value = arg(node, shard.index, shard.name)
+    heads = value.meta["val"].shape[shard.dim] // plan.world_size
+    with gm.graph.inserting_before(node):
+        mine = gm.graph.call_function(aten.slice.Tensor, (value, shard.dim, plan.rank * heads,
+                                                          (plan.rank + 1) * heads))
+    if len(node.args) > shard.index:
+        node.args = (*node.args[:shard.index], mine, *node.args[shard.index + 1:])
+    else:
+        node.kwargs = {**node.kwargs, shard.name: mine}
+
+
 def _drop(gm: fx.GraphModule, targets: Sequence[str]) -> None:
     """Remove tensors this rank does not hold from the module, their unused ``get_attr`` nodes from
     the graph, and account for their checkpoint tensors (not loaded, not reported unused)."""
@@ -220,6 +234,8 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
             _split_inside_experts(gm, node, decision, plan, shards)
         elif isinstance(decision, HeadWeightShard):  # torch_mla's kv_b_proj: this rank's heads' rows
             _shard_param(gm, decision.weight, decision.dim, plan, shards)
+        elif isinstance(decision, HeadSlice):
+            _slice_heads(gm, node, decision, plan)
         elif isinstance(decision, NormShard):  # a norm over all heads: its slice, squares summed over ranks
             _shard_param(gm, decision.weight, 0, plan, shards, decision.parts, decision.index)
             node.target = ad.torch_dist_rmsnorm.default
