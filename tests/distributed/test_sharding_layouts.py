@@ -91,7 +91,8 @@ def _sum_over_ranks(module: torch.nn.Module, world: int, x: torch.Tensor) -> tor
     """Every rank's graph, one after another in this process, each with its slices of the module's
     own weights (``WeightShard.take``, as the loader cuts them): with no process group the
     all-reduce after the output projection is the identity, so each graph returns its partial sum,
-    and the ranks' partial sums add up to the whole layer's output when the split is right."""
+    and the ranks' partial sums add up to the whole layer's output when the split is right (for
+    modules whose row-split projections have no bias: every rank adds that after its all-reduce)."""
     from autodeploy.transform.library.sharding_transform_executor import execute
 
     state = module.state_dict()
@@ -173,6 +174,40 @@ def test_key_value_blocks_of_a_fused_projection_are_replicated_past_their_head_c
     with torch.no_grad():
         x = torch.randn(2, 5, 32)
         assert torch.allclose(_sum_over_ranks(module, 4, x), module(x), atol=1e-5)
+
+
+class _FusedMLP(torch.nn.Module):
+    """A gated MLP whose gate and up are one projection chunked into ``[gate | up]`` (Phi-3's
+    ``gate_up_proj``, GLM's). Near miss: the fused output has another reader."""
+
+    def __init__(self, another_reader: bool = False):
+        super().__init__()
+        self.another_reader = another_reader
+        # no bias on down: each rank adds it after its all-reduce, which ``_sum_over_ranks`` would count twice
+        self.gate_up, self.down = torch.nn.Linear(32, 128), torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        fused = self.gate_up(x)
+        gate, up = fused.chunk(2, dim=-1)
+        out = self.down(torch.nn.functional.silu(gate) * up)
+        return out + fused.mean() if self.another_reader else out
+
+
+@pytest.mark.parametrize("another_reader", [False, True], ids=["chunked", "another reader"])
+def test_a_fused_gate_up_projection_splits_block_by_block(another_reader):
+    torch.manual_seed(0)
+    module = _FusedMLP(another_reader).eval()
+    plan = _plan(module)
+    if another_reader:
+        assert plan.decisions == []
+        return
+    (column,) = [d for d in plan.decisions if isinstance(d, ColumnShard)]
+    assert (column.weight, column.bias, column.blocks) == ("gate_up.weight", "gate_up.bias", ((64, 2, 1), (64, 2, 1)))
+    assert _split(plan) == {"gate_up.weight", "down.weight"} and plan.arg_fixes == {}  # chunk(2) of equal halves
+    with torch.no_grad():
+        for shape in ((2, 5, 32), (1, 3, 32)):
+            x = torch.randn(shape)
+            assert torch.allclose(_sum_over_ranks(module, 2, x), module(x), atol=1e-5)
 
 
 class _GatedHeads(torch.nn.Module):
@@ -272,12 +307,14 @@ def test_only_the_heads_entry_of_a_view_into_heads_is_divided():
 
 
 def test_fused_projections_of_real_models_split():
-    """Phi-3's ``qkv_proj`` (sliced into q, k and v) and GPT-NeoX's ``query_key_value`` (per head):
-    one column split each, the dense projection by rows."""
+    """Phi-3's ``qkv_proj`` (sliced into q, k and v) and ``gate_up_proj`` (chunked into gate and up),
+    GPT-NeoX's ``query_key_value`` (per head): one column split each, the dense projection by rows."""
     gm = build(family_checkpoint("phi3"), up_to=Stage.PATTERN_MATCHER).graph_module
     plan = detect(gm, world_size=2, rank=0)
     fused = [d for d in plan.decisions if isinstance(d, ColumnShard) and "qkv_proj" in d.weight]
     assert len(fused) == 2 and all(d.blocks == ((64, 2, 0), (32, 2, 0), (32, 2, 0)) for d in fused)
+    gate_up = [d for d in plan.decisions if isinstance(d, ColumnShard) and "gate_up_proj" in d.weight]
+    assert len(gate_up) == 2 and all(d.blocks == ((128, 2, 0), (128, 2, 0)) for d in gate_up)
     assert plan.whole_attention == {}
     gm = build(coverage_checkpoint("gpt_neox")[0], up_to=Stage.PATTERN_MATCHER).graph_module
     plan = detect(gm, world_size=2, rank=0)

@@ -18,7 +18,7 @@ from ...utils.errors import ConfigError
 from ..graph_utils import arg
 from ._sharding import (ColumnShard, HeadSlice, HeadWeightShard, LinearSplit, NormShard, RowShard, ShardingPlan,
                         linear_split, linear_weights, literal_dims, sizes_that_divide, weight_target)
-from ._sharding_heads import Cut, OutputGate, consuming_linear, head_source
+from ._sharding_heads import Cut, OutputGate, consuming_linear, cuts_cover, head_source
 
 aten = torch.ops.aten
 
@@ -170,19 +170,8 @@ def _fused_projections(gm: fx.GraphModule, attn: fx.Node, shared: List[OutputGat
              head_source([attn.args[2]], attn, kv_heads, None, cuts[2])]
     if any(f is None for f in found) or any(len(c) != 1 for c in cuts):
         return None
-    blocks = [c[0] for c in cuts]
-    linear = blocks[0].linear
-    weights = linear_weights(gm, linear)
-    if any(b.linear is not linear for b in blocks) or weights is None or linear.target != aten.linear.default:
-        return None
-    source = blocks[0].split if blocks[0].split is not None else blocks[0].node
-    source = source.args[0]  # the value cut (the linear's output, or a clamp of it)
-    cutters = {b.split if b.split is not None else b.node for b in blocks}
-    ordered = sorted(blocks, key=lambda b: b.start)
-    features = linear.meta["val"].shape[-1] if "val" in linear.meta else None
-    if set(source.users) != cutters or any(a.end != b.start for a, b in zip(ordered, ordered[1:])):
-        return None
-    if ordered[0].start != 0 or ordered[-1].end != features:
+    linear = cuts[0][0].linear
+    if not cuts_cover([c[0] for c in cuts]) or linear_weights(gm, linear) is None:
         return None
     return [_Projection(linear, f[1], n, i > 0, c[0])  # type: ignore[index]
             for i, (f, n, c) in enumerate(zip(found, norms, cuts))]
@@ -190,17 +179,24 @@ def _fused_projections(gm: fx.GraphModule, attn: fx.Node, shared: List[OutputGat
 
 def _plan_fused(plan: ShardingPlan, projections: List[_Projection], weight: str, bias: Optional[str],
                 parts: int, index: int) -> bool:
-    """One ``ColumnShard`` with blocks for a fused q/k/v projection, and the cuts' new bounds (each
-    rank's blocks are smaller); False when a split or chunk would not cut this rank's blocks right."""
-    ordered = sorted(projections, key=lambda p: p.cut.start)  # type: ignore[union-attr]
-    blocks = tuple((p.cut.end - p.cut.start, parts if p.kv else plan.world_size,  # type: ignore[union-attr]
-                    index if p.kv else plan.rank) for p in ordered)
+    """One ``ColumnShard`` with blocks for a fused q/k/v projection: q's block split over all ranks,
+    k's and v's like the key/value heads (``plan_fused_blocks``)."""
+    return plan_fused_blocks(plan, [(p.cut, parts, index) if p.kv else (p.cut, plan.world_size, plan.rank)
+                                    for p in projections], weight, bias)  # type: ignore[misc]
+
+
+def plan_fused_blocks(plan: ShardingPlan, cuts: List[Tuple[Cut, int, int]], weight: str, bias: Optional[str]) -> bool:
+    """One ``ColumnShard`` with blocks for a projection whose output is cut into blocks (each cut with
+    the ``parts`` and ``index`` of its split), and the cuts' new bounds (each rank's blocks are
+    smaller); False (nothing added) when an equal split or chunk would not cut this rank's blocks."""
+    ordered = sorted(cuts, key=lambda c: c[0].start)
+    blocks = tuple((cut.end - cut.start, parts, index) for cut, parts, index in ordered)
     local = [n // k for n, k, _ in blocks]
-    split = ordered[0].cut.split  # type: ignore[union-attr]
+    split = ordered[0][0].split
     fixes: Dict[str, Dict[int, object]] = {}
     if split is None:
-        for p, start, size in zip(ordered, (sum(local[:i]) for i in range(len(local))), local):
-            fixes[p.cut.node.name] = {2: start, 3: start + size}  # type: ignore[union-attr]
+        for (cut, _, _), start, size in zip(ordered, (sum(local[:i]) for i in range(len(local))), local):
+            fixes[cut.node.name] = {2: start, 3: start + size}
     elif split.target == aten.split_with_sizes.default:
         fixes[split.name] = {1: local}
     elif len(set(local)) != 1:
@@ -208,7 +204,7 @@ def _plan_fused(plan: ShardingPlan, projections: List[_Projection], weight: str,
     elif split.target == aten.split.Tensor:
         fixes[split.name] = {1: local[0]}
     plan.arg_fixes.update(fixes)
-    plan.decisions.append(ColumnShard(ordered[0].linear.name, weight, bias, blocks=blocks))
+    plan.decisions.append(ColumnShard(ordered[0][0].linear.name, weight, bias, blocks=blocks))
     return True
 
 

@@ -128,7 +128,7 @@ def head_source(starts: Sequence[fx.Node], sink: Union[fx.Node, Collection[fx.No
             found_norms.append(node)
             stack.append(node.args[0])
             continue
-        cut = _block_cut(node) if cuts is not None else None
+        cut = block_cut(node) if cuts is not None else None
         if cut is not None:
             cuts.append(cut)  # type: ignore[union-attr]
             linears.append(cut.linear)
@@ -146,7 +146,7 @@ def head_source(starts: Sequence[fx.Node], sink: Union[fx.Node, Collection[fx.No
     return linears[0], [n for n in visited if n.target in LAYOUT_OPS]
 
 
-def _block_cut(node: fx.Node) -> Optional[Cut]:
+def block_cut(node: fx.Node) -> Optional[Cut]:
     """The block ``node`` cuts out of a linear's ``[b, s, features]`` output (through a clamp or a
     cast: DBRX clamps its fused ``Wqkv``): a slice of the last dim, or a getitem of a split or chunk
     of it; None for anything else."""
@@ -180,6 +180,22 @@ def _block_cut(node: fx.Node) -> Optional[Cut]:
             return None
         linear = linear.args[0]
     return Cut(node, split, start, end, linear) if 0 <= start < end else None
+
+
+def cuts_cover(cuts: List[Cut]) -> bool:
+    """``cuts`` are blocks of one float linear's output (through the same value), nothing else reads
+    that value, and together they cover its features exactly once."""
+    linear = cuts[0].linear
+    if any(c.linear is not linear for c in cuts) or linear.target != aten.linear.default:
+        return False
+    cutters = {c.split if c.split is not None else c.node for c in cuts}
+    sources = {n.args[0] for n in cutters}  # the value cut (the linear's output, or a clamp of it)
+    ordered = sorted(cuts, key=lambda c: c.start)
+    features = linear.meta["val"].shape[-1] if "val" in linear.meta else None
+    if len(sources) != 1 or set(next(iter(sources)).users) != cutters:
+        return False
+    return (ordered[0].start == 0 and ordered[-1].end == features
+            and all(a.end == b.start for a, b in zip(ordered, ordered[1:])))
 
 
 # one-input element-wise ops allowed between a fused projection and its cuts

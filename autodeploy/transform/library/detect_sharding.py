@@ -55,7 +55,8 @@ from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, 
 from ._sharding import (SHARDING_HINTS_META, ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, RowShard,
                         ShardingPlan, SwigluShard, is_linear, linear_split, linear_weights, sizes_that_divide,
                         weight_target)
-from ._sharding_attention import plan_attention, plan_mla
+from ._sharding_attention import plan_attention, plan_fused_blocks, plan_mla
+from ._sharding_heads import Cut, block_cut, cuts_cover
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -191,7 +192,9 @@ def plan_mlp(gm: fx.GraphModule, down: fx.Node, plan: ShardingPlan, taken: Set[s
     if x_val is None:
         return False
     features = int(x_val.shape[-1])
-    inner, leaves = _elementwise_region(gm, down.args[0], features)
+    inner, leaves, cuts = _elementwise_region(gm, down.args[0], features)
+    if cuts:
+        return _plan_fused_mlp(gm, down, inner, cuts, plan, taken)
     if not inner or not leaves or any(leaf.name in taken for leaf in leaves):
         return False
     region = set(inner) | set(leaves)
@@ -210,11 +213,37 @@ def plan_mlp(gm: fx.GraphModule, down: fx.Node, plan: ShardingPlan, taken: Set[s
     return True
 
 
-def _elementwise_region(gm: fx.GraphModule, start: fx.Node, features: int) -> Tuple[List[fx.Node], List[fx.Node]]:
+def _plan_fused_mlp(gm: fx.GraphModule, down: fx.Node, inner: List[fx.Node], cuts: List[Cut], plan: ShardingPlan,
+                    taken: Set[str]) -> bool:
+    """An MLP whose gate and up are two blocks of one projection (Phi-3's ``gate_up_proj`` chunked
+    into ``[gate | up]``): the projection split block by block (``plan_fused_blocks``), down by its
+    input features."""
+    linear = cuts[0].linear
+    width = int(down.args[0].meta["val"].shape[-1])
+    if not inner or linear.name in taken or not cuts_cover(cuts) or any(c.end - c.start != width for c in cuts):
+        return False
+    region = set(inner) | {c.node for c in cuts}
+    if any(u not in region and u is not down for n in region for u in n.users):
+        return False
+    split = linear_split(gm, linear, rows=False, parts=plan.world_size)
+    down_split = linear_split(gm, down, rows=True, parts=plan.world_size)
+    if split is None or split[2] or down_split is None:
+        return False
+    if not plan_fused_blocks(plan, [(c, plan.world_size, plan.rank) for c in cuts], split[0], split[1]):
+        return False
+    plan.decisions.append(RowShard(down.name, down_split[0], down_split[1], extra=down_split[2]))
+    taken.update([down.name, linear.name])
+    return True
+
+
+def _elementwise_region(gm: fx.GraphModule, start: fx.Node, features: int
+                        ) -> Tuple[List[fx.Node], List[fx.Node], List[Cut]]:
     """The element-wise nodes between ``start`` and the linears it is computed from (``inner``,
-    ``leaves``), every value ``features`` wide; ``([], [])`` when anything else is on the way."""
+    ``leaves``), every value ``features`` wide, and the blocks cut out of a wider projection on the
+    way (``cuts``: a fused ``[gate | up]``); empty lists when anything else is on the way."""
     inner: List[fx.Node] = []
     leaves: List[fx.Node] = []
+    cuts: List[Cut] = []
     stack, seen = [start], set()
     while stack:
         node = stack.pop()
@@ -223,12 +252,16 @@ def _elementwise_region(gm: fx.GraphModule, start: fx.Node, features: int) -> Tu
         seen.add(node)
         value = node.meta.get("val")
         if value is None or value.dim() == 0 or int(value.shape[-1]) != features:
-            return [], []
+            return [], [], []
         if is_linear(node):
             leaves.append(node)
             continue
+        cut = block_cut(node)
+        if cut is not None:
+            cuts.append(cut)
+            continue
         if node.op != "call_function" or node.target not in ELEMENTWISE:
-            return [], []
+            return [], [], []
         inner.append(node)
         for a in (*node.args, *node.kwargs.values()):
             if not isinstance(a, fx.Node):
@@ -236,7 +269,9 @@ def _elementwise_region(gm: fx.GraphModule, start: fx.Node, features: int) -> Tu
             if a.op == "get_attr" and getattr(get_attr_value(gm, a), "numel", lambda: 0)() == 1:
                 continue  # a scalar tensor constant: the same on every slice
             stack.append(a)
-    return inner, leaves
+    if cuts and leaves:
+        return [], [], []  # a fused projection beside separate ones: not followed
+    return inner, leaves, cuts
 
 
 def plan_lm_head(gm: fx.GraphModule, plan: ShardingPlan, embeddings: Set[str] = frozenset()) -> bool:
