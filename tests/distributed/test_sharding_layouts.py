@@ -210,6 +210,51 @@ def test_a_fused_gate_up_projection_splits_block_by_block(another_reader):
             assert torch.allclose(_sum_over_ranks(module, 2, x), module(x), atol=1e-5)
 
 
+class _ScaledMLP(torch.nn.Module):
+    """``down(f(up(x)))`` with ``f``: GELU and (eval) dropout (BioGPT, XGLM); an activation with
+    scalars computed from its parameters (Apertus's xIELU); a norm over all hidden features
+    (BitNet's ``ffn_sub_norm``). Near miss: a scale computed from all hidden features."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32, bias=False)
+        self.alpha = torch.nn.Parameter(torch.tensor([0.3]))
+        self.norm = torch.nn.Parameter(torch.rand(64) + 0.5)
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.variant == "gelu and dropout":
+            h = torch.nn.functional.dropout(torch.nn.functional.gelu(h), 0.1, training=False)
+        elif self.variant == "computed scalars":
+            alpha = 0.5 + torch.nn.functional.softplus(self.alpha)
+            h = torch.where(h > 0, alpha * h * h, torch.expm1(torch.min(h, torch.tensor(0.0))) - alpha * h)
+        elif self.variant == "norm over all features":
+            h = ad.torch_rmsnorm(torch.relu(h).square(), self.norm, 1e-6)
+        else:  # a scale from every hidden feature: each rank would see only its own
+            h = h / h.abs().amax(-1, keepdim=True)
+        return self.down(h)
+
+
+@pytest.mark.parametrize("variant", ["gelu and dropout", "computed scalars", "norm over all features",
+                                     "scale from all features"])
+def test_mlps_split_only_when_their_activation_keeps_features_apart(variant):
+    torch.manual_seed(0)
+    module = _ScaledMLP(variant).eval()
+    plan = _plan(module)
+    norms = [(d.weight, d.parts) for d in plan.decisions if isinstance(d, NormShard)]
+    if variant == "scale from all features":
+        assert plan.decisions == []
+        return
+    assert _split(plan) == {"up.weight", "down.weight"}
+    assert norms == ([("norm", None)] if variant == "norm over all features" else [])
+    if variant != "norm over all features":  # that one sums squares over ranks: the 2-rank tests (BitNet)
+        with torch.no_grad():
+            for shape in ((2, 5, 32), (1, 3, 32)):
+                x = torch.randn(shape)
+                assert torch.allclose(_sum_over_ranks(module, 2, x), module(x), atol=1e-5)
+
+
 class _GatedHeads(torch.nn.Module):
     """Attention output gated by one value per head, ``o * softplus(g(x))[..., None]`` (Laguna; LFM3
     and Bailing with sigmoid), or normed over all heads before the output projection (BitNet's

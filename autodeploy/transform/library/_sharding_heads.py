@@ -124,7 +124,7 @@ def head_source(starts: Sequence[fx.Node], sink: Union[fx.Node, Collection[fx.No
         if is_linear(node):
             linears.append(node)
             continue
-        if norms is not None and _all_heads_norm(node):
+        if norms is not None and all_features_norm(node):
             found_norms.append(node)
             stack.append(node.args[0])
             continue
@@ -147,7 +147,7 @@ def head_source(starts: Sequence[fx.Node], sink: Union[fx.Node, Collection[fx.No
 
 
 def block_cut(node: fx.Node) -> Optional[Cut]:
-    """The block ``node`` cuts out of a linear's ``[b, s, features]`` output (through a clamp or a
+    """The block ``node`` cuts out of a linear's ``[b, s, features]`` (or ``[tokens, features]``) output (through a clamp or a
     cast: DBRX clamps its fused ``Wqkv``): a slice of the last dim, or a getitem of a split or chunk
     of it; None for anything else."""
     split = None
@@ -160,7 +160,7 @@ def block_cut(node: fx.Node) -> Optional[Cut]:
     else:
         return None
     value = source.meta.get("val") if isinstance(source, fx.Node) else None
-    if not _last_dim(source, dim) or not isinstance(value, torch.Tensor) or value.dim() != 3:
+    if not _last_dim(source, dim) or not isinstance(value, torch.Tensor) or value.dim() not in (2, 3):
         return None
     features = value.shape[-1]
     if type(features) is not int:
@@ -307,13 +307,14 @@ def _stacks_features(node: fx.Node) -> bool:
     return first is not None and first.dim() == 4 and dim in (-1, 4)
 
 
-def _all_heads_norm(node: fx.Node) -> bool:
-    """An RMSNorm over all heads' features of a flat ``[b, s, heads * d]`` value with a stored weight
-    (OLMo-2's q/k norms): splits with the heads as a norm whose mean of squares is summed over ranks."""
+def all_features_norm(node: fx.Node) -> bool:
+    """An RMSNorm over all the features of a flat ``[b, s, features]`` (or ``[tokens, features]``)
+    value with a stored weight (OLMo-2's q/k norms over all heads, BitNet's norms before a row-split
+    projection): splits with the features as a norm whose mean of squares is summed over ranks."""
     if node.target != ad.torch_rmsnorm.default or len(node.users) != 1:
         return False
     value, weight = node.args[0].meta.get("val"), node.args[1]
-    return (isinstance(value, torch.Tensor) and value.dim() == 3 and isinstance(weight, fx.Node)
+    return (isinstance(value, torch.Tensor) and value.dim() in (2, 3) and isinstance(weight, fx.Node)
             and weight.op == "get_attr")
 
 
@@ -412,7 +413,7 @@ def consuming_linear(node: fx.Node, path: List[fx.Node], gates: Optional[List[Ou
             gates.append(gate)  # type: ignore[union-attr]
             node = user
             continue
-        if norms is not None and user.args[0] is node and _all_heads_norm(user):
+        if norms is not None and user.args[0] is node and all_features_norm(user):
             norms.append(user)
             node = user
             continue

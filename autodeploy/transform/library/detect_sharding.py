@@ -52,11 +52,11 @@ from ...utils.errors import ConfigError
 from ...utils.logging import get_logger
 from ..graph_utils import get_attr_value
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
-from ._sharding import (SHARDING_HINTS_META, ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, RowShard,
-                        ShardingPlan, SwigluShard, is_linear, linear_split, linear_weights, sizes_that_divide,
-                        weight_target)
+from ._sharding import (SHARDING_HINTS_META, ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, NormShard,
+                        RowShard, ShardingPlan, SwigluShard, is_linear, linear_split, linear_weights,
+                        sizes_that_divide, weight_target)
 from ._sharding_attention import plan_attention, plan_fused_blocks, plan_mla
-from ._sharding_heads import Cut, block_cut, cuts_cover
+from ._sharding_heads import Cut, all_features_norm, block_cut, cuts_cover
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -71,7 +71,9 @@ ELEMENTWISE = frozenset({
     aten.erf.default, aten.exp.default, aten.neg.default, aten.square.default, aten.pow.Tensor_Scalar,
     aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar,
     aten.div.Tensor, aten.div.Scalar, aten.clamp.default, aten.minimum.default, aten.maximum.default,
-    aten._to_copy.default, aten.to.dtype, aten.clone.default,
+    aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.dropout.default, aten.where.self,
+    aten.gt.Scalar, aten.ge.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.expm1.default, aten.softplus.default,
+    aten.abs.default, aten.min.other, aten.max.other,
 })
 
 
@@ -209,6 +211,7 @@ def plan_mlp(gm: fx.GraphModule, down: fx.Node, plan: ShardingPlan, taken: Set[s
     for leaf, (weight, bias, extra) in zip(leaves, splits):  # type: ignore[misc]
         plan.decisions.append(ColumnShard(leaf.name, weight, bias, extra=extra))
     plan.decisions.append(RowShard(down.name, down_split[0], down_split[1], extra=down_split[2]))
+    _add_norms(plan, inner)
     taken.update([down.name, *(leaf.name for leaf in leaves)])
     return True
 
@@ -232,8 +235,21 @@ def _plan_fused_mlp(gm: fx.GraphModule, down: fx.Node, inner: List[fx.Node], cut
     if not plan_fused_blocks(plan, [(c, plan.world_size, plan.rank) for c in cuts], split[0], split[1]):
         return False
     plan.decisions.append(RowShard(down.name, down_split[0], down_split[1], extra=down_split[2]))
+    _add_norms(plan, inner)
     taken.update([down.name, linear.name])
     return True
+
+
+def _one_element(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and all(type(d) is int for d in value.shape) and value.numel() == 1
+
+
+def _add_norms(plan: ShardingPlan, inner: List[fx.Node]) -> None:
+    """The norms over all hidden features inside a split MLP (``_elementwise_region`` lets only
+    those in): each rank's slice of the weight, squares summed over ranks."""
+    plan.decisions.extend(NormShard(n.name, str(n.args[1].target)) for n in inner
+                          if n.target == ad.torch_rmsnorm.default)
 
 
 def _elementwise_region(gm: fx.GraphModule, start: fx.Node, features: int
@@ -260,6 +276,10 @@ def _elementwise_region(gm: fx.GraphModule, start: fx.Node, features: int
         if cut is not None:
             cuts.append(cut)
             continue
+        if all_features_norm(node):  # BitNet's ffn_sub_norm: its weight splits with the features (NormShard)
+            inner.append(node)
+            stack.append(node.args[0])
+            continue
         if node.op != "call_function" or node.target not in ELEMENTWISE:
             return [], [], []
         inner.append(node)
@@ -268,6 +288,9 @@ def _elementwise_region(gm: fx.GraphModule, start: fx.Node, features: int
                 continue  # a Python scalar, a dtype
             if a.op == "get_attr" and getattr(get_attr_value(gm, a), "numel", lambda: 0)() == 1:
                 continue  # a scalar tensor constant: the same on every slice
+            if _one_element(a):
+                continue  # a computed scalar (xIELU's ``beta + softplus(alpha)``): one value for every feature; one
+                # computed from this region's values would be a reader outside it, which plan_mlp refuses
             stack.append(a)
     if cuts and leaves:
         return [], [], []  # a fused projection beside separate ones: not followed
