@@ -112,7 +112,10 @@ def plot(data: Dict[str, Any], path: str) -> Optional[str]:
 
 def write(data: Dict[str, Any], out_dir: str) -> Dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"e2e-{data['meta']['model'].replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    model = data["meta"]["model"]
+    # a checkpoint directory by its own name, a hub id "org/name" as "org_name"
+    name = os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model.replace("/", "_")
+    stem = os.path.join(out_dir, f"e2e-{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     paths = {"json": stem + ".json", "md": stem + ".md"}
     with open(paths["json"], "w") as f:
         json.dump(data, f, indent=2)
