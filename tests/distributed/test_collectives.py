@@ -150,21 +150,28 @@ def _dist_rmsnorm_job(rank: int) -> Dict[str, Any]:
     torch.manual_seed(0)
     x, w = torch.randn(2, 3, 8), torch.randn(8)
     half = slice(4 * rank, 4 * rank + 4)
+    k, wk = torch.randn(2, 3, 4), torch.randn(4)
+    pair = ad.torch_dist_rmsnorm_pair(x[..., half], w[half], 1e-6, k[..., 2 * rank:2 * rank + 2],
+                                      wk[2 * rank:2 * rank + 2], 1e-5)
     return {"split": ad.torch_dist_rmsnorm(x[..., half], w[half], 1e-6).tolist(),
-            "replicated": ad.torch_dist_rmsnorm(x, w, 1e-6).tolist()}
+            "replicated": ad.torch_dist_rmsnorm(x, w, 1e-6).tolist(), "pair": [p.tolist() for p in pair]}
 
 
 @pytest.mark.distributed
-def test_a_norm_over_features_split_across_two_ranks_equals_the_whole_norm():
+def test_norms_over_features_split_across_two_ranks_equal_the_whole_norms():
     torch.manual_seed(0)
     x, w = torch.randn(2, 3, 8), torch.randn(8)
-    whole = ad.torch_rmsnorm(x, w, 1e-6)
+    k, wk = torch.randn(2, 3, 4), torch.randn(4)
+    whole, key_whole = ad.torch_rmsnorm(x, w, 1e-6), ad.torch_rmsnorm(k, wk, 1e-5)
     assert torch.allclose(ad.torch_dist_rmsnorm(x, w, 1e-6), whole, atol=1e-6)  # one rank: the plain norm
     results = _run_ranks(_dist_rmsnorm_job)
     for rank, r in enumerate(results):
         assert "error" not in r, r.get("error")
         assert torch.allclose(torch.tensor(r["split"]), whole[..., 4 * rank:4 * rank + 4], atol=1e-6)
         assert torch.allclose(torch.tensor(r["replicated"]), whole, atol=1e-6)
+        # two norms, one all-reduce: each as its own norm over all its features
+        assert torch.allclose(torch.tensor(r["pair"][0]), whole[..., 4 * rank:4 * rank + 4], atol=1e-6)
+        assert torch.allclose(torch.tensor(r["pair"][1]), key_whole[..., 2 * rank:2 * rank + 2], atol=1e-6)
     # the half alone, normalised by its own squares, is a different answer: the sum over ranks matters
     assert not torch.allclose(ad.torch_rmsnorm(x[..., :4], w[:4], 1e-6), whole[..., :4], atol=1e-2)
 

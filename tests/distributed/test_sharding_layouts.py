@@ -369,6 +369,31 @@ def test_fused_projections_of_real_models_split():
     assert plan.whole_attention == {}
 
 
+def test_query_and_key_norms_over_all_heads_share_one_all_reduce():
+    """OLMo-2's q/k norms (over all heads) become one ``torch_dist_rmsnorm_pair`` a layer: one
+    all-reduce for both sums of squares. Near miss: a query norm read before the key norm exists
+    (moved ahead of it here) keeps the two apart."""
+    from autodeploy.transform.graph_utils import count_op
+    from autodeploy.transform.library.sharding_transform_executor import execute
+
+    gm = build(coverage_checkpoint("olmo2")[0], up_to=Stage.PATTERN_MATCHER).graph_module
+    plan = detect(gm, world_size=2, rank=0)
+    assert sorted(d.weight.rsplit(".", 2)[-2] for d in plan.decisions if isinstance(d, NormShard)) == [
+        "k_norm", "k_norm", "q_norm", "q_norm"]
+    execute(gm, plan)
+    assert count_op(gm, ad.torch_dist_rmsnorm_pair) == 2 and count_op(gm, ad.torch_dist_rmsnorm) == 0
+    gm = build(coverage_checkpoint("olmo2")[0], up_to=Stage.PATTERN_MATCHER).graph_module
+    plan = detect(gm, world_size=2, rank=0)
+    norms = [n for n in gm.graph.nodes if n.target == ad.torch_rmsnorm.default and "q_norm" in str(n.args[1].target)]
+    reader = next(iter(norms[0].users))
+    k_norm = next(n for n in gm.graph.nodes
+                  if n.target == ad.torch_rmsnorm.default and "k_norm" in str(n.args[1].target))
+    assert list(gm.graph.nodes).index(reader) > list(gm.graph.nodes).index(k_norm)
+    k_norm.prepend(reader)  # the query norm's reader now runs before the key norm
+    execute(gm, plan)
+    assert count_op(gm, ad.torch_dist_rmsnorm_pair) == 1 and count_op(gm, ad.torch_dist_rmsnorm) == 2
+
+
 def _layout_job(rank: int, model_type: str) -> Dict[str, Any]:
     import random
 

@@ -242,6 +242,9 @@ class NormShard:
     weight: str
     parts: Optional[int] = None
     index: Optional[int] = None
+    # the attention whose query/key this norm is on: the two norms of one attention share an
+    # all-reduce (``torch_dist_rmsnorm_pair``)
+    group: Optional[str] = None
 
 
 Decision = Union[ColumnShard, RowShard, SwigluShard, ExpertShard, ExpertTensorShard, HeadWeightShard,

@@ -96,7 +96,7 @@ def _attention_whole(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> O
         shard = (parts, index) if replicated else (None, None)
         if p.cut is None:
             plan.decisions.append(ColumnShard(p.linear.name, weight, bias, *shard, extra=extra))
-        plan.decisions.extend(NormShard(n.name, str(n.args[1].target), *shard) for n in p.norms)
+        plan.decisions.extend(NormShard(n.name, str(n.args[1].target), *shard, group=attn.name) for n in p.norms)
         features = p.cut.end - p.cut.start if p.cut is not None else (
             int(p.linear.meta["val"].shape[-1]) if "val" in p.linear.meta else -1)
         _fix_layouts(plan, p.chain, (kv_heads if p.kv else heads, features), parts if p.kv else plan.world_size)

@@ -48,12 +48,17 @@ OLMo-2's q/k norms) keeps its slice of the weight and sums its squares over the 
 
     q = autodeploy.torch_dist_rmsnorm(linear(x, Wq), w_q[r*H*D/n ...], eps)
 
+and an attention's query and key norms share one all-reduce::
+
+    q, k = autodeploy.torch_dist_rmsnorm_pair(linear(x, Wq), w_q[...], eps, linear(x, Wk), w_k[...], eps)
+
 A fused ``[q | k | v]`` projection (``ColumnShard.blocks``) keeps this rank's part of each block,
 and the slices or split sizes that cut it take this rank's smaller blocks (``arg_fixes``)::
 
     qkv = linear(x, W[q_r | k_r | v_r]);  q = qkv[..., 0:Q/n];  k = qkv[..., Q/n:Q/n + K/n]; ...
 """
 
+import operator
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -180,6 +185,30 @@ def _slice_heads(gm: fx.GraphModule, node: fx.Node, shard: HeadSlice, plan: Shar
         node.kwargs = {**node.kwargs, shard.name: mine}
 
 
+def _pair_norms(gm: fx.GraphModule, plan: ShardingPlan, nodes: Dict[str, fx.Node]) -> None:
+    """The query and key norms of one attention (two ``NormShard`` of a group) as one
+    ``torch_dist_rmsnorm_pair``: one all-reduce a layer instead of two. It takes the later norm's
+    place, so only where every reader of the earlier one comes after that (else they stay apart)."""
+    groups: Dict[str, list] = {}
+    for d in plan.decisions:
+        if isinstance(d, NormShard) and d.group is not None:
+            groups.setdefault(d.group, []).append(nodes[d.node])
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for pair in groups.values():
+        if len(pair) != 2:
+            continue
+        first, second = sorted(pair, key=order.__getitem__)
+        if any(order[u] < order[second] for u in first.users) or first.args[0].meta["val"].shape[:-1] != \
+                second.args[0].meta["val"].shape[:-1]:
+            continue
+        with gm.graph.inserting_before(second):
+            both = gm.graph.call_function(ad.torch_dist_rmsnorm_pair.default, (*first.args, *second.args))
+            outs = [gm.graph.call_function(operator.getitem, (both, i)) for i in range(2)]
+        for node, out in zip((first, second), outs):
+            node.replace_all_uses_with(out)
+            gm.graph.erase_node(node)
+
+
 def _drop(gm: fx.GraphModule, targets: Sequence[str]) -> None:
     """Remove tensors this rank does not hold from the module, their unused ``get_attr`` nodes from
     the graph, and account for their checkpoint tensors (not loaded, not reported unused)."""
@@ -242,6 +271,7 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
         elif isinstance(decision, EmbeddingShard):
             _shard_param(gm, decision.weight, 0, plan, shards)
             _lookup_local_rows(gm, node, decision)
+    _pair_norms(gm, plan, nodes)
     for name, divisors in plan.layout_fixes.items():
         node = nodes[name]
         shape = list(node.args[1])
