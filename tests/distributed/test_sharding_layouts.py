@@ -423,8 +423,9 @@ def test_two_ranks_of_each_layout_give_hfs_tokens_and_logprobs(model_type):
     """OLMo-2: q/k norms over all heads; Cohere: interleaved RoPE written out; Llama-4: complex RoPE
     views and a per-position query scale; Phi-3 and DBRX: fused q/k/v blocks (DBRX's clamped);
     GPT-NeoX: q/k/v per head; Laguna: a gate value per head; BitNet: a norm over all heads before
-    the output projection; BLOOM: ALiBi slopes sliced per rank, q/k/v viewed ``[heads, 3, d]``. Every attention is split (none left whole), and the tokens and their
-    log-probabilities equal HF eager's."""
+    the output projection; BLOOM: ALiBi slopes sliced per rank, q/k/v viewed ``[heads, 3, d]``.
+    Every attention is split (none left whole), and the tokens and their log-probabilities equal HF
+    eager's."""
     results = _run_ranks(partial(_layout_job, model_type=model_type), world=2, timeout=400)
     for r in results:
         assert "error" not in r, r.get("error")

@@ -48,8 +48,9 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
     quantized, each splittable into whole blocks of its format), or when the ops between them and the
     attention are not ones that keep each head's values to its head (``_sharding_heads``). Per-head
     sinks (GPT-OSS) split with the heads (a stored weight by its rows; computed ones, ALiBi slopes
-    and Inkling's relative bias are sliced before the op: ``HeadSlice``); so do norms over all heads' features (OLMo-2's
-    q/k norms: ``NormShard``) and a per-head output gate between the op and the output projection
+    and Inkling's relative bias are sliced before the op: ``HeadSlice``); so do norms over all
+    heads' features (OLMo-2's q/k norms: ``NormShard``) and a per-head output gate between the op
+    and the output projection
     (``output_gate``), also when it is a part of each head of the query projection (Qwen3-Next: one
     column split serves both)."""
     reason = _attention_whole(gm, attn, plan)
@@ -91,15 +92,7 @@ def _attention_whole(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> O
     fused = [p for p in projections if p.cut is not None]
     if fused and (splits[0][2] or not _plan_fused(plan, fused, splits[0][0], splits[0][1], parts, index)):
         return "a fused q/k/v projection whose blocks this world size does not cut evenly"
-    for p, (weight, bias, extra) in zip(projections, splits):  # type: ignore[misc]
-        replicated = p.kv and parts != plan.world_size
-        shard = (parts, index) if replicated else (None, None)
-        if p.cut is None:
-            plan.decisions.append(ColumnShard(p.linear.name, weight, bias, *shard, extra=extra))
-        plan.decisions.extend(NormShard(n.name, str(n.args[1].target), *shard, group=attn.name) for n in p.norms)
-        features = p.cut.end - p.cut.start if p.cut is not None else (
-            int(p.linear.meta["val"].shape[-1]) if "val" in p.linear.meta else -1)
-        _fix_layouts(plan, p.chain, (kv_heads if p.kv else heads, features), parts if p.kv else plan.world_size)
+    _add_projections(plan, attn.name, projections, splits, (heads, kv_heads), (parts, index))  # type: ignore[arg-type]
     weight, bias, extra = out_split
     plan.decisions.append(RowShard(out_linear.name, weight, bias, extra=extra))
     plan.decisions.extend(NormShard(n.name, str(n.args[1].target)) for n in out_norms)
@@ -110,6 +103,21 @@ def _attention_whole(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> O
         plan.decisions.append(HeadWeightShard(attn.name, sinks_target))
     plan.decisions.extend(slices)
     return None
+
+
+def _add_projections(plan: ShardingPlan, attn: str, projections: List["_Projection"], splits: List[LinearSplit],
+                     counts: Tuple[int, int], kv_shard: Tuple[int, int]) -> None:
+    """The column splits of an attention's projections (a fused one's were added by ``_plan_fused``),
+    their norms over all heads, and the head counts in their views."""
+    (heads, kv_heads), (parts, index) = counts, kv_shard
+    for p, (weight, bias, extra) in zip(projections, splits):
+        shard = (parts, index) if p.kv and parts != plan.world_size else (None, None)
+        if p.cut is None:
+            plan.decisions.append(ColumnShard(p.linear.name, weight, bias, *shard, extra=extra))
+        plan.decisions.extend(NormShard(n.name, str(n.args[1].target), *shard, group=attn) for n in p.norms)
+        features = p.cut.end - p.cut.start if p.cut is not None else (
+            int(p.linear.meta["val"].shape[-1]) if "val" in p.linear.meta else -1)
+        _fix_layouts(plan, p.chain, (kv_heads if p.kv else heads, features), parts if p.kv else plan.world_size)
 
 
 # per-head inputs of torch_attention beside q/k/v: (argument position, keyword, head dim)
@@ -130,7 +138,7 @@ class _Projection:
     chain: List[fx.Node]
     norms: List[fx.Node]
     kv: bool
-    cut: Optional[Cut] = None  # its block of a fused projection's features (``_fused_blocks``)
+    cut: Optional[Cut] = None  # its block of a fused projection's features (``_fused_projections``)
 
 
 def _projections(gm: fx.GraphModule, attn: fx.Node, shared: List[OutputGate], heads: int,

@@ -147,9 +147,9 @@ def head_source(starts: Sequence[fx.Node], sink: Union[fx.Node, Collection[fx.No
 
 
 def block_cut(node: fx.Node) -> Optional[Cut]:
-    """The block ``node`` cuts out of a linear's ``[b, s, features]`` (or ``[tokens, features]``) output (through a clamp or a
-    cast: DBRX clamps its fused ``Wqkv``): a slice of the last dim, or a getitem of a split or chunk
-    of it; None for anything else."""
+    """The block ``node`` cuts out of a linear's ``[b, s, features]`` (or ``[tokens, features]``)
+    output (through a clamp or a cast: DBRX clamps its fused ``Wqkv``): a slice of the last dim, or a
+    getitem of a split or chunk of it; None for anything else."""
     split = None
     if node.target == aten.slice.Tensor and _arg(node, 4, 1) == 1:
         source, dim, start, end = node.args[0], _arg(node, 1, 0), _arg(node, 2, 0), _arg(node, 3, None)
