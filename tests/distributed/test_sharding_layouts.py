@@ -112,13 +112,14 @@ def _sum_over_ranks(module: torch.nn.Module, world: int, x: torch.Tensor) -> tor
 class _FusedAttention(torch.nn.Module):
     """q (4 heads of 8), k and v (2 heads each) from one projection ``qkv``, by ``layout``: sliced
     into ``[q | k | v]`` on its flat features (Phi-3), clamped and split by sizes (DBRX), or viewed head
-    by head as ``[heads, 3 * d]`` and chunked (GPT-NeoX; 4 key/value heads). Near misses: blocks that
+    by head as ``[heads, 3 * d]`` and chunked (GPT-NeoX; 4 key/value heads), or unsqueezed and split
+    into 4 query heads and one key/value head (GPT-BigCode's multi-query). Near misses: blocks that
     overlap (k reads part of q), and a fused output with another reader."""
 
     def __init__(self, layout: str):
         super().__init__()
         self.layout = layout
-        self.qkv = torch.nn.Linear(32, 96 if layout == "per-head chunks" else 64)
+        self.qkv = torch.nn.Linear(32, {"per-head chunks": 96, "multi-query split": 48}.get(layout, 64))
         self.o = torch.nn.Linear(32, 32, bias=False)
 
     def forward(self, x):
@@ -127,6 +128,9 @@ class _FusedAttention(torch.nn.Module):
         heads = lambda t, n: t.reshape(b, s, n, 8)  # noqa: E731
         if self.layout == "per-head chunks":
             q, k, v = qkv.view(b, s, 4, 24).chunk(3, dim=-1)
+        elif self.layout == "multi-query split":
+            q, k, v = qkv.unsqueeze(1).split((32, 8, 8), dim=3)
+            q, k, v = heads(q, 4), heads(k, 1), heads(v, 1)
         elif self.layout == "clamped split":
             q, k, v = qkv.clamp(-8.0, 8.0).split([32, 16, 16], dim=-1)
             q, k, v = heads(q, 4), heads(k, 2), heads(v, 2)
@@ -137,8 +141,8 @@ class _FusedAttention(torch.nn.Module):
         return out + qkv.mean() if self.layout == "another reader" else out
 
 
-@pytest.mark.parametrize("layout", ["sliced", "clamped split", "per-head chunks", "overlapping blocks",
-                                    "another reader"])
+@pytest.mark.parametrize("layout", ["sliced", "clamped split", "per-head chunks", "multi-query split",
+                                    "overlapping blocks", "another reader"])
 def test_a_fused_qkv_projection_splits_block_by_block(layout):
     torch.manual_seed(0)
     module = _FusedAttention(layout).eval()
@@ -151,6 +155,9 @@ def test_a_fused_qkv_projection_splits_block_by_block(layout):
     assert (qkv.weight, qkv.bias) == ("qkv.weight", "qkv.bias") and _split(plan) == {"qkv.weight", "o.weight"}
     if layout == "per-head chunks":  # whole heads of q, k and v together: one plain split
         assert qkv.blocks == () and plan.arg_fixes == {} and list(plan.layout_fixes.values()) == [{2: 2}]
+    elif layout == "multi-query split":  # half of q; the one key/value head on every rank
+        assert qkv.blocks == ((32, 2, 1), (8, 1, 0), (8, 1, 0))
+        assert list(map(str, plan.arg_fixes.values())) == ["{1: [16, 8, 8]}"]
     else:  # rank 1 of 2: the second half of each block; the cuts' bounds follow the smaller blocks
         assert qkv.blocks == ((32, 2, 1), (16, 2, 1), (16, 2, 1))
         fixes = sorted(map(str, plan.arg_fixes.values()))
@@ -418,12 +425,13 @@ def _layout_job(rank: int, model_type: str) -> Dict[str, Any]:
 @pytest.mark.slow  # ~30 s each on 2 cores: both ranks build the engine
 @pytest.mark.distributed
 @pytest.mark.parametrize("model_type", ["olmo2", "cohere", "llama4_text", "phi3", "dbrx", "gpt_neox", "laguna",
-                                        "bitnet", "bloom"])
+                                        "bitnet", "bloom", "gpt_bigcode"])
 def test_two_ranks_of_each_layout_give_hfs_tokens_and_logprobs(model_type):
     """OLMo-2: q/k norms over all heads; Cohere: interleaved RoPE written out; Llama-4: complex RoPE
     views and a per-position query scale; Phi-3 and DBRX: fused q/k/v blocks (DBRX's clamped);
     GPT-NeoX: q/k/v per head; Laguna: a gate value per head; BitNet: a norm over all heads before
-    the output projection; BLOOM: ALiBi slopes sliced per rank, q/k/v viewed ``[heads, 3, d]``.
+    the output projection; BLOOM: ALiBi slopes sliced per rank, q/k/v viewed ``[heads, 3, d]``;
+    GPT-BigCode: multi-query blocks cut after an unsqueeze, the key/value head on both ranks.
     Every attention is split (none left whole), and the tokens and their log-probabilities equal HF
     eager's."""
     results = _run_ranks(partial(_layout_job, model_type=model_type), world=2, timeout=400)

@@ -147,9 +147,10 @@ def head_source(starts: Sequence[fx.Node], sink: Union[fx.Node, Collection[fx.No
 
 
 def block_cut(node: fx.Node) -> Optional[Cut]:
-    """The block ``node`` cuts out of a linear's ``[b, s, features]`` (or ``[tokens, features]``)
-    output (through a clamp or a cast: DBRX clamps its fused ``Wqkv``): a slice of the last dim, or a
-    getitem of a split or chunk of it; None for anything else."""
+    """The block ``node`` cuts out of a linear's output features (through a clamp or a cast, DBRX
+    clamps its fused ``Wqkv``, or an unsqueeze before the features, GPT-BigCode's): a slice of the
+    last dim, or a getitem of a split or chunk of it; None for anything else (a view on the way, into
+    heads or otherwise, ends it: then the last dim is not the projection's features)."""
     split = None
     if node.target == aten.slice.Tensor and _arg(node, 4, 1) == 1:
         source, dim, start, end = node.args[0], _arg(node, 1, 0), _arg(node, 2, 0), _arg(node, 3, None)
@@ -160,7 +161,7 @@ def block_cut(node: fx.Node) -> Optional[Cut]:
     else:
         return None
     value = source.meta.get("val") if isinstance(source, fx.Node) else None
-    if not _last_dim(source, dim) or not isinstance(value, torch.Tensor) or value.dim() not in (2, 3):
+    if not _last_dim(source, dim) or not isinstance(value, torch.Tensor):
         return None
     features = value.shape[-1]
     if type(features) is not int:
@@ -175,10 +176,14 @@ def block_cut(node: fx.Node) -> Optional[Cut]:
         return None
     end = features if end is None else min(end, features)
     linear = source
-    while not is_linear(linear):  # element-wise ops of one input between the projection and the cut
-        if linear.target not in _CUT_PASSTHROUGH or len(linear.users) != 1:
+    while not is_linear(linear):  # ops of one input between the projection and the cut, features kept last
+        if linear.target not in _CUT_PASSTHROUGH or len(linear.users) != 1 or (
+                linear.target == aten.unsqueeze.default and _arg(linear, 1, 0) in (-1, linear.meta["val"].dim() - 1)):
             return None
         linear = linear.args[0]
+    out = linear.meta.get("val")
+    if not isinstance(out, torch.Tensor) or out.shape[-1] != features:
+        return None
     return Cut(node, split, start, end, linear) if 0 <= start < end else None
 
 
@@ -199,7 +204,8 @@ def cuts_cover(cuts: List[Cut]) -> bool:
 
 
 # one-input element-wise ops allowed between a fused projection and its cuts
-_CUT_PASSTHROUGH = (aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten._to_copy.default)
+_CUT_PASSTHROUGH = (aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten._to_copy.default,
+                    aten.unsqueeze.default)
 
 
 def _split_sizes(split: fx.Node, features: int) -> Optional[List[int]]:
