@@ -20,7 +20,14 @@ head-local. What they accept:
   per-head ``w`` is not (it would need ``w`` split too);
 * norms over all heads' features (OLMo-2's q/k norms) when the caller collects them (``norms``):
   their weight splits with the heads and their mean of squares becomes a sum over the ranks
-  (``torch_dist_rmsnorm``).
+  (``torch_dist_rmsnorm``);
+* blocks cut out of a fused projection's flat features (``[q | k | v]``, ``[gate | up]``) when the
+  caller collects them (``cuts``, ``block_cut``): the projection then splits block by block;
+* after the attention: per-head output gates (``o * sigmoid(g(x))``, one value per head
+  ``o * act(g(x))[..., None]``) and norms over all heads before the output projection.
+
+A 4-D value on the way whose dims do not include the head count (CodeGen's ``mp_num`` groups) ends
+the walk: its middle dim is not the heads, so a split along it would not follow them.
 """
 
 import operator
@@ -72,8 +79,8 @@ ELEMENTWISE_HEAD_OPS = frozenset({
     aten.rsqrt.default, aten.sqrt.default, aten.reciprocal.default, aten.pow.Tensor_Scalar, aten.square.default,
     aten.clamp_min.default, aten.clamp.default,
 })
-# Reductions (dims at argument 1) that are per head when they run over the last dim of a
-# ``[b, s, heads, d]`` value: a norm written out (``q * rsqrt(mean(q * q, -1) + eps)``)
+# Reductions (-> the position of their dims argument) that are per head when they run over the
+# last dim of a ``[b, s, heads, d]`` value: a norm written out (``q * rsqrt(mean(q * q, -1) + eps)``)
 _REDUCTIONS = {aten.mean.dim: 1, aten.sum.dim_IntList: 1, aten.amax.default: 1, aten.linalg_vector_norm.default: 2}
 # Ops that only reinterpret the last dim (complex RoPE: pairs of features as complex numbers)
 _COMPLEX_VIEWS = (aten.view_as_real.default, aten.view_as_complex.default)
@@ -107,7 +114,7 @@ def head_source(starts: Sequence[fx.Node], sink: Union[fx.Node, Collection[fx.No
     several linears, or when a value on the way has a reader outside it (which would see this rank's
     heads only: also how an element-wise operand computed from the projection itself is refused).
     With ``cuts``, a block cut out of a projection's flat features ends the walk there (collected;
-    ``fused_blocks`` checks the blocks)."""
+    ``cuts_cover`` checks that the blocks make up the projection)."""
     sinks = {sink} if isinstance(sink, fx.Node) else set(sink)
     visited: set = set()
     passthrough: set = set()  # multi-output ops entered through one output (RoPE: q or k)
