@@ -169,6 +169,31 @@ def test_a_fused_qkv_projection_splits_block_by_block(layout):
             assert torch.allclose(_sum_over_ranks(module, 2, x), module(x), atol=1e-5)
 
 
+class _QuantizedFusedAttention(torch.nn.Module):
+    """Phi-3's sliced ``[q | k | v]`` from an FP8 projection: its blocks with their scales are not
+    split yet, so the layer stays whole, and says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.randn(64, 32).to(torch.float8_e4m3fn), requires_grad=False)
+        self.scales = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+        self.o = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = ad.torch_quant_fp8_linear(x, self.qkv, None, self.scales[0], self.scales[1])
+        q, k, v = (qkv[..., :32].reshape(b, s, 4, 8), qkv[..., 32:48].reshape(b, s, 2, 8),
+                   qkv[..., 48:].reshape(b, s, 2, 8))
+        return self.o(ad.torch_attention(q, k, v, None, 0.0, True, None, None, None, None).reshape(b, s, -1))
+
+
+def test_a_quantized_fused_projection_stays_whole_and_says_why():
+    plan = _plan(_QuantizedFusedAttention())
+    assert _split(plan) == set() and plan.arg_fixes == {}
+    assert plan.whole_attention == {
+        "torch_attention": "a quantized fused q/k/v projection (its blocks with their scales are not split yet)"}
+
+
 def test_key_value_blocks_of_a_fused_projection_are_replicated_past_their_head_count():
     """Four ranks, two key/value heads: each rank holds its quarter of q and the one k/v head its
     query heads read (ranks 0-1 head 0, ranks 2-3 head 1); the sum over the four ranks is exact."""

@@ -17,7 +17,7 @@ from torch import fx
 from ...utils.errors import ConfigError
 from ..graph_utils import arg
 from ._sharding import (ColumnShard, HeadSlice, HeadWeightShard, LinearSplit, NormShard, RowShard, ShardingPlan,
-                        linear_split, linear_weights, literal_dims, sizes_that_divide, weight_target)
+                        is_linear, linear_split, linear_weights, literal_dims, sizes_that_divide, weight_target)
 from ._sharding_heads import Cut, OutputGate, consuming_linear, cuts_cover, head_source
 
 aten = torch.ops.aten
@@ -160,16 +160,17 @@ def _projections(gm: fx.GraphModule, attn: fx.Node, shared: List[OutputGate], he
         return [_Projection(one[0], one[1], joint, False)]
     fused = _fused_projections(gm, attn, shared, heads, kv_heads)
     if fused is not None:
-        return fused
+        return fused  # its blocks, or why they do not split
     name = next(n for f, n in zip(found, ("query", "key", "value")) if f is None or linear_weights(gm, f[0]) is None)
     return f"the {name} is not one projection's heads through ops that keep each head's values to its head"
 
 
 def _fused_projections(gm: fx.GraphModule, attn: fx.Node, shared: List[OutputGate], heads: int,
-                       kv_heads: int) -> Optional[List[_Projection]]:
+                       kv_heads: int) -> Union[List[_Projection], str, None]:
     """q, k and v as three blocks of one projection's features (Phi-3's ``qkv_proj`` sliced into
     ``[q | k | v]``, DBRX's ``Wqkv`` split): each walk ends at its block's cut, all three at the same
-    float linear, whose output nothing else reads, and the blocks cover its features exactly."""
+    float linear, whose output nothing else reads, and the blocks cover its features exactly. None
+    when the layout is not that; why not when it is but cannot split (a quantized projection)."""
     cuts: List[List[Cut]] = [[], [], []]
     norms: List[List[fx.Node]] = [[], [], []]
     found = [head_source([attn.args[0], *(g.start for g in shared)], {attn, *(g.activation for g in shared)}, heads,
@@ -179,6 +180,8 @@ def _fused_projections(gm: fx.GraphModule, attn: fx.Node, shared: List[OutputGat
     if any(f is None for f in found) or any(len(c) != 1 for c in cuts):
         return None
     linear = cuts[0][0].linear
+    if is_linear(linear) and linear.target != aten.linear.default:
+        return "a quantized fused q/k/v projection (its blocks with their scales are not split yet)"
     if not cuts_cover([c[0] for c in cuts]) or linear_weights(gm, linear) is None:
         return None
     return [_Projection(linear, f[1], n, i > 0, c[0])  # type: ignore[index]
