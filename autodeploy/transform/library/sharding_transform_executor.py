@@ -198,8 +198,9 @@ def _pair_norms(gm: fx.GraphModule, plan: ShardingPlan, nodes: Dict[str, fx.Node
         if len(pair) != 2:
             continue
         first, second = sorted(pair, key=order.__getitem__)
-        if any(order[u] < order[second] for u in first.users) or first.args[0].meta["val"].shape[:-1] != \
-                second.args[0].meta["val"].shape[:-1]:
+        same_tokens = first.args[0].meta["val"].shape[:-1] == second.args[0].meta["val"].shape[:-1]
+        positional = all(len(n.args) == 3 and not n.kwargs for n in pair)  # (x, weight, eps)
+        if any(order[u] < order[second] for u in first.users) or not same_tokens or not positional:
             continue
         with gm.graph.inserting_before(second):
             both = gm.graph.call_function(ad.torch_dist_rmsnorm_pair.default, (*first.args, *second.args))
