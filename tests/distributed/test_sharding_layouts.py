@@ -450,13 +450,14 @@ def _layout_job(rank: int, model_type: str) -> Dict[str, Any]:
 @pytest.mark.slow  # ~30 s each on 2 cores: both ranks build the engine
 @pytest.mark.distributed
 @pytest.mark.parametrize("model_type", ["olmo2", "cohere", "llama4_text", "phi3", "dbrx", "gpt_neox", "laguna",
-                                        "bitnet", "bloom", "gpt_bigcode"])
+                                        "bitnet", "bloom", "gpt_bigcode", "qwen3_5_text"])
 def test_two_ranks_of_each_layout_give_hfs_tokens_and_logprobs(model_type):
     """OLMo-2: q/k norms over all heads; Cohere: interleaved RoPE written out; Llama-4: complex RoPE
     views and a per-position query scale; Phi-3 and DBRX: fused q/k/v blocks (DBRX's clamped);
     GPT-NeoX: q/k/v per head; Laguna: a gate value per head; BitNet: a norm over all heads before
     the output projection; BLOOM: ALiBi slopes sliced per rank, q/k/v viewed ``[heads, 3, d]``;
-    GPT-BigCode: multi-query blocks cut after an unsqueeze, the key/value head on both ranks.
+    GPT-BigCode: multi-query blocks cut after an unsqueeze, the key/value head on both ranks;
+    Qwen3.5: Gated DeltaNet layers by heads (their state and convolution channels per rank).
     Every attention is split (none left whole), and the tokens and their log-probabilities equal HF
     eager's."""
     results = _run_ranks(partial(_layout_job, model_type=model_type), world=2, timeout=400)
@@ -472,3 +473,41 @@ def test_two_ranks_of_each_layout_give_hfs_tokens_and_logprobs(model_type):
         assert expected.argmax(-1).tolist() == tokens
         want = expected.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(logprobs), want, atol=1e-4), (logprobs, want.tolist())
+
+
+def _gdn_plan(graph_module, rank: int = 1):
+    plan = detect(graph_module, world_size=2, rank=rank)
+    return {(type(d).__name__, d.weight.split("linear_attn.")[1], getattr(d, "blocks", None)) for d in plan.decisions
+            if "layers.0.linear_attn." in getattr(d, "weight", "")}, plan
+
+
+def test_a_gated_deltanet_layer_splits_by_heads_with_its_convolution_and_state():
+    """Qwen3.5's Gated DeltaNet (2 key heads, 4 value heads, 16 wide): rank 1 of 2 takes the second
+    half of each of q, k and v in ``in_proj_qkv`` and the same channels of the short convolution
+    (the split sizes halved), its rows of ``in_proj_a/b/z``, its heads of ``A_log`` and ``dt_bias``,
+    its columns of ``out_proj``; executed, the rank's tensors have those shapes (the state caches are
+    sized from them: the 2-rank test below runs them). Near miss: a second reader of the convolution's
+    output leaves the layer replicated."""
+    from autodeploy.transform.library.sharding_transform_executor import execute
+
+    gm = build(coverage_checkpoint("qwen3_5_text")[0], up_to=Stage.PATTERN_MATCHER).graph_module
+    decisions, plan = _gdn_plan(gm)
+    blocks = ((32, 2, 1), (32, 2, 1), (64, 2, 1))
+    assert decisions == {("ColumnShard", "in_proj_qkv.weight", blocks), ("ColumnShard", "conv1d.weight", blocks),
+                         ("ColumnShard", "in_proj_a.weight", ()), ("ColumnShard", "in_proj_b.weight", ()),
+                         ("ColumnShard", "in_proj_z.weight", ()), ("HeadWeightShard", "dt_bias", None),
+                         ("HeadWeightShard", "A_log", None), ("RowShard", "out_proj.weight", None)}
+    assert sorted(map(str, plan.arg_fixes.values())) == ["{1: [16, 16, 32]}"] * 3
+    execute(gm, plan)
+    layer = "model.layers.0.linear_attn."
+    shapes = {name: tuple(gm.get_parameter(layer + name).shape) for name in
+              ("in_proj_qkv.weight", "conv1d.weight", "in_proj_a.weight", "A_log", "out_proj.weight")}
+    assert shapes == {"in_proj_qkv.weight": (64, 64), "conv1d.weight": (64, 1, 4), "in_proj_a.weight": (2, 64),
+                      "A_log": (2,), "out_proj.weight": (64, 32)}
+    gm = build(coverage_checkpoint("qwen3_5_text")[0], up_to=Stage.PATTERN_MATCHER).graph_module
+    conv = next(n for n in gm.graph.nodes if n.target == ad.torch_causal_conv1d.default)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(output):
+        extra = gm.graph.call_function(torch.ops.aten.sum.default, (conv,))
+    output.args = ((output.args[0][0] if isinstance(output.args[0], tuple) else output.args[0], extra),)
+    assert _gdn_plan(gm)[0] == set()

@@ -27,9 +27,11 @@ rows (``shard_embedding``), and the LM head split by vocabulary with an all-gath
 them, where the split keeps whole blocks (a fine-grained FP8 linear whose 128-wide tiles a rank
 would cut stays whole). MLA attention (``torch_mla``) is split by heads too: the query projection
 and ``kv_b_proj``'s per-head rows, the output projection by input features; the latent and the
-shared roped key stay whole (each rank caches the whole latent). Between a projection and its
-attention the planner follows only ops it proves head-local (``_sharding_heads``: layout ops, RoPE
-matched or written out, per-head norms, element-wise ops with operands shared by the heads); a norm
+shared roped key stay whole (each rank caches the whole latent). Qwen3.5's Gated DeltaNet layers
+split by heads with their convolution channels and state (``_sharding_state``). Between a
+projection and its attention the planner follows only ops it proves head-local (``_sharding_heads``:
+layout ops, RoPE matched or written out, per-head norms, element-wise ops with operands shared by
+the heads); a norm
 over all heads' features splits as ``torch_dist_rmsnorm`` (``NormShard``), a fused q/k/v projection
 by heads (laid out head by head) or block by block (``[q | k | v]``: ``ColumnShard.blocks``, the
 cuts' bounds in ``arg_fixes``). What it cannot split stays replicated on every rank, which is
@@ -57,6 +59,7 @@ from ._sharding import (SHARDING_HINTS_META, ColumnShard, EmbeddingShard, Expert
                         sizes_that_divide, weight_target)
 from ._sharding_attention import plan_attention, plan_fused_blocks, plan_mla
 from ._sharding_heads import Cut, all_features_norm, block_cut, cuts_cover
+from ._sharding_state import plan_gated_delta_rule
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -359,6 +362,8 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
             plan_stacked_moe(gm, node, plan)
         elif node.target == ad.torch_mla.default:
             plan_mla(gm, node, plan)
+        elif node.target == ad.torch_gated_delta_rule.default:
+            plan_gated_delta_rule(gm, node, plan)
         elif node.target == aten.embedding.default and embedding:
             plan_embedding(gm, node, plan)
     if lm_head:
