@@ -511,3 +511,23 @@ def test_a_gated_deltanet_layer_splits_by_heads_with_its_convolution_and_state()
         extra = gm.graph.call_function(torch.ops.aten.sum.default, (conv,))
     output.args = ((output.args[0][0] if isinstance(output.args[0], tuple) else output.args[0], extra),)
     assert _gdn_plan(gm)[0] == set()
+
+
+def test_qwen3_next_gated_deltanet_splits_its_grouped_projections_by_whole_groups():
+    """Qwen3-Next groups ``in_proj_qkvz`` and ``in_proj_ba`` by key head (``[b, s, nk, f]`` views
+    split into each group's parts): split by rows, whole groups per rank, with the views' group and
+    head counts divided; the convolution's channels (``[q | k | v]`` concatenated) by blocks as
+    Qwen3.5's. (Two ranks of it give HF's tokens and log-probabilities with prefix caching:
+    ``test_tp_greedy_tokens``, ``-m slow``.)"""
+    gm = build(coverage_checkpoint("qwen3_next")[0], up_to=Stage.PATTERN_MATCHER).graph_module
+    decisions, plan = _gdn_plan(gm)
+    blocks = ((32, 2, 1), (32, 2, 1), (64, 2, 1))
+    assert decisions == {("ColumnShard", "conv1d.weight", blocks), ("ColumnShard", "in_proj_qkvz.weight", ()),
+                         ("ColumnShard", "in_proj_ba.weight", ()), ("HeadWeightShard", "dt_bias", None),
+                         ("HeadWeightShard", "A_log", None), ("RowShard", "out_proj.weight", None)}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    layer0 = {name: (list(nodes[name].args[1])[2:], fixes) for name, fixes in plan.layout_fixes.items()
+              if name in ("view", "view_1", "reshape_2", "reshape_12")}
+    # 2 key-head groups of qkvz (96 wide) and of ba (4 wide), 4 value heads: each halved on rank 1
+    assert layer0 == {"view": ([2, 96], {2: 2}), "view_1": ([2, 4], {2: 2}), "reshape_2": ([4], {2: 2}),
+                      "reshape_12": ([4, 16], {2: 2})}

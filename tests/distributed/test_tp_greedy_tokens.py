@@ -63,7 +63,8 @@ def test_greedy_tokens_at_several_ranks_equal_hf(family, world):
 
 
 def _state_prefix_job(rank: int, world: int) -> Dict[str, Any]:
-    """Qwen3-Next (Gated DeltaNet state caches and attention; the experts sharded) with prefix
+    """Qwen3-Next (Gated DeltaNet state caches and attention, both split by heads; the experts
+    sharded) with prefix
     caching: three prompts sharing a 22-token head, one after another, and an unrelated one
     before the third (so the slot the third runs in holds another state): the third starts from
     the state copy the second left, which every rank must restore on its own. Then the third's next

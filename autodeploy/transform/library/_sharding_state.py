@@ -1,4 +1,4 @@
-"""Tensor-parallel plans for state layers, for ``detect_sharding``: Gated DeltaNet (Qwen3.5).
+"""Tensor-parallel plans for state layers, for ``detect_sharding``: Gated DeltaNet (Qwen3.5, Qwen3-Next).
 
 A Gated DeltaNet layer splits by heads like attention, each rank running its key heads and the value
 heads that read them (value head ``h`` reads key head ``h // (nv / nk)``, so contiguous ranges of
@@ -12,21 +12,27 @@ channels. Qwen3.5's layout, as exported::
     o = torch_gated_delta_rule(q, k, v, g, beta)            # [b, s, nv, dv]
     y = linear(view(rmsnorm(o, w_dv) * silu(view(linear(x, W_z)))), W_out)
 
-On rank ``r``: ``W_qkv`` and the conv's channels by the same three blocks (``ColumnShard.blocks``),
-the split sizes divided (``arg_fixes``), ``W_a``, ``W_b``, ``W_z`` by rows, ``A_log`` and
-``dt_bias`` by head, ``W_out`` by columns and one all-reduce after; the per-head norm's weight is the
-same for every head. Anything else on the way leaves the layer replicated (correct, only slower).
+Qwen3-Next's projections are grouped by key head instead: ``W_qkvz`` viewed ``[b, s, nk, f]`` and
+split into each group's q, k, v and z (and ``W_ba`` into b and a), q, k and v flattened and
+concatenated ``[q | k | v]`` for the convolution.
+
+On rank ``r``: the conv's channels by the three blocks of q, k and v (``ColumnShard.blocks``), its
+output's split sizes divided (``arg_fixes``); ``W_qkv`` by the same blocks, or a grouped projection
+by rows (whole groups); ``W_a``, ``W_b``, ``W_z`` by rows, ``A_log`` and ``dt_bias`` by head, ``W_out``
+by columns and one all-reduce after; literal head counts in the views divided. The per-head norm's
+weight is the same for every head. Anything else on the way leaves the layer replicated (correct,
+only slower).
 """
 
-from typing import List, Optional
+import operator
+from typing import List, Optional, Tuple
 
 import torch
 from torch import fx
 
 from ..graph_utils import get_attr_value
 from ._sharding import LAYOUT_OPS, ColumnShard, HeadWeightShard, RowShard, ShardingPlan, is_linear, linear_split
-from ._sharding_attention import plan_fused_blocks
-from ._sharding_heads import Cut
+from ._sharding_attention import _fix_layouts
 
 aten = torch.ops.aten
 ad = torch.ops.autodeploy
@@ -36,9 +42,10 @@ _GATE_OPS = frozenset({aten.mul.Tensor, aten.add.Tensor, aten.neg.default, aten.
                        aten.sigmoid.default, aten._to_copy.default, aten.to.dtype})
 
 
-def _through_layout(node: object) -> Optional[fx.Node]:
-    """``node`` with the layout ops in front of it skipped (each of one reader)."""
+def _through_layout(node: object, chain: List[fx.Node]) -> Optional[fx.Node]:
+    """``node`` with the layout ops in front of it skipped (each of one reader), collected in ``chain``."""
     while isinstance(node, fx.Node) and node.target in LAYOUT_OPS and len(node.users) == 1:
+        chain.append(node)
         node = node.args[0]
     return node if isinstance(node, fx.Node) else None
 
@@ -52,34 +59,47 @@ def _stored(gm: fx.GraphModule, node: object) -> Optional[str]:
     return None
 
 
-def _qkv_cuts(gm: fx.GraphModule, rule: fx.Node) -> Optional[List[Cut]]:
-    """q, k and v of ``rule`` as three blocks of the short convolution over one projection."""
-    cuts: List[Cut] = []
-    for value in rule.args[:3]:
-        item = _through_layout(value)
-        if item is None or item.target.__name__ != "getitem" or len(item.users) != 1:
-            return None
-        split = item.args[0]
-        if split.target != aten.split_with_sizes.default or split.args[2] not in (-1, 2):
-            return None
-        conv = split.args[0]
-        if conv.target != ad.torch_causal_conv1d.default or len(conv.users) != 1 or len(split.users) != 3:
-            return None
-        linear = conv.args[0]
-        if not is_linear(linear) or linear.target != aten.linear.default or len(linear.users) != 1:
-            return None
-        sizes = list(split.args[1])
-        start = sum(sizes[:item.args[1]])
-        cuts.append(Cut(item, split, start, start + sizes[item.args[1]], linear))
-    ends = sorted(c.end for c in cuts)
-    features = cuts[0].linear.meta["val"].shape[-1] if "val" in cuts[0].linear.meta else None
-    if len({c.linear for c in cuts}) != 1 or sorted(c.start for c in cuts) != [0, *ends[:-1]] or ends[-1] != features:
+def _projection(node: object, groups: int, chain: List[fx.Node]) -> Optional[fx.Node]:
+    """The linear ``node`` is (through layout ops), or of which it is one part of every group:
+    the linear's output viewed ``[b, s, groups, f]`` and split on its last dim (Qwen3-Next's
+    ``in_proj_qkvz``: whole groups split by rows keep each group's parts together)."""
+    node = _through_layout(node, chain)
+    if node is not None and is_linear(node):
+        return node
+    if node is None or node.target is not operator.getitem:
         return None
-    return cuts
+    split = node.args[0]
+    if split.target != aten.split_with_sizes.default or split.args[2] not in (-1, 3):
+        return None
+    view = split.args[0]
+    value = view.meta.get("val")
+    if view.target not in LAYOUT_OPS or len(view.users) != 1 or not isinstance(value, torch.Tensor):
+        return None
+    if value.dim() != 4 or value.shape[2] != groups or not is_linear(view.args[0]) or len(view.args[0].users) != 1:
+        return None
+    chain.append(view)
+    return view.args[0]
 
 
-def _gate_leaves(gm: fx.GraphModule, start: fx.Node, heads: int) -> Optional[List[fx.Node]]:
-    """The linears and stored ``[heads]`` parameters a per-head gate (``g`` or ``beta``, ``[b, s,
+def _conv_blocks(rule: fx.Node) -> Optional[Tuple[fx.Node, fx.Node, List[int]]]:
+    """``(conv, split, [Q, K, V])``: q, k and v of ``rule`` as the three parts of one split of the
+    short convolution's output."""
+    items = [_through_layout(v, []) for v in rule.args[:3]]
+    if any(i is None or i.target is not operator.getitem or len(i.users) != 1 for i in items):
+        return None
+    split = items[0].args[0]  # type: ignore[union-attr]
+    if any(i.args[0] is not split for i in items) or [i.args[1] for i in items] != [0, 1, 2]:  # type: ignore
+        return None
+    if split.target != aten.split_with_sizes.default or split.args[2] not in (-1, 2) or len(split.users) != 3:
+        return None
+    conv = split.args[0]
+    if conv.target != ad.torch_causal_conv1d.default or len(conv.users) != 1:
+        return None
+    return conv, split, list(split.args[1])
+
+
+def _gate_leaves(start: fx.Node, heads: int, groups: int, chain: List[fx.Node]) -> Optional[List[fx.Node]]:
+    """The projections and stored ``[heads]`` parameters a per-head gate (``g`` or ``beta``, ``[b, s,
     heads]``) is computed from through element-wise ops, every value ``heads`` wide; None when
     anything else is on the way."""
     leaves: List[fx.Node] = []
@@ -92,16 +112,20 @@ def _gate_leaves(gm: fx.GraphModule, start: fx.Node, heads: int) -> Optional[Lis
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[-1] != heads:
             return None
-        if is_linear(node) or node.op == "get_attr":
+        if node.op == "get_attr":
             leaves.append(node)
             continue
-        if node.op != "call_function" or node.target not in _GATE_OPS:
+        if node.op == "call_function" and node.target in _GATE_OPS:
+            stack.extend(a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node))
+            continue
+        linear = _projection(node, groups, chain)
+        if linear is None:
             return None
-        stack.extend(a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node))
+        leaves.append(linear)
     return leaves
 
 
-def _output(rule: fx.Node, dv: int) -> Optional[tuple]:
+def _output(rule: fx.Node, dv: int, groups: int, chain: List[fx.Node]) -> Optional[Tuple[fx.Node, fx.Node]]:
     """``(out_proj, z)``: the output projection after the per-head norm and ``silu(z)`` gate, and
     the gate's projection; None for another layout."""
     node, z = rule, None
@@ -116,10 +140,12 @@ def _output(rule: fx.Node, dv: int) -> Optional[tuple]:
             other = user.args[1] if user.args[0] is node else user.args[0]
             if not isinstance(other, fx.Node) or other.target != aten.silu.default or len(other.users) != 1:
                 return None
-            z = _through_layout(other.args[0])
-            if z is None or not is_linear(z):
+            z = _projection(other.args[0], groups, chain)
+            if z is None:
                 return None
-        elif user.target not in LAYOUT_OPS:
+        elif user.target in LAYOUT_OPS:
+            chain.append(user)
+        else:
             return None
         node = user
     return None
@@ -132,33 +158,44 @@ def plan_gated_delta_rule(gm: fx.GraphModule, rule: fx.Node, plan: ShardingPlan)
     if q is None or v is None or q.dim() != 4:
         return False
     nk, nv, dv = int(q.shape[2]), int(v.shape[2]), int(v.shape[3])
-    if nk % plan.world_size or nv % plan.world_size:
+    found = _conv_blocks(rule)
+    if nk % plan.world_size or nv % plan.world_size or found is None:
         return False
-    cuts = _qkv_cuts(gm, rule)
-    conv = cuts[0].split.args[0] if cuts else None
-    conv_weight = _stored(gm, conv.args[1]) if conv is not None else None
-    out = _output(rule, dv)
-    gates = [_gate_leaves(gm, a, nv) for a in rule.args[3:5]]
-    if cuts is None or conv_weight is None or out is None or any(g is None for g in gates):
+    conv, split, sizes = found
+    chain: List[fx.Node] = []
+    conv_in = conv.args[0]
+    if is_linear(conv_in) and len(conv_in.users) == 1:
+        qkv, grouped = conv_in, False  # Qwen3.5: [q | k | v] straight from in_proj_qkv
+    elif conv_in.target == aten.cat.default and len(conv_in.args[0]) == 3 and len(conv_in.users) == 1:
+        parts = [_projection(p, nk, chain) for p in conv_in.args[0]]  # Qwen3-Next: each group's q, k, v
+        qkv, grouped = parts[0], True
+        if qkv is None or any(p is not qkv for p in parts):
+            return False
+    else:
         return False
-    conv_bias = _stored(gm, conv.args[2]) if len(conv.args) > 2 and conv.args[2] is not None else None
-    if len(conv.args) > 2 and conv.args[2] is not None and conv_bias is None:
+    weight, out = _stored(gm, conv.args[1]), _output(rule, dv, nk, chain)
+    gates = [_gate_leaves(a, nv, nk, chain) for a in rule.args[3:5]]
+    has_bias = len(conv.args) > 2 and conv.args[2] is not None
+    bias = _stored(gm, conv.args[2]) if has_bias else None
+    if weight is None or out is None or any(g is None for g in gates) or (has_bias and bias is None):
         return False
     out_proj, z = out
-    linears = [n for g in gates for n in g if is_linear(n)] + [z]  # type: ignore[union-attr]
-    params = [str(n.target) for g in gates for n in g if n.op == "get_attr"]  # type: ignore[union-attr]
-    splits = [linear_split(gm, n, rows=False, parts=plan.world_size) for n in linears]
-    qkv_split = linear_split(gm, cuts[0].linear, rows=False, parts=plan.world_size)
+    leaves = [n for g in gates for n in g]  # type: ignore[union-attr]
+    params = list(dict.fromkeys(str(n.target) for n in leaves if n.op == "get_attr"))
+    # split by rows: a and b, z, and a grouped q/k/v(/z) projection (whole groups); Qwen3.5's in_proj_qkv by blocks
+    rows = list(dict.fromkeys([*(n for n in leaves if n.op != "get_attr"), z, *([qkv] if grouped else [])]))
+    splits = {n: linear_split(gm, n, rows=False, parts=plan.world_size) for n in [*rows, qkv]}
     out_split = linear_split(gm, out_proj, rows=True, parts=plan.world_size)
-    if qkv_split is None or qkv_split[2] or out_split is None or any(s is None for s in splits):
+    if out_split is None or any(s is None or s[2] for s in splits.values()) or sum(sizes) != conv.meta["val"].shape[-1]:
         return False
-    blocked = [(c, plan.world_size, plan.rank) for c in cuts]
-    if not plan_fused_blocks(plan, blocked, qkv_split[0], qkv_split[1]):
-        return False
-    blocks = plan.decisions[-1].blocks  # type: ignore[union-attr]
-    plan.decisions.append(ColumnShard(conv.name, conv_weight, conv_bias, blocks=blocks))
-    for linear, (weight, bias, extra) in zip(linears, splits):  # type: ignore[misc]
-        plan.decisions.append(ColumnShard(linear.name, weight, bias, extra=extra))
-    plan.decisions.extend(HeadWeightShard(rule.name, p) for p in dict.fromkeys(params))
+    blocks = tuple((n, plan.world_size, plan.rank) for n in sizes)
+    plan.arg_fixes[split.name] = {1: [n // plan.world_size for n in sizes]}
+    plan.decisions.append(ColumnShard(conv.name, weight, bias, blocks=blocks))
+    if not grouped:
+        plan.decisions.append(ColumnShard(qkv.name, *splits[qkv][:2], blocks=blocks))  # type: ignore[index]
+    for linear in rows:
+        plan.decisions.append(ColumnShard(linear.name, *splits[linear][:2]))  # type: ignore[index]
+    plan.decisions.extend(HeadWeightShard(rule.name, p) for p in params)
     plan.decisions.append(RowShard(out_proj.name, *out_split))
+    _fix_layouts(plan, chain, (nk, nv), plan.world_size)
     return True

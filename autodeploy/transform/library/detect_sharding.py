@@ -27,8 +27,8 @@ rows (``shard_embedding``), and the LM head split by vocabulary with an all-gath
 them, where the split keeps whole blocks (a fine-grained FP8 linear whose 128-wide tiles a rank
 would cut stays whole). MLA attention (``torch_mla``) is split by heads too: the query projection
 and ``kv_b_proj``'s per-head rows, the output projection by input features; the latent and the
-shared roped key stay whole (each rank caches the whole latent). Qwen3.5's Gated DeltaNet layers
-split by heads with their convolution channels and state (``_sharding_state``). Between a
+shared roped key stay whole (each rank caches the whole latent). Gated DeltaNet layers (Qwen3.5,
+Qwen3-Next) split by heads with their convolution channels and state (``_sharding_state``). Between a
 projection and its attention the planner follows only ops it proves head-local (``_sharding_heads``:
 layout ops, RoPE matched or written out, per-head norms, element-wise ops with operands shared by
 the heads); a norm
