@@ -7,6 +7,7 @@ block slices. Two real gloo ranks (``-m slow``): greedy tokens and log-probabili
 for one model of each layout.
 """
 
+import operator
 from functools import partial
 from typing import Any, Dict
 
@@ -531,3 +532,12 @@ def test_qwen3_next_gated_deltanet_splits_its_grouped_projections_by_whole_group
     # 2 key-head groups of qkvz (96 wide) and of ba (4 wide), 4 value heads: each halved on rank 1
     assert layer0 == {"view": ([2, 96], {2: 2}), "view_1": ([2, 4], {2: 2}), "reshape_2": ([4], {2: 2}),
                       "reshape_12": ([4, 16], {2: 2})}
+    # near miss: a part of the grouped projection also read outside the layer stays whole on every rank
+    gm = build(coverage_checkpoint("qwen3_next")[0], up_to=Stage.PATTERN_MATCHER).graph_module
+    split = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.split_with_sizes.default)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(output):
+        part = gm.graph.call_function(operator.getitem, (split, 3))
+        extra = gm.graph.call_function(torch.ops.aten.sum.default, (part,))
+    output.args = ((output.args[0][0] if isinstance(output.args[0], tuple) else output.args[0], extra),)
+    assert _gdn_plan(gm)[0] == set()

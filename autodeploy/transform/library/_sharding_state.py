@@ -66,7 +66,7 @@ def _projection(node: object, groups: int, chain: List[fx.Node]) -> Optional[fx.
     node = _through_layout(node, chain)
     if node is not None and is_linear(node):
         return node
-    if node is None or node.target is not operator.getitem:
+    if node is None or node.target is not operator.getitem or len(node.users) != 1:
         return None
     split = node.args[0]
     if split.target != aten.split_with_sizes.default or split.args[2] not in (-1, 3):
@@ -77,7 +77,7 @@ def _projection(node: object, groups: int, chain: List[fx.Node]) -> Optional[fx.
         return None
     if value.dim() != 4 or value.shape[2] != groups or not is_linear(view.args[0]) or len(view.args[0].users) != 1:
         return None
-    chain.append(view)
+    chain.extend([node, view])  # the part (``plan_gated_delta_rule`` checks every part is this layer's) and the view
     return view.args[0]
 
 
@@ -180,6 +180,9 @@ def plan_gated_delta_rule(gm: fx.GraphModule, rule: fx.Node, plan: ShardingPlan)
     if weight is None or out is None or any(g is None for g in gates) or (has_bias and bias is None):
         return False
     out_proj, z = out
+    reached = set(chain)
+    if any(u not in reached for n in chain if n.target is operator.getitem for u in n.args[0].users):
+        return False  # a part of a grouped projection read outside this layer would see this rank's groups only
     leaves = [n for g in gates for n in g]  # type: ignore[union-attr]
     params = list(dict.fromkeys(str(n.target) for n in leaves if n.op == "get_attr"))
     # split by rows: a and b, z, and a grouped q/k/v(/z) projection (whole groups); Qwen3.5's in_proj_qkv by blocks
