@@ -54,6 +54,21 @@ LAYOUT_OPS = (aten.view.default, aten.reshape.default, aten.transpose.int, aten.
               aten.flatten.using_ints, aten.contiguous.default, aten.clone.default, aten._unsafe_view.default)
 
 
+# Element-wise ops (each output element reads the same element of every operand, broadcast): a
+# split of their per-feature or per-head inputs is the same split of their output. One set for
+# every walk of the planner (an MLP's activation, the ops between a projection and its attention,
+# a state layer's gates); each walk adds its own rule for the other operands.
+ELEMENTWISE = frozenset({
+    aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default,
+    aten.erf.default, aten.exp.default, aten.expm1.default, aten.softplus.default, aten.abs.default,
+    aten.neg.default, aten.square.default, aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.sqrt.default,
+    aten.reciprocal.default, aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar,
+    aten.sub.Tensor, aten.sub.Scalar, aten.div.Tensor, aten.div.Scalar, aten.clamp.default,
+    aten.clamp_min.default, aten.minimum.default, aten.maximum.default, aten.min.other, aten.max.other,
+    aten.where.self, aten.gt.Scalar, aten.ge.Scalar, aten.lt.Scalar, aten.le.Scalar, aten._to_copy.default,
+    aten.to.dtype, aten.clone.default, aten.dropout.default,
+})
+
 # gm.meta key set by apply_sharding_hints on a graph whose own hints planned its sharding: the
 # hints are the whole truth for that graph (what they leave whole stays whole), so detect_sharding
 # leaves it alone.
@@ -271,6 +286,14 @@ class ShardingPlan:
         for d in self.decisions:
             kinds[type(d).__name__] = kinds.get(type(d).__name__, 0) + 1
         return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "nothing"
+
+
+def stored_target(gm: fx.GraphModule, node: object) -> Optional[str]:
+    """The get_attr target of a stored tensor argument (any shape: a quantized expert's scalar
+    input scale too), or None (a computed value)."""
+    if isinstance(node, fx.Node) and node.op == "get_attr" and isinstance(get_attr_value(gm, node), torch.Tensor):
+        return str(node.target)
+    return None
 
 
 def weight_target(gm: fx.GraphModule, node: object) -> Optional[str]:

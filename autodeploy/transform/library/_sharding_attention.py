@@ -96,7 +96,7 @@ def _attention_whole(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> O
     weight, bias, extra = out_split
     plan.decisions.append(RowShard(out_linear.name, weight, bias, extra=extra))
     plan.decisions.extend(NormShard(n.name, str(n.args[1].target)) for n in out_norms)
-    _fix_layouts(plan, out_chain, (heads, int(out_linear.args[0].meta["val"].shape[-1])
+    fix_layouts(plan, out_chain, (heads, int(out_linear.args[0].meta["val"].shape[-1])
                                    if "val" in out_linear.args[0].meta else -1), plan.world_size)
     _add_gates(plan, gates, gate_splits, heads)
     if sinks_target is not None:
@@ -117,7 +117,7 @@ def _add_projections(plan: ShardingPlan, attn: str, projections: List["_Projecti
         plan.decisions.extend(NormShard(n.name, str(n.args[1].target), *shard, group=attn) for n in p.norms)
         features = p.cut.end - p.cut.start if p.cut is not None else (
             int(p.linear.meta["val"].shape[-1]) if "val" in p.linear.meta else -1)
-        _fix_layouts(plan, p.chain, (kv_heads if p.kv else heads, features), parts if p.kv else plan.world_size)
+        fix_layouts(plan, p.chain, (kv_heads if p.kv else heads, features), parts if p.kv else plan.world_size)
 
 
 # per-head inputs of torch_attention beside q/k/v: (argument position, keyword, head dim)
@@ -230,7 +230,7 @@ def _add_gates(plan: ShardingPlan, gates: List[OutputGate], splits: List[LinearS
     for gate, (weight, bias, extra) in zip(gates, splits):
         plan.decisions.append(ColumnShard(gate.linear.name, weight, bias, extra=extra))
         features = int(gate.linear.meta["val"].shape[-1]) if "val" in gate.linear.meta else -1
-        _fix_layouts(plan, gate.chain, (heads, features), plan.world_size)
+        fix_layouts(plan, gate.chain, (heads, features), plan.world_size)
 
 
 def plan_mla(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> bool:
@@ -284,14 +284,14 @@ def _mla_whole(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> Optional
         plan.decisions.append(HeadWeightShard(mla.name, sinks_target))
     plan.decisions.append(RowShard(out_linear.name, *out_split))
     q_features = int(q_linear.meta["val"].shape[-1]) if "val" in q_linear.meta else -1
-    _fix_layouts(plan, chain, (heads, q_features), plan.world_size)
+    fix_layouts(plan, chain, (heads, q_features), plan.world_size)
     out_features = int(out_linear.args[0].meta["val"].shape[-1]) if "val" in out_linear.args[0].meta else -1
-    _fix_layouts(plan, out_chain, (heads, out_features), plan.world_size)
+    fix_layouts(plan, out_chain, (heads, out_features), plan.world_size)
     _add_gates(plan, gates, gate_splits, heads)
     return None
 
 
-def _fix_layouts(plan: ShardingPlan, chain: List[fx.Node], full: Tuple[int, ...], divisor: int) -> None:
+def fix_layouts(plan: ShardingPlan, chain: List[fx.Node], full: Tuple[int, ...], divisor: int) -> None:
     """Literal head/feature counts in the views of one projection's chain, divided by ``divisor``."""
     for node in chain:
         dims = literal_dims(node, full)

@@ -37,7 +37,7 @@ from typing import Collection, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import fx
 
-from ._sharding import LAYOUT_OPS, ROPE_OPS, _arg, is_linear
+from ._sharding import ELEMENTWISE, LAYOUT_OPS, ROPE_OPS, _arg, is_linear
 
 aten = torch.ops.aten
 ad = torch.ops.autodeploy
@@ -72,13 +72,6 @@ def producing_linear(node: fx.Node, path: List[fx.Node]) -> Optional[fx.Node]:
 # Ops that cut the last (per-head feature) dim into parts, read through getitem: their dim argument's index
 _SPLITS = {aten.split_with_sizes.default: 2, aten.split.Tensor: 2, aten.chunk.default: 2}
 
-# Element-wise ops: each output element reads the same element of every operand (broadcast)
-ELEMENTWISE_HEAD_OPS = frozenset({
-    aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar,
-    aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten._to_copy.default, aten.to.dtype,
-    aten.rsqrt.default, aten.sqrt.default, aten.reciprocal.default, aten.pow.Tensor_Scalar, aten.square.default,
-    aten.clamp_min.default, aten.clamp.default,
-})
 # Reductions (-> the position of their dims argument) that are per head when they run over the
 # last dim of a ``[b, s, heads, d]`` value: a norm written out (``q * rsqrt(mean(q * q, -1) + eps)``)
 _REDUCTIONS = {aten.mean.dim: 1, aten.sum.dim_IntList: 1, aten.amax.default: 1, aten.linalg_vector_norm.default: 2}
@@ -259,7 +252,7 @@ def _head_inputs(node: fx.Node, heads: Optional[int], passthrough: set, visited:
             visited.add(source)
             return [source.args[0]]
         return None
-    if target in ELEMENTWISE_HEAD_OPS and heads is not None:
+    if target in ELEMENTWISE and heads is not None:
         operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
         per_head = [a for a in operands if not _same_for_every_head(a, node, heads)]
         return per_head or None

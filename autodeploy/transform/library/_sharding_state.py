@@ -30,16 +30,13 @@ from typing import List, Optional, Tuple
 import torch
 from torch import fx
 
-from ..graph_utils import get_attr_value
-from ._sharding import LAYOUT_OPS, ColumnShard, HeadWeightShard, RowShard, ShardingPlan, is_linear, linear_split
-from ._sharding_attention import _fix_layouts
+from ._sharding import (ELEMENTWISE, LAYOUT_OPS, ColumnShard, HeadWeightShard, RowShard, ShardingPlan, is_linear,
+                        linear_split, stored_target)
+from ._sharding_attention import fix_layouts
 
 aten = torch.ops.aten
 ad = torch.ops.autodeploy
 
-# element-wise ops computing the per-head decay and beta from their projections and parameters
-_GATE_OPS = frozenset({aten.mul.Tensor, aten.add.Tensor, aten.neg.default, aten.exp.default, aten.softplus.default,
-                       aten.sigmoid.default, aten._to_copy.default, aten.to.dtype})
 
 
 def _through_layout(node: object, chain: List[fx.Node]) -> Optional[fx.Node]:
@@ -54,9 +51,7 @@ def _stored(gm: fx.GraphModule, node: object) -> Optional[str]:
     """The target of a stored tensor, through a ``squeeze`` (the conv weight's ``[c, 1, k]``)."""
     if isinstance(node, fx.Node) and node.target == aten.squeeze.dim and len(node.users) == 1:
         node = node.args[0]
-    if isinstance(node, fx.Node) and node.op == "get_attr" and isinstance(get_attr_value(gm, node), torch.Tensor):
-        return str(node.target)
-    return None
+    return stored_target(gm, node)
 
 
 def _projection(node: object, groups: int, chain: List[fx.Node]) -> Optional[fx.Node]:
@@ -115,7 +110,7 @@ def _gate_leaves(start: fx.Node, heads: int, groups: int, chain: List[fx.Node]) 
         if node.op == "get_attr":
             leaves.append(node)
             continue
-        if node.op == "call_function" and node.target in _GATE_OPS:
+        if node.op == "call_function" and node.target in ELEMENTWISE:
             stack.extend(a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node))
             continue
         linear = _projection(node, groups, chain)
@@ -200,5 +195,5 @@ def plan_gated_delta_rule(gm: fx.GraphModule, rule: fx.Node, plan: ShardingPlan)
         plan.decisions.append(ColumnShard(linear.name, *splits[linear][:2]))  # type: ignore[index]
     plan.decisions.extend(HeadWeightShard(rule.name, p) for p in params)
     plan.decisions.append(RowShard(out_proj.name, *out_split))
-    _fix_layouts(plan, chain, (nk, nv), plan.world_size)
+    fix_layouts(plan, chain, (nk, nv), plan.world_size)
     return True

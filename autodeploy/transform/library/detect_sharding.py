@@ -55,8 +55,8 @@ from ...utils.logging import get_logger
 from ..graph_utils import get_attr_value
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._sharding import (SHARDING_HINTS_META, ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, NormShard,
-                        RowShard, ShardingPlan, SwigluShard, is_linear, linear_split, linear_weights,
-                        sizes_that_divide, weight_target)
+                        ELEMENTWISE, RowShard, ShardingPlan, SwigluShard, is_linear, linear_split, linear_weights,
+                        sizes_that_divide, stored_target, weight_target)
 from ._sharding_attention import plan_attention, plan_fused_blocks, plan_mla
 from ._sharding_heads import Cut, all_features_norm, block_cut, cuts_cover
 from ._sharding_state import plan_gated_delta_rule
@@ -67,17 +67,6 @@ logger = get_logger(__name__)
 QUANT_MOE_OPS = frozenset(quant_moe_ops())
 STACKED_QUANT_MOE_OPS = frozenset(stacked_quant_moe_ops())
 
-# per-feature ops an MLP's activation is made of: a column split of their inputs is a column split
-# of their output (``plan_mlp``)
-ELEMENTWISE = frozenset({
-    aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default,
-    aten.erf.default, aten.exp.default, aten.neg.default, aten.square.default, aten.pow.Tensor_Scalar,
-    aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar,
-    aten.div.Tensor, aten.div.Scalar, aten.clamp.default, aten.minimum.default, aten.maximum.default,
-    aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.dropout.default, aten.where.self,
-    aten.gt.Scalar, aten.ge.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.expm1.default, aten.softplus.default,
-    aten.abs.default, aten.min.other, aten.max.other,
-})
 
 
 class DetectShardingConfig(TransformConfig):
@@ -116,7 +105,7 @@ def plan_moe(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> bool:
     splitting inside them would cut their scale blocks, which is not built."""
     groups = [list(a) for a in node.args[3:] if isinstance(a, (list, tuple))]
     experts = len(node.args[5])  # the down projections: every MoE op's sixth argument
-    targets = [[_stored(gm, a) for a in group] for group in groups]
+    targets = [[stored_target(gm, a) for a in group] for group in groups]
     if not experts or any(t is None for group in targets for t in group):
         return False
     if experts % plan.world_size:
@@ -140,7 +129,7 @@ def plan_stacked_moe(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> b
     experts the world size does not divide stay whole on every rank (logged): correct, only
     memory."""
     slots = [a for a in node.args[3:] if isinstance(a, fx.Node)]  # weights, biases, a quantized format's scales
-    targets = [_stored(gm, a) for a in slots]
+    targets = [stored_target(gm, a) for a in slots]
     if any(t is None for t in targets):
         logger.info("MoE %s kept whole on every rank: its stacked weights are computed in the graph", node.name)
         return False
@@ -153,14 +142,6 @@ def plan_stacked_moe(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> b
     start, end = plan.rank * per_rank, (plan.rank + 1) * per_rank
     plan.decisions.append(ExpertShard(node.name, start, end, (), tuple(targets)))  # type: ignore[arg-type]
     return True
-
-
-def _stored(gm: fx.GraphModule, node: object) -> Optional[str]:
-    """The get_attr target of a stored tensor argument (any shape: a quantized expert's scalar
-    input scale too), or None (a computed value)."""
-    if isinstance(node, fx.Node) and node.op == "get_attr" and isinstance(get_attr_value(gm, node), torch.Tensor):
-        return str(node.target)
-    return None
 
 
 def _plan_moe_inside(gm: fx.GraphModule, node: fx.Node, groups: List[List[fx.Node]], targets: List[List[str]],
