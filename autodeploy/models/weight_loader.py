@@ -153,7 +153,10 @@ def load_into_module(
                         break
             if source is None and not is_param and name in initial_buffers:
                 report.from_initial += 1
-                tensor = initial_buffers[name].to(device=device)  # buffers keep their dtype (fp32 RoPE tables)
+                tensor = initial_buffers[name]
+                if name in shards:  # a built buffer split by the sharding plan (Falcon-H1's mup_vector)
+                    tensor = shards[name].take(tensor)
+                tensor = tensor.to(device=device)  # buffers keep their dtype (fp32 RoPE tables)
             elif source is None:
                 missing.append(name)
                 continue

@@ -203,10 +203,10 @@ def test_a_per_head_output_gate_splits_with_the_heads(shared_gate):
     plan = detect(gm, world_size=2, rank=0, lm_head=False, embedding=False)
     split = {d.weight for d in plan.decisions if isinstance(d, (ColumnShard, RowShard))}
     if shared_gate:  # near miss: a gate shared by every head does not split with them; the layer stays whole
-        assert split == set() and list(plan.whole_attention) == ["torch_attention"]
+        assert split == set() and list(plan.whole_layers) == ["torch_attention"]
     else:
         assert split == {"q.weight", "k.weight", "v.weight", "gate.weight", "o.weight"}
-        assert plan.whole_attention == {}
+        assert plan.whole_layers == {}
 
 
 def test_qwen3_next_attention_splits_with_its_partial_rope_and_query_half_gate():
@@ -223,14 +223,14 @@ def test_qwen3_next_attention_splits_with_its_partial_rope_and_query_half_gate()
                        if ".self_attn." in getattr(d, "weight", ""))
     assert attention == [("ColumnShard", "k_proj"), ("ColumnShard", "q_proj"), ("ColumnShard", "v_proj"),
                          ("RowShard", "o_proj")]
-    assert plan.whole_attention == {}
+    assert plan.whole_layers == {}
     gm = build(coverage_checkpoint("olmo_hybrid")[0], up_to=Stage.PATTERN_MATCHER).graph_module
     plan = detect(gm, world_size=2, rank=0)
     attention = sorted((type(d).__name__, d.weight.rsplit(".", 2)[-2]) for d in plan.decisions
                        if ".self_attn." in getattr(d, "weight", ""))
     assert attention == [("ColumnShard", "k_proj"), ("ColumnShard", "q_proj"), ("ColumnShard", "v_proj"),
                          ("NormShard", "k_norm"), ("NormShard", "q_norm"), ("RowShard", "o_proj")]
-    assert plan.whole_attention == {}
+    assert plan.whole_layers == {}
 
 
 def test_a_query_and_gate_chunked_before_the_heads_view_leave_the_layer_whole():
@@ -241,4 +241,4 @@ def test_a_query_and_gate_chunked_before_the_heads_view_leave_the_layer_whole():
     gm = export_gm(_GatedAttention(fused=True), torch.randn(2, 5, 32))
     plan = detect(gm, world_size=2, rank=0, lm_head=False, embedding=False)
     assert not any(isinstance(d, (ColumnShard, RowShard)) for d in plan.decisions)
-    assert list(plan.whole_attention) == ["torch_attention"]
+    assert list(plan.whole_layers) == ["torch_attention"]

@@ -78,9 +78,9 @@ def test_ops_between_projection_and_attention_split_only_when_they_keep_heads_ap
     norms = [d for d in plan.decisions if isinstance(d, NormShard)]
     if variant in ("all-heads layernorm", "per-head scale", "scale from all heads"):  # near misses: whole
         assert split == set() and norms == []
-        assert plan.whole_attention == {"torch_attention": QUERY_WHOLE}
+        assert plan.whole_layers == {"torch_attention": QUERY_WHOLE}
         return
-    assert split == {"q.weight", "k.weight", "v.weight", "o.weight"} and plan.whole_attention == {}
+    assert split == {"q.weight", "k.weight", "v.weight", "o.weight"} and plan.whole_layers == {}
     # the norm's weight splits with the query's heads (rank 1: the second half), its squares summed
     assert [(d.weight, d.parts, d.index) for d in norms] == ([("norm", None, None)] if variant == "all-heads rmsnorm"
                                                              else [])
@@ -150,7 +150,7 @@ def test_a_fused_qkv_projection_splits_block_by_block(layout):
     plan = _plan(module)
     if layout in ("overlapping blocks", "another reader"):
         assert _split(plan) == set() and plan.arg_fixes == {}
-        assert plan.whole_attention == {"torch_attention": QUERY_WHOLE}
+        assert plan.whole_layers == {"torch_attention": QUERY_WHOLE}
         return
     (qkv,) = [d for d in plan.decisions if isinstance(d, ColumnShard)]
     assert (qkv.weight, qkv.bias) == ("qkv.weight", "qkv.bias") and _split(plan) == {"qkv.weight", "o.weight"}
@@ -191,7 +191,7 @@ class _QuantizedFusedAttention(torch.nn.Module):
 def test_a_quantized_fused_projection_stays_whole_and_says_why():
     plan = _plan(_QuantizedFusedAttention())
     assert _split(plan) == set() and plan.arg_fixes == {}
-    assert plan.whole_attention == {
+    assert plan.whole_layers == {
         "torch_attention": "a quantized fused q/k/v projection (its blocks with their scales are not split yet)"}
 
 
@@ -316,7 +316,7 @@ def test_gates_and_norms_after_the_attention_split_with_its_heads(variant):
     plan = _plan(module)
     if variant == "one gate for all heads":
         assert _split(plan) == set()
-        assert plan.whole_attention == {"torch_attention": "the output does not reach one output projection "
+        assert plan.whole_layers == {"torch_attention": "the output does not reach one output projection "
                                                            "through layout ops and per-head gates"}
         return
     norms = [(d.weight, d.parts) for d in plan.decisions if isinstance(d, NormShard)]
@@ -356,7 +356,7 @@ def test_per_head_inputs_computed_in_the_graph_are_sliced_to_each_ranks_heads():
     plan = _plan(module)
     assert sorted((d.name, d.dim) for d in plan.decisions if isinstance(d, HeadSlice)) == [
         ("alibi_slopes", 0), ("rel_logits", 2)]
-    assert _split(plan) == {"q.weight", "k.weight", "v.weight", "o.weight"} and plan.whole_attention == {}
+    assert _split(plan) == {"q.weight", "k.weight", "v.weight", "o.weight"} and plan.whole_layers == {}
     with torch.no_grad():  # each rank's heads read their own slopes and bias: the partial sums add up
         for shape in ((2, 5, 32), (1, 3, 32)):
             x = torch.randn(shape)
@@ -393,13 +393,13 @@ def test_fused_projections_of_real_models_split():
     assert len(fused) == 2 and all(d.blocks == ((64, 2, 0), (32, 2, 0), (32, 2, 0)) for d in fused)
     gate_up = [d for d in plan.decisions if isinstance(d, ColumnShard) and "gate_up_proj" in d.weight]
     assert len(gate_up) == 2 and all(d.blocks == ((128, 2, 0), (128, 2, 0)) for d in gate_up)
-    assert plan.whole_attention == {}
+    assert plan.whole_layers == {}
     gm = build(coverage_checkpoint("gpt_neox")[0], up_to=Stage.PATTERN_MATCHER).graph_module
     plan = detect(gm, world_size=2, rank=0)
     attention = sorted((type(d).__name__, d.weight.rsplit(".", 2)[-2]) for d in plan.decisions
                        if ".attention." in getattr(d, "weight", ""))
     assert attention == [("ColumnShard", "query_key_value")] * 2 + [("RowShard", "dense")] * 2
-    assert plan.whole_attention == {}
+    assert plan.whole_layers == {}
 
 
 def test_query_and_key_norms_over_all_heads_share_one_all_reduce():
@@ -435,7 +435,7 @@ def _layout_job(rank: int, model_type: str) -> Dict[str, Any]:
     path, vocab = coverage_checkpoint(model_type)
     llm = LLM(path, dtype="float32", world_size=2, max_seq_len=64, max_batch_size=4, max_num_tokens=64)
     plan = llm.build.context.sharding_plan
-    whole = dict(plan.whole_attention) if plan is not None else None
+    whole = dict(plan.whole_layers) if plan is not None else None
     if not llm.is_driver:
         llm.follow()
         return {"whole": whole}
@@ -496,8 +496,8 @@ def test_a_gated_deltanet_layer_splits_by_heads_with_its_convolution_and_state()
     blocks = ((32, 2, 1), (32, 2, 1), (64, 2, 1))
     assert decisions == {("ColumnShard", "in_proj_qkv.weight", blocks), ("ColumnShard", "conv1d.weight", blocks),
                          ("ColumnShard", "in_proj_a.weight", ()), ("ColumnShard", "in_proj_b.weight", ()),
-                         ("ColumnShard", "in_proj_z.weight", ()), ("HeadWeightShard", "dt_bias", None),
-                         ("HeadWeightShard", "A_log", None), ("RowShard", "out_proj.weight", None)}
+                         ("ColumnShard", "in_proj_z.weight", ()), ("HeadWeightShard", "dt_bias", ()),
+                         ("HeadWeightShard", "A_log", ()), ("RowShard", "out_proj.weight", None)}
     assert sorted(map(str, plan.arg_fixes.values())) == ["{1: [16, 16, 32]}"] * 3
     execute(gm, plan)
     layer = "model.layers.0.linear_attn."
@@ -524,8 +524,8 @@ def test_qwen3_next_gated_deltanet_splits_its_grouped_projections_by_whole_group
     decisions, plan = _gdn_plan(gm)
     blocks = ((32, 2, 1), (32, 2, 1), (64, 2, 1))
     assert decisions == {("ColumnShard", "conv1d.weight", blocks), ("ColumnShard", "in_proj_qkvz.weight", ()),
-                         ("ColumnShard", "in_proj_ba.weight", ()), ("HeadWeightShard", "dt_bias", None),
-                         ("HeadWeightShard", "A_log", None), ("RowShard", "out_proj.weight", None)}
+                         ("ColumnShard", "in_proj_ba.weight", ()), ("HeadWeightShard", "dt_bias", ()),
+                         ("HeadWeightShard", "A_log", ()), ("RowShard", "out_proj.weight", None)}
     nodes = {n.name: n for n in gm.graph.nodes}
     layer0 = {name: (list(nodes[name].args[1])[2:], fixes) for name, fixes in plan.layout_fixes.items()
               if name in ("view", "view_1", "reshape_2", "reshape_12")}

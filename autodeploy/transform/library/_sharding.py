@@ -24,6 +24,8 @@ A plan is a list of decisions over graph nodes, each a plain dataclass:
   bias), sliced to this rank's heads right before the op.
 * ``NormShard``: an RMSNorm over all heads' features between a projection and its attention
   (OLMo-2's q/k norms), its weight split with the heads and its mean of squares summed over ranks.
+* ``FeatureMeanShard``: a mean over features split across ranks (a Mamba2 layer's gated norm written
+  out over all its features): the ranks' means averaged by an all-reduce.
 
 Linears are ``aten.linear`` or one of the quantized linears (``torch_quant_*_linear``): a
 :class:`LinearLayout` says which of the op's tensors split with the output features (a column
@@ -213,12 +215,16 @@ class ExpertTensorShard:
 
 @dataclass(frozen=True)
 class HeadWeightShard:
-    """A stored weight an attention op reads itself, split by heads with the op's query heads:
-    ``torch_mla``'s ``kv_b_proj`` weight, ``[heads * (d_nope + d_v), L]``, rows head by head."""
+    """A stored tensor an op reads itself (not through a linear), split with the op's heads or
+    channels: ``torch_mla``'s ``kv_b_proj`` weight, ``[heads * (d_nope + d_v), L]``, rows head by
+    head; a state layer's per-head ``A_log``, ``D``, ``dt_bias``; Mamba's ``dt_proj`` weight (a
+    matmul's rows). With ``blocks``, cut as ``WeightShard.blocks`` (Falcon-H1's ``mup_vector`` over
+    the fused ``[z | x | B | C | dt]`` features)."""
 
     node: str  # the op reading it
     weight: str  # get_attr target
     dim: int = 0
+    blocks: Tuple[Tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -262,8 +268,17 @@ class NormShard:
     group: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class FeatureMeanShard:
+    """A mean over the last dim of a value whose features are split across ranks in equal slices (a
+    norm written out over all of a Mamba2 layer's features, its gated RMSNorm with one group): each
+    rank's mean over its slice, all-reduced and divided by the world size, is the whole mean."""
+
+    node: str  # the aten.mean.dim node
+
+
 Decision = Union[ColumnShard, RowShard, SwigluShard, ExpertShard, ExpertTensorShard, HeadWeightShard,
-                 EmbeddingShard, NormShard, HeadSlice]
+                 EmbeddingShard, NormShard, HeadSlice, FeatureMeanShard]
 
 
 @dataclass
@@ -274,9 +289,9 @@ class ShardingPlan:
     # view/reshape nodes whose literal sizes count heads or features of a sharded projection
     # (node name -> {index of the size in its shape argument: what it is divided by})
     layout_fixes: Dict[str, Dict[int, int]] = field(default_factory=dict)
-    # attention ops (torch_attention, torch_mla) left whole on every rank (each rank runs all their
-    # heads): node name -> why
-    whole_attention: Dict[str, str] = field(default_factory=dict)
+    # attention ops (torch_attention, torch_mla) and state-layer ops (Gated DeltaNet, Mamba, Mamba2)
+    # left whole on every rank (each rank runs all their heads): node name -> why
+    whole_layers: Dict[str, str] = field(default_factory=dict)
     # arguments to replace on nodes that cut a fused projection's output into its blocks (slice
     # bounds, split sizes: each rank's blocks are smaller): node name -> {argument index: value}
     arg_fixes: Dict[str, Dict[int, object]] = field(default_factory=dict)

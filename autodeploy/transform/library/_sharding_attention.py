@@ -44,7 +44,7 @@ def _kv_split(heads: int, kv_heads: int, world_size: int, rank: int, name: str) 
 
 def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> bool:
     """Add the decisions for one ``torch_attention`` node; False (nothing added, the reason in
-    ``plan.whole_attention``) when its projections are not linears over stored weights (plain or
+    ``plan.whole_layers``) when its projections are not linears over stored weights (plain or
     quantized, each splittable into whole blocks of its format), or when the ops between them and the
     attention are not ones that keep each head's values to its head (``_sharding_heads``). Per-head
     sinks (GPT-OSS) split with the heads (a stored weight by its rows; computed ones, ALiBi slopes
@@ -55,7 +55,7 @@ def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> boo
     column split serves both)."""
     reason = _attention_whole(gm, attn, plan)
     if reason is not None:
-        plan.whole_attention[attn.name] = reason
+        plan.whole_layers[attn.name] = reason
     return reason is None
 
 
@@ -240,11 +240,11 @@ def plan_mla(gm: fx.GraphModule, mla: fx.Node, plan: ShardingPlan) -> bool:
     for every head and stay whole, so each rank caches the whole latent (the MLA cache is per token,
     not per head) and attends with its own heads. Per-head sinks (HY-V4) go with their heads; sinks
     that are not a stored weight read by this op alone leave the layer whole. So does a per-head output
-    gate (HY-V4, ``output_gate``). False (nothing added, the reason in ``plan.whole_attention``) for
+    gate (HY-V4, ``output_gate``). False (nothing added, the reason in ``plan.whole_layers``) for
     a layer it leaves whole."""
     reason = _mla_whole(gm, mla, plan)
     if reason is not None:
-        plan.whole_attention[mla.name] = reason
+        plan.whole_layers[mla.name] = reason
     return reason is None
 
 

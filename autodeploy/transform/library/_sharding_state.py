@@ -25,7 +25,7 @@ only slower).
 """
 
 import operator
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx
@@ -37,9 +37,14 @@ from ._sharding_attention import fix_layouts
 aten = torch.ops.aten
 ad = torch.ops.autodeploy
 
+# why a state layer stays whole on every rank (``ShardingPlan.whole_layers``)
+LAYOUT = ("the ops between its projections and its state op are not a layout the planner follows, or a value "
+          "on the way is also read outside the layer")
+QUANTIZED = "its projections do not split into whole blocks or groups of their quantized format at this world size"
 
 
-def _through_layout(node: object, chain: List[fx.Node]) -> Optional[fx.Node]:
+
+def through_layout(node: object, chain: List[fx.Node]) -> Optional[fx.Node]:
     """``node`` with the layout ops in front of it skipped (each of one reader), collected in ``chain``."""
     while isinstance(node, fx.Node) and node.target in LAYOUT_OPS and len(node.users) == 1:
         chain.append(node)
@@ -47,7 +52,7 @@ def _through_layout(node: object, chain: List[fx.Node]) -> Optional[fx.Node]:
     return node if isinstance(node, fx.Node) else None
 
 
-def _stored(gm: fx.GraphModule, node: object) -> Optional[str]:
+def stored_squeezed(gm: fx.GraphModule, node: object) -> Optional[str]:
     """The target of a stored tensor, through a ``squeeze`` (the conv weight's ``[c, 1, k]``)."""
     if isinstance(node, fx.Node) and node.target == aten.squeeze.dim and len(node.users) == 1:
         node = node.args[0]
@@ -58,7 +63,7 @@ def _projection(node: object, groups: int, chain: List[fx.Node]) -> Optional[fx.
     """The linear ``node`` is (through layout ops), or of which it is one part of every group:
     the linear's output viewed ``[b, s, groups, f]`` and split on its last dim (Qwen3-Next's
     ``in_proj_qkvz``: whole groups split by rows keep each group's parts together)."""
-    node = _through_layout(node, chain)
+    node = through_layout(node, chain)
     if node is not None and is_linear(node):
         return node
     if node is None or node.target is not operator.getitem or len(node.users) != 1:
@@ -76,10 +81,11 @@ def _projection(node: object, groups: int, chain: List[fx.Node]) -> Optional[fx.
     return view.args[0]
 
 
-def _conv_blocks(rule: fx.Node) -> Optional[Tuple[fx.Node, fx.Node, List[int]]]:
-    """``(conv, split, [Q, K, V])``: q, k and v of ``rule`` as the three parts of one split of the
-    short convolution's output."""
-    items = [_through_layout(v, []) for v in rule.args[:3]]
+def conv_parts(args: Sequence[object], chains: Sequence[List[fx.Node]]) -> Optional[Tuple[fx.Node, fx.Node, List[int]]]:
+    """``(conv, split, sizes)``: the three ``args`` (Gated DeltaNet's q, k and v; Mamba2's x, B and
+    C), through layout ops (collected in ``chains``), as the parts 0, 1, 2 of one split of a short
+    convolution's output."""
+    items = [through_layout(v, chain) for v, chain in zip(args, chains)]
     if any(i is None or i.target is not operator.getitem or len(i.users) != 1 for i in items):
         return None
     split = items[0].args[0]  # type: ignore[union-attr]
@@ -87,13 +93,31 @@ def _conv_blocks(rule: fx.Node) -> Optional[Tuple[fx.Node, fx.Node, List[int]]]:
         return None
     if split.target != aten.split_with_sizes.default or split.args[2] not in (-1, 2) or len(split.users) != 3:
         return None
-    conv = split.args[0]
-    if conv.target != ad.torch_causal_conv1d.default or len(conv.users) != 1:
+    conv = _skip_position_ops(split.args[0])
+    if conv is None or conv.target != ad.torch_causal_conv1d.default or len(conv.users) != 1:
         return None
     return conv, split, list(split.args[1])
 
 
-def _gate_leaves(start: fx.Node, heads: int, groups: int, chain: List[fx.Node]) -> Optional[List[fx.Node]]:
+def _skip_position_ops(node: fx.Node) -> Optional[fx.Node]:
+    """The conv ``node`` is, through transposes and slices of the positions (OLMo-Hybrid's conv output
+    cut to the last ``s``), each of one reader; None for anything else. Batch and positions are the
+    symbolic dims, so a value with one static dim keeps the channels there through them."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or sum(type(d) is int for d in value.shape) != 1:
+        return node if node.target == ad.torch_causal_conv1d.default else None
+    while node.target != ad.torch_causal_conv1d.default:
+        source = node.args[0]
+        if not isinstance(source, fx.Node) or len(node.users) != 1 or "val" not in source.meta:
+            return None
+        sliced = node.target == aten.slice.Tensor and type(source.meta["val"].shape[node.args[1]]) is not int
+        if node.target != aten.transpose.int and not sliced:
+            return None
+        node = source
+    return node
+
+
+def gate_leaves(start: fx.Node, heads: int, groups: int, chain: List[fx.Node]) -> Optional[List[fx.Node]]:
     """The projections and stored ``[heads]`` parameters a per-head gate (``g`` or ``beta``, ``[b, s,
     heads]``) is computed from through element-wise ops, every value ``heads`` wide; None when
     anything else is on the way."""
@@ -146,54 +170,75 @@ def _output(rule: fx.Node, dv: int, groups: int, chain: List[fx.Node]) -> Option
     return None
 
 
-def plan_gated_delta_rule(gm: fx.GraphModule, rule: fx.Node, plan: ShardingPlan) -> bool:
-    """Split one ``torch_gated_delta_rule`` layer by heads (module docstring); False (nothing added)
-    for another layout or head counts the world size does not divide."""
+def _qkv_source(conv_in: object, nk: int, sizes: List[int], chain: List[fx.Node]
+                ) -> Optional[Tuple[Optional[fx.Node], List[fx.Node]]]:
+    """Where the convolution's ``[q | k | v]`` comes from: ``(projection split by the three blocks,
+    [])`` for Qwen3.5's ``in_proj_qkv``; ``(None, [projections split by rows])`` for Qwen3-Next's
+    grouped projection (whole groups) or three separate ones (OLMo-Hybrid's q, k, v); None for
+    another layout. Separate projections must be the split's blocks, ``sizes``, in order."""
+    if is_linear(conv_in) and len(conv_in.users) == 1:  # type: ignore[union-attr]
+        return conv_in, []  # type: ignore[return-value]
+    if (not isinstance(conv_in, fx.Node) or conv_in.target != aten.cat.default or len(conv_in.args[0]) != 3
+            or len(conv_in.users) != 1):
+        return None
+    parts = conv_in.args[0]
+    if all(is_linear(p) and len(p.users) == 1 for p in parts) and len(set(parts)) == 3:
+        widths = [int(p.meta["val"].shape[-1]) if "val" in p.meta else -1 for p in parts]
+        return (None, list(parts)) if widths == sizes else None
+    grouped = [_projection(p, nk, chain) for p in parts]  # Qwen3-Next: each group's q, k, v
+    if grouped[0] is None or any(p is not grouped[0] for p in grouped):
+        return None
+    return None, [grouped[0]]
+
+
+def plan_gated_delta_rule(gm: fx.GraphModule, rule: fx.Node, plan: ShardingPlan) -> Optional[str]:
+    """Split one ``torch_gated_delta_rule`` layer by heads (module docstring); None when planned,
+    else why it stays whole (nothing added): another layout, or head counts the world size does not
+    divide."""
     q, v = rule.args[0].meta.get("val"), rule.args[2].meta.get("val")
     if q is None or v is None or q.dim() != 4:
-        return False
+        return LAYOUT
     nk, nv, dv = int(q.shape[2]), int(v.shape[2]), int(v.shape[3])
-    found = _conv_blocks(rule)
-    if nk % plan.world_size or nv % plan.world_size or found is None:
-        return False
+    if nk % plan.world_size or nv % plan.world_size:
+        return f"{nk} key and {nv} value heads do not split over {plan.world_size} ranks"
+    found = conv_parts(rule.args[:3], [[], [], []])
+    if found is None:
+        return LAYOUT
     conv, split, sizes = found
     chain: List[fx.Node] = []
-    conv_in = conv.args[0]
-    if is_linear(conv_in) and len(conv_in.users) == 1:
-        qkv, grouped = conv_in, False  # Qwen3.5: [q | k | v] straight from in_proj_qkv
-    elif conv_in.target == aten.cat.default and len(conv_in.args[0]) == 3 and len(conv_in.users) == 1:
-        parts = [_projection(p, nk, chain) for p in conv_in.args[0]]  # Qwen3-Next: each group's q, k, v
-        qkv, grouped = parts[0], True
-        if qkv is None or any(p is not qkv for p in parts):
-            return False
-    else:
-        return False
-    weight, out = _stored(gm, conv.args[1]), _output(rule, dv, nk, chain)
-    gates = [_gate_leaves(a, nv, nk, chain) for a in rule.args[3:5]]
+    source = _qkv_source(conv.args[0], nk, sizes, chain)
+    if source is None:
+        return LAYOUT
+    qkv, by_rows = source
+    weight, out = stored_squeezed(gm, conv.args[1]), _output(rule, dv, nk, chain)
+    gates = [gate_leaves(a, nv, nk, chain) for a in rule.args[3:5]]
     has_bias = len(conv.args) > 2 and conv.args[2] is not None
-    bias = _stored(gm, conv.args[2]) if has_bias else None
+    bias = stored_squeezed(gm, conv.args[2]) if has_bias else None
     if weight is None or out is None or any(g is None for g in gates) or (has_bias and bias is None):
-        return False
+        return LAYOUT
     out_proj, z = out
     reached = set(chain)
     if any(u not in reached for n in chain if n.target is operator.getitem for u in n.args[0].users):
-        return False  # a part of a grouped projection read outside this layer would see this rank's groups only
+        return LAYOUT  # a part of a grouped projection read outside this layer would see this rank's groups only
     leaves = [n for g in gates for n in g]  # type: ignore[union-attr]
     params = list(dict.fromkeys(str(n.target) for n in leaves if n.op == "get_attr"))
-    # split by rows: a and b, z, and a grouped q/k/v(/z) projection (whole groups); Qwen3.5's in_proj_qkv by blocks
-    rows = list(dict.fromkeys([*(n for n in leaves if n.op != "get_attr"), z, *([qkv] if grouped else [])]))
-    splits = {n: linear_split(gm, n, rows=False, parts=plan.world_size) for n in [*rows, qkv]}
+    # split by rows: a and b, z, a grouped q/k/v(/z) projection (whole groups) or separate q, k, v; Qwen3.5's
+    # in_proj_qkv by blocks
+    rows = list(dict.fromkeys([*(n for n in leaves if n.op != "get_attr"), z, *by_rows]))
+    splits = {n: linear_split(gm, n, rows=False, parts=plan.world_size) for n in [*rows, *([qkv] if qkv else [])]}
     out_split = linear_split(gm, out_proj, rows=True, parts=plan.world_size)
-    if out_split is None or any(s is None or s[2] for s in splits.values()) or sum(sizes) != conv.meta["val"].shape[-1]:
-        return False
+    if sum(sizes) != conv.meta["val"].shape[-1]:
+        return LAYOUT
+    if out_split is None or any(s is None or s[2] for s in splits.values()):
+        return QUANTIZED
     blocks = tuple((n, plan.world_size, plan.rank) for n in sizes)
     plan.arg_fixes[split.name] = {1: [n // plan.world_size for n in sizes]}
     plan.decisions.append(ColumnShard(conv.name, weight, bias, blocks=blocks))
-    if not grouped:
+    if qkv is not None:
         plan.decisions.append(ColumnShard(qkv.name, *splits[qkv][:2], blocks=blocks))  # type: ignore[index]
     for linear in rows:
         plan.decisions.append(ColumnShard(linear.name, *splits[linear][:2]))  # type: ignore[index]
     plan.decisions.extend(HeadWeightShard(rule.name, p) for p in params)
     plan.decisions.append(RowShard(out_proj.name, *out_split))
     fix_layouts(plan, chain, (nk, nv), plan.world_size)
-    return True
+    return None

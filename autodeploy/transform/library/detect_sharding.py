@@ -27,8 +27,10 @@ rows (``shard_embedding``), and the LM head split by vocabulary with an all-gath
 them, where the split keeps whole blocks (a fine-grained FP8 linear whose 128-wide tiles a rank
 would cut stays whole). MLA attention (``torch_mla``) is split by heads too: the query projection
 and ``kv_b_proj``'s per-head rows, the output projection by input features; the latent and the
-shared roped key stay whole (each rank caches the whole latent). Gated DeltaNet layers (Qwen3.5,
-Qwen3-Next) split by heads with their convolution channels and state (``_sharding_state``). Between a
+shared roped key stay whole (each rank caches the whole latent). State layers split by heads or
+channels with their convolution channels and state: Gated DeltaNet (Qwen3.5, Qwen3-Next:
+``_sharding_state``), Mamba2 and Mamba (Bamba, Falcon-H1, Nemotron-H, Granite-4, Zamba2, Jamba, ...)
+and LFM2's gated short convolution (``_sharding_mamba``). Between a
 projection and its attention the planner follows only ops it proves head-local (``_sharding_heads``:
 layout ops, RoPE matched or written out, per-head norms, element-wise ops with operands shared by
 the heads); a norm
@@ -36,8 +38,8 @@ over all heads' features splits as ``torch_dist_rmsnorm`` (``NormShard``), a fus
 by heads (laid out head by head) or block by block (``[q | k | v]``: ``ColumnShard.blocks``, the
 cuts' bounds in ``arg_fixes``). What it cannot split stays replicated on every rank, which is
 correct and only costs memory and speed: the norms, quantized experts the world size does not
-divide, any projection it does not recognise, and attention it cannot prove head-local (its reason
-in ``ShardingPlan.whole_attention``, rank 0 warns).
+divide, any projection it does not recognise, and attention or a state layer it cannot prove
+head-local (its reason in ``ShardingPlan.whole_layers``, rank 0 warns).
 Head or feature counts that the world size does not split are an error listing the world sizes
 that would work. A graph whose model stated its own sharding (``torch_linear_with_hint``) was
 planned by ``apply_sharding_hints`` and is skipped here.
@@ -59,6 +61,7 @@ from ._sharding import (SHARDING_HINTS_META, ColumnShard, EmbeddingShard, Expert
                         sizes_that_divide, stored_target, weight_target)
 from ._sharding_attention import plan_attention, plan_fused_blocks, plan_mla
 from ._sharding_heads import Cut, all_features_norm, block_cut, cuts_cover
+from ._sharding_mamba import plan_mamba, plan_mamba2, plan_short_conv
 from ._sharding_state import plan_gated_delta_rule
 
 ad = torch.ops.autodeploy
@@ -327,6 +330,11 @@ def plan_embedding(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> boo
     return True
 
 
+# state-layer ops -> their planner (None when planned, else why the layer stays whole)
+_STATE_PLANNERS = {ad.torch_gated_delta_rule.default: plan_gated_delta_rule, ad.torch_ssm.default: plan_mamba2,
+                   ad.torch_ssm_mamba1.default: plan_mamba}
+
+
 def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
            embedding: bool = True) -> ShardingPlan:
     plan = ShardingPlan(world_size=world_size, rank=rank)
@@ -343,8 +351,12 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
             plan_stacked_moe(gm, node, plan)
         elif node.target == ad.torch_mla.default:
             plan_mla(gm, node, plan)
-        elif node.target == ad.torch_gated_delta_rule.default:
-            plan_gated_delta_rule(gm, node, plan)
+        elif node.target in _STATE_PLANNERS:
+            reason = _STATE_PLANNERS[node.target](gm, node, plan)
+            if reason is not None:
+                plan.whole_layers[node.name] = reason
+        elif node.target == ad.torch_causal_conv1d.default:
+            plan_short_conv(gm, node, plan)  # LFM2's; a Mamba or Gated DeltaNet conv is its layer's planner's
         elif node.target == aten.embedding.default and embedding:
             plan_embedding(gm, node, plan)
     if lm_head:
@@ -372,10 +384,11 @@ class DetectSharding(BaseTransform):
         cfg: DetectShardingConfig = self.config  # type: ignore[assignment]
         plan = detect(gm, ctx.world_size, ctx.rank, lm_head=cfg.shard_lm_head, embedding=cfg.shard_embedding)
         logger.info("sharding plan for rank %d of %d: %s", ctx.rank, ctx.world_size, plan.summary())
-        if plan.whole_attention and ctx.rank == 0:
-            first, why = next(iter(plan.whole_attention.items()))
-            logger.warning("%d attention layer(s) stay whole on every rank (each rank computes all their heads: the "
-                           "same answer, without the speed-up or memory saving of a split), starting with %s: %s",
-                           len(plan.whole_attention), first, why)
+        if plan.whole_layers and ctx.rank == 0:
+            first, why = next(iter(plan.whole_layers.items()))
+            logger.warning("%d attention or state layer(s) stay whole on every rank (each rank computes all their "
+                           "heads: the same answer, without the speed-up or memory saving of a split), starting with "
+                           "%s: %s",
+                           len(plan.whole_layers), first, why)
         ctx.sharding_plan = plan
         return TransformInfo(num_matches=len(plan.decisions), is_clean=True, has_valid_shapes=True)

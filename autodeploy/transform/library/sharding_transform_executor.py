@@ -56,6 +56,12 @@ A fused ``[q | k | v]`` projection (``ColumnShard.blocks``) keeps this rank's pa
 and the slices or split sizes that cut it take this rank's smaller blocks (``arg_fixes``)::
 
     qkv = linear(x, W[q_r | k_r | v_r]);  q = qkv[..., 0:Q/n];  k = qkv[..., Q/n:Q/n + K/n]; ...
+
+State layers split the same way (a Mamba2 layer's ``in_proj`` by its five blocks, its conv by three,
+per-head tensors by ``HeadWeightShard``); a mean over features split across ranks (a Mamba2 gated norm
+with one group: ``FeatureMeanShard``) becomes the ranks' means averaged::
+
+    ms = autodeploy.torch_dist_all_reduce(mean(g_r ** 2, -1, keepdim=True)) / n
 """
 
 import operator
@@ -67,8 +73,8 @@ from torch import fx, nn
 from ..graph_utils import arg
 from ..interface import BaseTransform, PipelineContext, Stage, TransformConfig, TransformInfo, TransformRegistry
 from ._quant_from_config import GRAPH_IGNORED_TENSORS
-from ._sharding import (ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, HeadSlice, HeadWeightShard,
-                        NormShard, RowShard, ShardingPlan, SwigluShard, WeightShard)
+from ._sharding import (ColumnShard, EmbeddingShard, ExpertShard, ExpertTensorShard, FeatureMeanShard, HeadSlice,
+                        HeadWeightShard, NormShard, RowShard, ShardingPlan, SwigluShard, WeightShard)
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -262,8 +268,13 @@ def execute(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, WeightShard]:
             _keep_local_experts(gm, node, decision, plan, shards)
         elif isinstance(decision, ExpertTensorShard):
             _split_inside_experts(gm, node, decision, plan, shards)
-        elif isinstance(decision, HeadWeightShard):  # torch_mla's kv_b_proj: this rank's heads' rows
-            _shard_param(gm, decision.weight, decision.dim, plan, shards)
+        elif isinstance(decision, HeadWeightShard):  # torch_mla's kv_b_proj, A_log, ...: this rank's heads' rows
+            _shard_param(gm, decision.weight, decision.dim, plan, shards, blocks=decision.blocks)
+        elif isinstance(decision, FeatureMeanShard):  # the mean over all ranks' equal slices
+            reduced = _all_reduce_after(gm, node)
+            with gm.graph.inserting_after(reduced):
+                mean = gm.graph.call_function(aten.div.Scalar, (reduced, plan.world_size))
+            reduced.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)
         elif isinstance(decision, HeadSlice):
             _slice_heads(gm, node, decision, plan)
         elif isinstance(decision, NormShard):  # a norm over all heads: its slice, squares summed over ranks
