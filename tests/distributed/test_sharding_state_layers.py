@@ -1,10 +1,11 @@
 """Tensor parallelism for state layers: Mamba2, Mamba and LFM2's gated short convolution
-(``_sharding_mamba``), and OLMo-Hybrid's Gated DeltaNet layout (``_sharding_state``; Qwen3.5's and
-Qwen3-Next's are in ``test_sharding_layouts``).
+(``_sharding_mamba``), and OLMo-Hybrid's and Kimi-Linear's Gated DeltaNet layouts (``_sharding_state``;
+Qwen3.5's and Qwen3-Next's are in ``test_sharding_layouts``).
 
 One process: the plans of tiny real checkpoints (Bamba: Mamba2 with one group and a gated norm over
 all features; Mamba2 with two groups; Falcon-H1's ``mup_vector``; Mamba's ``x_proj``/``dt_proj``;
-LFM2; OLMo-Hybrid's separate q/k/v projections), their executed shard shapes, and near misses (a
+LFM2; OLMo-Hybrid's separate q/k/v projections; Kimi's per-channel decay), their executed shard
+shapes, and near misses (a
 second reader, groups a norm would split);
 synthetic Mamba2 and short-conv layers whose ranks' partial outputs, each rank's graph loaded with its
 slices, add up to the layer's output at two shapes. Two real gloo ranks (``-m slow``,
@@ -185,6 +186,30 @@ def test_olmo_hybrids_gated_deltanet_splits_its_separate_projections_by_heads():
     assert _layer(plan, "layers.0.linear_attn.") == set()
 
 
+def test_kimis_channelwise_gated_deltanet_splits_its_per_channel_gate_by_heads():
+    """Kimi-Linear's KDA: the decay is per key channel (``[b, s, heads, d]``, from a low-rank
+    ``f_b_proj(f_a_proj(x))`` plus a flat ``dt_bias`` viewed by heads, times ``-exp(A_log)`` stored
+    ``[1, 1, heads, 1]``), the output gate a sigmoid: ``f_b_proj``, ``g_b_proj`` and ``b_proj`` by
+    heads (their low-rank inputs whole), ``dt_bias`` along dim 0 and ``A_log`` along its heads dim 2.
+    Near miss: the decay's pre-activation also read outside the layer."""
+    gm = _graph("kimi_linear")
+    plan = detect(gm, world_size=2, rank=1)
+    blocks = ((64, 2, 1),) * 3
+    assert _layer(plan, "layers.0.self_attn.") == {
+        ("ColumnShard", "q_proj.weight", (), 0), ("ColumnShard", "k_proj.weight", (), 0),
+        ("ColumnShard", "v_proj.weight", (), 0), ("ColumnShard", "conv1d.weight", blocks, 0),
+        ("ColumnShard", "f_b_proj.weight", (), 0), ("ColumnShard", "g_b_proj.weight", (), 0),
+        ("ColumnShard", "b_proj.weight", (), 0), ("HeadWeightShard", "dt_bias", (), 0),
+        ("HeadWeightShard", "A_log", (), 2), ("RowShard", "o_proj.weight", (), 0)}
+    execute(gm, plan)
+    assert tuple(gm.get_parameter("model.layers.0.self_attn.A_log").shape) == (1, 1, 2, 1)
+    gm = _graph("kimi_linear")
+    rule = next(n for n in gm.graph.nodes if n.target == ad.torch_gated_delta_rule_channelwise.default)
+    _read_outside(gm, next(n for n in rule.args[3].all_input_nodes if n.target == aten.where.self))
+    plan = detect(gm, world_size=2, rank=1)
+    assert plan.whole_layers[rule.name] == LAYOUT
+
+
 class _Mamba2(nn.Module):
     """A Mamba2 mixer as HF writes it (``in_proj`` cut into z, xBC, dt; the conv; the scan; the gated
     norm over each group), 32 wide: 4 heads of 8 in 2 groups of 4 states."""
@@ -269,11 +294,12 @@ def test_a_short_convolutions_ranks_add_up_to_the_layer(outside):
 
 @pytest.mark.slow  # ~30 s each on 2 cores: both ranks build the engine
 @pytest.mark.distributed
-@pytest.mark.parametrize("model_type", ["bamba", "falcon_h1", "mamba", "jamba", "lfm2", "olmo_hybrid"])
+@pytest.mark.parametrize("model_type", ["bamba", "falcon_h1", "mamba", "jamba", "lfm2", "olmo_hybrid", "kimi_linear"])
 def test_two_ranks_of_each_state_layout_give_hfs_tokens_and_logprobs(model_type):
     """Bamba: Mamba2, one group, its norm averaged over ranks; Falcon-H1: ``mup_vector`` cut by blocks;
     Mamba: ``x_proj`` all-reduced; Jamba: Mamba with norms on dt, B and C, beside attention and MoE;
-    LFM2: the gated short convolution; OLMo-Hybrid: Gated DeltaNet from separate q, k, v projections.
+    LFM2: the gated short convolution; OLMo-Hybrid: Gated DeltaNet from separate q, k, v projections;
+    Kimi-Linear: the per-channel decay.
     Every state layer split (none whole), tokens and log-probabilities equal HF eager's."""
     results = _run_ranks(partial(_layout_job, model_type=model_type), world=2, timeout=400)
     for r in results:

@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import fx
 
+from ..graph_utils import get_attr_value
 from ._sharding import (ELEMENTWISE, LAYOUT_OPS, ColumnShard, HeadWeightShard, RowShard, ShardingPlan, is_linear,
                         linear_split, stored_target)
 from ._sharding_attention import fix_layouts
@@ -117,10 +118,20 @@ def _skip_position_ops(node: fx.Node) -> Optional[fx.Node]:
     return node
 
 
-def gate_leaves(start: fx.Node, heads: int, groups: int, chain: List[fx.Node]) -> Optional[List[fx.Node]]:
-    """The projections and stored ``[heads]`` parameters a per-head gate (``g`` or ``beta``, ``[b, s,
-    heads]``) is computed from through element-wise ops, every value ``heads`` wide; None when
-    anything else is on the way."""
+def _per_head(value: object, heads: int, width: int) -> bool:
+    """A gate value laid out by heads: one value a head (``[..., heads]``), or each head's features,
+    flat (``[..., heads * d]``, ``width``) or viewed (4-D ``[b, s, heads, d]``, ``[1, 1, heads, 1]``)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return False
+    return value.shape[-1] in (heads, width) or (value.dim() == 4 and value.shape[2] == heads)
+
+
+def gate_leaves(start: fx.Node, heads: int, groups: int, chain: List[fx.Node], width: int = -1
+                ) -> Optional[List[fx.Node]]:
+    """The projections and stored per-head parameters a per-head gate (``g`` or ``beta``: ``[b, s,
+    heads]``; Kimi's per-channel ``g``: ``[b, s, heads, d]``, ``width`` = heads * d) is computed from
+    through element-wise and layout ops, every value laid out by heads (``_per_head``) and read only
+    inside the gate (but ``start``, by the state op); None when anything else is on the way."""
     leaves: List[fx.Node] = []
     stack, seen = [start], set()
     while stack:
@@ -128,8 +139,7 @@ def gate_leaves(start: fx.Node, heads: int, groups: int, chain: List[fx.Node]) -
         if node in seen:
             continue
         seen.add(node)
-        value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[-1] != heads:
+        if not _per_head(node.meta.get("val"), heads, width):
             return None
         if node.op == "get_attr":
             leaves.append(node)
@@ -137,16 +147,34 @@ def gate_leaves(start: fx.Node, heads: int, groups: int, chain: List[fx.Node]) -
         if node.op == "call_function" and node.target in ELEMENTWISE:
             stack.extend(a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node))
             continue
-        linear = _projection(node, groups, chain)
-        if linear is None:
+        path: List[fx.Node] = []
+        linear = _projection(node, groups, path)
+        if linear is not None:
+            chain.extend(path)
+            leaves.append(linear)
+        elif node.target in LAYOUT_OPS:  # [b, s, heads * d] or a stored [heads * d] viewed [.., heads, d]
+            chain.append(node)
+            stack.append(node.args[0])
+        else:
             return None
-        leaves.append(linear)
+    if any(u not in seen for n in seen if n is not start and not is_linear(n) for u in n.users):
+        return None  # a value (or parameter) read elsewhere too would be read as this rank's heads there
     return leaves
 
 
+def head_dim(gm: fx.GraphModule, stored: fx.Node) -> int:
+    """The dim a stored per-head tensor splits along: its first longer than 1 (``[heads]``,
+    ``[heads * d]``, ``[1, 1, heads, 1]``)."""
+    shape = get_attr_value(gm, stored).shape
+    return next((i for i, n in enumerate(shape) if n != 1), 0)
+
+
+_GATE_ACTS = (aten.silu.default, aten.sigmoid.default)
+
+
 def _output(rule: fx.Node, dv: int, groups: int, chain: List[fx.Node]) -> Optional[Tuple[fx.Node, fx.Node]]:
-    """``(out_proj, z)``: the output projection after the per-head norm and ``silu(z)`` gate, and
-    the gate's projection; None for another layout."""
+    """``(out_proj, z)``: the output projection after the per-head norm and ``silu(z)`` gate
+    (``sigmoid(z)``: Kimi's), and the gate's projection; None for another layout."""
     node, z = rule, None
     while len(node.users) == 1:
         (user,) = node.users
@@ -157,7 +185,7 @@ def _output(rule: fx.Node, dv: int, groups: int, chain: List[fx.Node]) -> Option
                 return None  # a norm over more than one head's features
         elif user.target == aten.mul.Tensor and z is None:
             other = user.args[1] if user.args[0] is node else user.args[0]
-            if not isinstance(other, fx.Node) or other.target != aten.silu.default or len(other.users) != 1:
+            if not isinstance(other, fx.Node) or other.target not in _GATE_ACTS or len(other.users) != 1:
                 return None
             z = _projection(other.args[0], groups, chain)
             if z is None:
@@ -211,7 +239,7 @@ def plan_gated_delta_rule(gm: fx.GraphModule, rule: fx.Node, plan: ShardingPlan)
         return LAYOUT
     qkv, by_rows = source
     weight, out = stored_squeezed(gm, conv.args[1]), _output(rule, dv, nk, chain)
-    gates = [gate_leaves(a, nv, nk, chain) for a in rule.args[3:5]]
+    gates = [gate_leaves(a, nv, nk, chain, width=nv * int(q.shape[3])) for a in rule.args[3:5]]
     has_bias = len(conv.args) > 2 and conv.args[2] is not None
     bias = stored_squeezed(gm, conv.args[2]) if has_bias else None
     if weight is None or out is None or any(g is None for g in gates) or (has_bias and bias is None):
@@ -221,7 +249,7 @@ def plan_gated_delta_rule(gm: fx.GraphModule, rule: fx.Node, plan: ShardingPlan)
     if any(u not in reached for n in chain if n.target is operator.getitem for u in n.args[0].users):
         return LAYOUT  # a part of a grouped projection read outside this layer would see this rank's groups only
     leaves = [n for g in gates for n in g]  # type: ignore[union-attr]
-    params = list(dict.fromkeys(str(n.target) for n in leaves if n.op == "get_attr"))
+    params = list(dict.fromkeys(n for n in leaves if n.op == "get_attr"))
     # split by rows: a and b, z, a grouped q/k/v(/z) projection (whole groups) or separate q, k, v; Qwen3.5's
     # in_proj_qkv by blocks
     rows = list(dict.fromkeys([*(n for n in leaves if n.op != "get_attr"), z, *by_rows]))
@@ -238,7 +266,7 @@ def plan_gated_delta_rule(gm: fx.GraphModule, rule: fx.Node, plan: ShardingPlan)
         plan.decisions.append(ColumnShard(qkv.name, *splits[qkv][:2], blocks=blocks))  # type: ignore[index]
     for linear in rows:
         plan.decisions.append(ColumnShard(linear.name, *splits[linear][:2]))  # type: ignore[index]
-    plan.decisions.extend(HeadWeightShard(rule.name, p) for p in params)
+    plan.decisions.extend(HeadWeightShard(rule.name, str(p.target), dim=head_dim(gm, p)) for p in params)
     plan.decisions.append(RowShard(out_proj.name, *out_split))
     fix_layouts(plan, chain, (nk, nv), plan.world_size)
     return None

@@ -331,8 +331,9 @@ def plan_embedding(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> boo
 
 
 # state-layer ops -> their planner (None when planned, else why the layer stays whole)
-_STATE_PLANNERS = {ad.torch_gated_delta_rule.default: plan_gated_delta_rule, ad.torch_ssm.default: plan_mamba2,
-                   ad.torch_ssm_mamba1.default: plan_mamba}
+_STATE_PLANNERS = {ad.torch_gated_delta_rule.default: plan_gated_delta_rule,
+                   ad.torch_gated_delta_rule_channelwise.default: plan_gated_delta_rule,
+                   ad.torch_ssm.default: plan_mamba2, ad.torch_ssm_mamba1.default: plan_mamba}
 
 
 def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
