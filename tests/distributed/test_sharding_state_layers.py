@@ -1,15 +1,14 @@
 """Tensor parallelism for state layers: Mamba2, Mamba and LFM2's gated short convolution
-(``_sharding_mamba``), and OLMo-Hybrid's and Kimi-Linear's Gated DeltaNet layouts (``_sharding_state``;
-Qwen3.5's and Qwen3-Next's are in ``test_sharding_layouts``).
+(``_sharding_mamba``), OLMo-Hybrid's and Kimi-Linear's Gated DeltaNet layouts (``_sharding_state``;
+Qwen3.5's and Qwen3-Next's are in ``test_sharding_layouts``) and MiniMax's linear attention.
 
 One process: the plans of tiny real checkpoints (Bamba: Mamba2 with one group and a gated norm over
 all features; Mamba2 with two groups; Falcon-H1's ``mup_vector``; Mamba's ``x_proj``/``dt_proj``;
-LFM2; OLMo-Hybrid's separate q/k/v projections; Kimi's per-channel decay), their executed shard
-shapes, and near misses (a
-second reader, groups a norm would split);
-synthetic Mamba2 and short-conv layers whose ranks' partial outputs, each rank's graph loaded with its
-slices, add up to the layer's output at two shapes. Two real gloo ranks (``-m slow``,
-``test_sharding_layouts``' job): greedy tokens and log-probabilities equal HF eager.
+LFM2; OLMo-Hybrid's separate q/k/v projections; Kimi's per-channel decay; MiniMax's sliced decay),
+their executed shard shapes, and near misses (a second reader, groups a norm would split); synthetic
+Mamba2 and short-conv layers whose ranks' partial outputs, each rank's graph loaded with its slices,
+add up to the layer's output at two shapes. Two real gloo ranks (``-m slow``, ``test_sharding_layouts``'
+job): greedy tokens and log-probabilities equal HF eager.
 """
 
 import operator
@@ -210,6 +209,27 @@ def test_kimis_channelwise_gated_deltanet_splits_its_per_channel_gate_by_heads()
     assert plan.whole_layers[rule.name] == LAYOUT
 
 
+def test_minimaxs_linear_attention_splits_like_attention_with_its_decay_sliced():
+    """MiniMax's linear attention (``torch_linear_attention``) goes through the attention planner:
+    ``qkv_proj`` laid out head by head (``silu``, a ``[heads, 3d]`` view split per head) by heads, the
+    norm over all heads' features as ``torch_dist_rmsnorm``, the sigmoid output gate by columns,
+    ``out_proj`` by rows, and the per-head decay (computed from the stored slopes) sliced to the
+    rank's heads before the op."""
+    from autodeploy.transform.library._sharding import HeadSlice
+
+    gm = _graph("minimax")
+    plan = detect(gm, world_size=2, rank=1)
+    assert plan.whole_layers == {}
+    assert _layer(plan, "layers.1.self_attn.") == {
+        ("ColumnShard", "qkv_proj.weight", (), 0), ("ColumnShard", "output_gate.weight", (), 0),
+        ("NormShard", "norm.weight", (), 0), ("RowShard", "out_proj.weight", (), 0)}
+    assert [(d.index, d.name, d.dim) for d in plan.decisions if isinstance(d, HeadSlice)] == [(3, "g", 2)]
+    assert plan.layout_fixes == {"reshape_3": {2: 2}, "reshape_5": {2: 2}}  # [b, s, 4, 48] and [b, s, 64]
+    execute(gm, plan)
+    op = next(n for n in gm.graph.nodes if n.target == ad.torch_linear_attention.default)
+    assert op.args[3].target == aten.slice.Tensor and op.args[3].args[1:] == (2, 2, 4)
+
+
 class _Mamba2(nn.Module):
     """A Mamba2 mixer as HF writes it (``in_proj`` cut into z, xBC, dt; the conv; the scan; the gated
     norm over each group), 32 wide: 4 heads of 8 in 2 groups of 4 states."""
@@ -294,12 +314,13 @@ def test_a_short_convolutions_ranks_add_up_to_the_layer(outside):
 
 @pytest.mark.slow  # ~30 s each on 2 cores: both ranks build the engine
 @pytest.mark.distributed
-@pytest.mark.parametrize("model_type", ["bamba", "falcon_h1", "mamba", "jamba", "lfm2", "olmo_hybrid", "kimi_linear"])
+@pytest.mark.parametrize("model_type", ["bamba", "falcon_h1", "mamba", "jamba", "lfm2", "olmo_hybrid", "kimi_linear",
+                                        "minimax"])
 def test_two_ranks_of_each_state_layout_give_hfs_tokens_and_logprobs(model_type):
     """Bamba: Mamba2, one group, its norm averaged over ranks; Falcon-H1: ``mup_vector`` cut by blocks;
     Mamba: ``x_proj`` all-reduced; Jamba: Mamba with norms on dt, B and C, beside attention and MoE;
     LFM2: the gated short convolution; OLMo-Hybrid: Gated DeltaNet from separate q, k, v projections;
-    Kimi-Linear: the per-channel decay.
+    Kimi-Linear: the per-channel decay; MiniMax: linear attention, its decay sliced per rank.
     Every state layer split (none whole), tokens and log-probabilities equal HF eager's."""
     results = _run_ranks(partial(_layout_job, model_type=model_type), world=2, timeout=400)
     for r in results:

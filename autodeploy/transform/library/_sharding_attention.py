@@ -1,4 +1,5 @@
-"""Tensor-parallel plans for attention (``torch_attention``, ``torch_mla``), for ``detect_sharding``.
+"""Tensor-parallel plans for attention (``torch_attention``, ``torch_mla``; a linear attention,
+``torch_linear_attention``, as attention with a per-head decay), for ``detect_sharding``.
 
 Each attention splits by heads: its query, key and value projections by output features (each rank
 its heads; key/value heads fewer than the ranks replicated, one head a rank), the output
@@ -21,6 +22,7 @@ from ._sharding import (ColumnShard, HeadSlice, HeadWeightShard, LinearSplit, No
 from ._sharding_heads import Cut, OutputGate, consuming_linear, cuts_cover, head_source
 
 aten = torch.ops.aten
+ad = torch.ops.autodeploy
 
 
 def _head_count(node: fx.Node, index: int) -> Optional[int]:
@@ -43,7 +45,8 @@ def _kv_split(heads: int, kv_heads: int, world_size: int, rank: int, name: str) 
 
 
 def plan_attention(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> bool:
-    """Add the decisions for one ``torch_attention`` node; False (nothing added, the reason in
+    """Add the decisions for one ``torch_attention`` (or ``torch_linear_attention``: MiniMax's, its
+    per-head decay sliced like ALiBi slopes) node; False (nothing added, the reason in
     ``plan.whole_layers``) when its projections are not linears over stored weights (plain or
     quantized, each splittable into whole blocks of its format), or when the ops between them and the
     attention are not ones that keep each head's values to its head (``_sharding_heads``). Per-head
@@ -64,14 +67,14 @@ def _attention_whole(gm: fx.GraphModule, attn: fx.Node, plan: ShardingPlan) -> O
     heads, kv_heads = _head_count(attn, 0), _head_count(attn, 1)
     if heads is None or kv_heads is None:
         return "head counts not static"
-    sinks = arg(attn, 7, "sinks")  # GPT-OSS: one per query head, split with them
+    sinks = arg(attn, 7, "sinks") if attn.target == ad.torch_attention.default else None  # GPT-OSS: per query head
     sinks_target = None if sinks is None else weight_target(gm, sinks)
     if sinks_target is not None and len(sinks.users) != 1:
         sinks_target = None  # read elsewhere too: sliced before the op instead
-    slices = [HeadSlice(attn.name, i, name, dim) for i, name, dim in _PER_HEAD_INPUTS
+    slices = [HeadSlice(attn.name, i, name, dim) for i, name, dim in _PER_HEAD_INPUTS[attn.target]
               if arg(attn, i, name) is not None and not (name == "sinks" and sinks_target is not None)]
     if any(_dim_size(arg(attn, s.index, s.name), s.dim) != heads for s in slices):
-        return "a per-head input (sinks, ALiBi slopes or a relative bias) whose head dim is not the query heads"
+        return "a per-head input (sinks, ALiBi slopes, a relative bias, a decay) whose head dim is not the query heads"
     out_chain: List[fx.Node] = []
     gates: List[OutputGate] = []
     out_norms: List[fx.Node] = []
@@ -120,8 +123,10 @@ def _add_projections(plan: ShardingPlan, attn: str, projections: List["_Projecti
         fix_layouts(plan, p.chain, (kv_heads if p.kv else heads, features), parts if p.kv else plan.world_size)
 
 
-# per-head inputs of torch_attention beside q/k/v: (argument position, keyword, head dim)
-_PER_HEAD_INPUTS = ((7, "sinks", 0), (10, "alibi_slopes", 0), (13, "rel_logits", 2))
+# per-head inputs beside q/k/v, by op: (argument position, keyword, head dim); a linear attention's
+# per-head decay ``g [b, s, heads]`` (MiniMax's, from its slopes) is sliced like ALiBi slopes
+_PER_HEAD_INPUTS = {ad.torch_attention.default: ((7, "sinks", 0), (10, "alibi_slopes", 0), (13, "rel_logits", 2)),
+                    ad.torch_linear_attention.default: ((3, "g", 2),)}
 
 
 def _dim_size(node: object, dim: int) -> Optional[int]:

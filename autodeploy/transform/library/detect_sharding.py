@@ -342,7 +342,7 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target == ad.torch_attention.default:
+        if node.target in (ad.torch_attention.default, ad.torch_linear_attention.default):
             plan_attention(gm, node, plan)
         elif node.target == ad.torch_swiglu_mlp.default:
             plan_swiglu(gm, node, plan)
