@@ -38,7 +38,7 @@ listed here) leaves the layer replicated on every rank: correct, only without th
 """
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -152,16 +152,16 @@ def _written_norm(value: fx.Node) -> Optional[Tuple[fx.Node, fx.Node]]:
     return mean, out
 
 
+@dataclass
 class _Mamba2Output:
     """What ``_mamba2_output`` found after the scan."""
 
-    def __init__(self) -> None:
-        self.proj: Optional[fx.Node] = None  # W_out's linear
-        self.gate: Optional[fx.Node] = None  # the value silu(z) is computed from
-        self.mean: Optional[fx.Node] = None  # the gated norm's mean of squares
-        self.groups_view: Optional[fx.Node] = None  # the view into the norm's groups
-        self.norm_weight: Optional[fx.Node] = None
-        self.chain: List[fx.Node] = []
+    proj: Optional[fx.Node] = None  # W_out's linear
+    gate: Optional[fx.Node] = None  # the value silu(z) is computed from
+    mean: Optional[fx.Node] = None  # the gated norm's mean of squares
+    groups_view: Optional[fx.Node] = None  # the view into the norm's groups
+    norm_weight: Optional[fx.Node] = None
+    chain: List[fx.Node] = field(default_factory=list)
 
 
 def _mamba2_output(ssm: fx.Node) -> Optional[_Mamba2Output]:

@@ -44,7 +44,6 @@ LAYOUT = ("the ops between its projections and its state op are not a layout the
 QUANTIZED = "its projections do not split into whole blocks or groups of their quantized format at this world size"
 
 
-
 def through_layout(node: object, chain: List[fx.Node]) -> Optional[fx.Node]:
     """``node`` with the layout ops in front of it skipped (each of one reader), collected in ``chain``."""
     while isinstance(node, fx.Node) and node.target in LAYOUT_OPS and len(node.users) == 1:
@@ -239,7 +238,8 @@ def plan_gated_delta_rule(gm: fx.GraphModule, rule: fx.Node, plan: ShardingPlan)
         return LAYOUT
     qkv, by_rows = source
     weight, out = stored_squeezed(gm, conv.args[1]), _output(rule, dv, nk, chain)
-    gates = [gate_leaves(a, nv, nk, chain, width=nv * int(q.shape[3])) for a in rule.args[3:5]]
+    gates = [gate_leaves(a, nv, nk, chain, width=nv * int(q.shape[3])) if isinstance(a, fx.Node) and len(a.users) == 1
+             else None for a in rule.args[3:5]]  # a gate also read elsewhere would be read as this rank's heads there
     has_bias = len(conv.args) > 2 and conv.args[2] is not None
     bias = stored_squeezed(gm, conv.args[2]) if has_bias else None
     if weight is None or out is None or any(g is None for g in gates) or (has_bias and bias is None):
