@@ -37,6 +37,8 @@ from .host_reads import host_lists
 
 # (per-token inputs [b, s, ...], initial state [b, *state_shape]) -> (outputs [b, s, ...], final state)
 ScanFn = Callable[[Sequence[Tensor], Tensor], Tuple[Tensor, Tensor]]
+# (one token's inputs [...], its sequence's state [*state_shape], updated in place) -> its output [...]
+StepFn = Callable[[Sequence[Tensor], Tensor], Tensor]
 
 _ACTIVATIONS = {None: lambda t: t, "silu": F.silu, "swish": F.silu}
 
@@ -84,6 +86,7 @@ def scan_each_sequence(
     slot_idx: Tensor,
     use_initial_state: Tensor,
     state_cache: Tensor,
+    step: Optional[StepFn] = None,
 ) -> Tensor:
     """Runs ``scan`` over a flattened step and updates ``state_cache [num_slots, *state_shape]``.
 
@@ -93,6 +96,10 @@ def scan_each_sequence(
     slot is touched. Prefill sequences run one at a time; the one-token sequences after them
     (decodes, or a whole step with one token per sequence) run as one batch of length-1 rows,
     without host reads when every sequence has one token (decode steps stay CUDA-graph capturable).
+    On CPU, where host reads cost nothing, an op that gives ``step`` (its math for one token, updating
+    a state in place) has its one-token sequences run one by one on their own slots instead: no
+    gathered copy of the states, no scatter back, no fresh state tensors per step (the gather and
+    the scatter alone cost as much as the recurrence for a Mamba2 layer's state at batch 1).
     """
     out = tokens[0].new_zeros(tokens[0].shape)
     num_seqs = seq_len.shape[0]
@@ -110,7 +117,14 @@ def scan_each_sequence(
         out[:, rows] = y.to(out.dtype)
         state_cache[slot].copy_(final[0])
     num_single = num_seqs - num_prefill
-    if num_single:
+    if num_single and step is not None and state_cache.device.type == "cpu":
+        slots, carries = host_lists(slot_idx[num_prefill:], use_initial_state[num_prefill:])
+        for row, slot, carry in zip(range(first_single, first_single + num_single), slots, carries):
+            state = state_cache[slot]
+            if not carry:
+                state.zero_()
+            out[0, row] = step([t[0, row] for t in tokens], state).to(out.dtype)
+    elif num_single:
         rows = slice(first_single, first_single + num_single)
         slots_t = slot_idx[num_prefill:].long()
         carry_t = use_initial_state[num_prefill:].to(torch.bool).reshape(-1, *([1] * (state_cache.dim() - 1)))
@@ -143,7 +157,24 @@ def torch_cached_causal_conv1d(
     def scan(inputs: Sequence[Tensor], window: Tensor) -> Tuple[Tensor, Tensor]:
         return _conv_scan(inputs[0], window, weight, bias, activation)
 
-    return scan_each_sequence(scan, [x], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state, conv_state)
+    def step(inputs: Sequence[Tensor], window: Tensor) -> Tensor:
+        return _conv_step(inputs[0], window, weight, bias, activation)
+
+    return scan_each_sequence(scan, [x], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state, conv_state,
+                              step=step)
+
+
+def _conv_step(x: Tensor, window: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str]) -> Tensor:
+    """One token ``x [c]`` after ``window [c, k - 1]``: its output ``[c]`` (the weight's dtype, as
+    ``_conv_scan``'s), and the window shifted by it in place."""
+    c, k = weight.shape[0], weight.shape[-1]
+    taps = weight.reshape(c, k)
+    out = (window.to(taps.dtype) * taps[:, :-1]).sum(-1) + x.to(taps.dtype) * taps[:, -1]
+    if bias is not None:
+        out = out + bias
+    if k > 1:
+        window.copy_(torch.cat([window[:, 1:], x[:, None].to(window.dtype)], dim=1))
+    return _activation(activation)(out)
 
 
 @torch_cached_causal_conv1d.register_fake

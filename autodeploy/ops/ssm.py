@@ -79,6 +79,36 @@ def _segment_sum(a: Tensor) -> Tensor:
     return sums.masked_fill(~causal, float("-inf"))
 
 
+def _mamba2_step_in_place(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, state: Tensor) -> Tensor:
+    """One token of one sequence (``x [heads, head_dim]``, discretised ``dt [heads]``, ``B``/``C
+    [groups, n]``) from its fp32 ``state [heads, head_dim, n]``, updated in place: the recurrence of
+    the module docstring without a fresh state tensor (``scan_each_sequence``'s CPU decode path)."""
+    heads, head_dim = x.shape
+    groups, n = B.shape
+    x = x.float()
+    state.mul_(torch.exp(dt * A.float())[:, None, None])
+    grouped = state.view(groups, heads // groups, head_dim, n)
+    grouped.addcmul_((x * dt[:, None]).view(groups, heads // groups, head_dim, 1), B.float().view(groups, 1, 1, n))
+    y = (grouped @ C.float().view(groups, 1, n, 1)).view(heads, head_dim)
+    return y + x * D.float()[:, None]
+
+
+def _mamba2_step(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+                 state: Tensor) -> Tuple[Tensor, Tensor]:
+    """``_mamba2_scan`` of one token per row (``x [b, 1, heads, head_dim]``, fp32 inputs): the
+    recurrence of the module docstring, each head reading its group's ``B``/``C`` through a view
+    (``[b, groups, heads / groups, ...]``) instead of a copy."""
+    b, _, heads, head_dim = x.shape
+    groups, n = B.shape[2], B.shape[3]
+    step = dt[:, 0]  # [b, heads]
+    decay = torch.exp(step * A)[:, :, None, None]  # [b, heads, 1, 1]
+    grouped = (b, groups, heads // groups)
+    xdt = (x[:, 0] * step[..., None]).view(*grouped, head_dim, 1)
+    state = state * decay + (xdt * B[:, 0, :, None, None, :]).view(b, heads, head_dim, n)  # + dt x (outer) B
+    y = (state.view(*grouped, head_dim, n) @ C[:, 0, :, None, :, None]).view(b, heads, head_dim)
+    return (y + x[:, 0] * D.float()[:, None])[:, None], state
+
+
 def _mamba2_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
                  state: Tensor) -> Tuple[Tensor, Tensor]:
     """SSD scan from ``state [b, heads, head_dim, n]``; ``dt [b, s, heads]`` already discretised.
@@ -87,6 +117,8 @@ def _mamba2_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tens
     """
     heads, groups = x.shape[2], B.shape[2]
     x, A, state = x.float(), A.float(), state.float()
+    if x.shape[1] == 1:  # one token a row (decode): the recurrence itself, without the chunk's machinery
+        return _mamba2_step(x, dt, A, B.float(), C.float(), D, state)
     B = B.float().repeat_interleave(heads // groups, dim=2)  # [b, s, heads, n]
     C = C.float().repeat_interleave(heads // groups, dim=2)
     y = torch.empty_like(x)
@@ -170,8 +202,11 @@ def torch_cached_ssm(
         x_, dt_, B_, C_ = tokens
         return _mamba2_scan(x_, dt_, A, B_, C_, D, state)
 
+    def step(token: Sequence[Tensor], state: Tensor) -> Tensor:
+        return _mamba2_step_in_place(*token, A, D, state)
+
     return scan_each_sequence(scan, [x, dt, B, C], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
-                              ssm_state)
+                              ssm_state, step=step if ssm_state.dtype == torch.float32 else None)
 
 
 @torch_cached_ssm.register_fake
@@ -234,8 +269,14 @@ def torch_cached_ssm_mamba1(
         x_, dt_, B_, C_ = tokens
         return _mamba1_scan(x_, dt_, A, B_, C_, D, state)
 
+    def step(token: Sequence[Tensor], state: Tensor) -> Tensor:
+        x_, dt_, B_, C_ = token
+        x_ = x_.float()
+        state.mul_(torch.exp(dt_[:, None] * A.float())).addcmul_((dt_ * x_)[:, None], B_.float()[None, :])
+        return state @ C_.float() + x_ * D.float()
+
     return scan_each_sequence(scan, [x, dt, B, C], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
-                              ssm_state)
+                              ssm_state, step=step if ssm_state.dtype == torch.float32 else None)
 
 
 @torch_cached_ssm_mamba1.register_fake

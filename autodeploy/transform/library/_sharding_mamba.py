@@ -82,9 +82,9 @@ def _cut_sizes(cut: fx.Node, features: int) -> Optional[List[int]]:
     (the features: the batch and sequence dims are symbolic), None for a cut along another dim."""
     value = cut.args[0].meta.get("val") if isinstance(cut.args[0], fx.Node) else None
     dim = cut.args[2] if len(cut.args) > 2 else 0
-    if not isinstance(value, torch.Tensor) or not isinstance(dim, int) or value.shape[dim] != features:
+    if not isinstance(value, torch.Tensor) or not isinstance(dim, int) or type(value.shape[dim]) is not int:
         return None
-    if not isinstance(value.shape[dim], int):
+    if value.shape[dim] != features:
         return None
     if cut.target == aten.chunk.default:
         count = int(cut.args[1])

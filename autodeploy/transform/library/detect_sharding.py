@@ -334,6 +334,9 @@ def plan_embedding(gm: fx.GraphModule, node: fx.Node, plan: ShardingPlan) -> boo
 _STATE_PLANNERS = {ad.torch_gated_delta_rule.default: plan_gated_delta_rule,
                    ad.torch_gated_delta_rule_channelwise.default: plan_gated_delta_rule,
                    ad.torch_ssm.default: plan_mamba2, ad.torch_ssm_mamba1.default: plan_mamba}
+# state ops whose layers stay replicated on every rank (correct; listed in the warning so it says so)
+_UNPLANNED_STATE_OPS = (ad.torch_delta_rule.default, ad.torch_wkv.default, ad.torch_mlstm.default,
+                        ad.torch_diagonal_recurrence.default, ad.torch_cca_conv.default)
 
 
 def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
@@ -356,6 +359,8 @@ def detect(gm: fx.GraphModule, world_size: int, rank: int, lm_head: bool = True,
             reason = _STATE_PLANNERS[node.target](gm, node, plan)
             if reason is not None:
                 plan.whole_layers[node.name] = reason
+        elif node.target in _UNPLANNED_STATE_OPS:
+            plan.whole_layers[node.name] = f"no tensor-parallel plan for {node.target.name()} yet"
         elif node.target == ad.torch_causal_conv1d.default:
             plan_short_conv(gm, node, plan)  # LFM2's; a Mamba or Gated DeltaNet conv is its layer's planner's
         elif node.target == aten.embedding.default and embedding:
