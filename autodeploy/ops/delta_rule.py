@@ -111,6 +111,24 @@ def _recurrence(
     return out, state
 
 
+def _step_in_place(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor], beta: Tensor, state: Tensor,
+                   scale: Optional[float], use_qk_l2norm: bool) -> Tensor:
+    """``_recurrence`` for one token of one sequence (q/k ``[hk, dk]``, v ``[h, dv]``, beta ``[h]``,
+    log_decay ``None`` or ``[h, 1 | dk]``), updating its fp32 ``state [h, dk, dv]`` in place
+    (``scan_each_sequence``'s CPU decode path); returns the output ``[h, dv]`` fp32."""
+    groups = v.shape[-2] // k.shape[-2]
+    q, k = (x.float().repeat_interleave(groups, dim=0) if groups > 1 else x.float() for x in (q, k))
+    if use_qk_l2norm:
+        q, k = _l2norm(q, QK_L2NORM_EPS), _l2norm(k, QK_L2NORM_EPS)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if log_decay is not None:
+        state.mul_(log_decay.float().exp().unsqueeze(-1))
+    recalled = k.unsqueeze(-2) @ state  # [h, 1, dv]
+    delta = (v.float().unsqueeze(-2) - recalled) * beta.float()[:, None, None]
+    state.baddbmm_(k.unsqueeze(-1), delta)
+    return (q.unsqueeze(-2) @ state).squeeze(-2)
+
+
 def _uncached(q, k, v, log_decay, beta, scale, use_qk_l2norm) -> Tensor:
     b, _, h, _ = v.shape
     zeros = v.new_zeros(b, h, k.shape[-1], v.shape[-1], dtype=torch.float32)
@@ -216,10 +234,14 @@ def _cached(
         v_, q_, k_, beta_, *gate = tokens
         return _recurrence(q_, k_, v_, gate[0] if gate else None, beta_, initial, scale, use_qk_l2norm)
 
+    def step(token: Sequence[Tensor], state: Tensor) -> Tensor:
+        v_, q_, k_, beta_, *gate = token
+        return _step_in_place(q_, k_, v_, gate[0] if gate else None, beta_, state, scale, use_qk_l2norm)
+
     # The driver's output takes the first input's shape and dtype: v's shape in q's dtype, as HF.
     tokens = [v.to(q.dtype), q, k, beta] + ([] if log_decay is None else [log_decay])
     return scan_each_sequence(scan, tokens, batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
-                              state_cache)
+                              state_cache, step=step if state_cache.dtype == torch.float32 else None)
 
 
 @torch.library.custom_op("autodeploy::torch_cached_gated_delta_rule", mutates_args=("state_cache",))

@@ -52,6 +52,15 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor) -> None:
                          f"v {tuple(v.shape)} [b, s, h, dv] and g {tuple(g.shape)} [b, s, h] with the same b, s, h")
 
 
+def _step_in_place(q: Tensor, k: Tensor, v: Tensor, g: Tensor, state: Tensor, scale: Optional[float]) -> Tensor:
+    """``_scan`` of one token of one sequence (q/k ``[h, dk]``, v ``[h, dv]``, g ``[h]``), updating its
+    fp32 ``state [h, dk, dv]`` in place (``scan_each_sequence``'s CPU decode path): the state decays by
+    ``exp(g)`` and takes ``k^T v``, the output is ``q`` read from it. Returns ``[h, dv]`` fp32."""
+    q = q.float() * (q.shape[-1] ** -0.5 if scale is None else scale)
+    state.mul_(g.float().exp()[:, None, None]).baddbmm_(k.float()[:, :, None], v.float()[:, None, :])
+    return (q[:, None, :] @ state)[:, 0]
+
+
 def _scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, state: Tensor,
           scale: Optional[float]) -> Tuple[Tensor, Tensor]:
     """The recurrence over ``s`` tokens of ``b`` sequences from ``state [b, h, dk, dv]``, in fp32.
@@ -120,9 +129,13 @@ def torch_cached_linear_attention(
         v_, q_, k_, g_ = tokens
         return _scan(q_, k_, v_, g_, initial, scale)
 
+    def step(token: Sequence[Tensor], state: Tensor) -> Tensor:
+        v_, q_, k_, g_ = token
+        return _step_in_place(q_, k_, v_, g_, state, scale)
+
     # the driver's output takes the first input's shape and dtype: v's shape in q's dtype
     return scan_each_sequence(scan, [v.to(q.dtype), q, k, g], batch_info, seq_len, cu_seqlen, slot_idx,
-                              use_initial_state, state_cache)
+                              use_initial_state, state_cache, step=step if state_cache.dtype == torch.float32 else None)
 
 
 @torch_cached_linear_attention.register_fake

@@ -229,6 +229,14 @@ def _mamba1_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tens
     return y + x * D.float(), h
 
 
+def _mamba1_step_in_place(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor, state: Tensor) -> Tensor:
+    """``_mamba1_scan`` of one token of one sequence (``x``/discretised ``dt [c]``, ``B``/``C [n]``),
+    updating its fp32 ``state [c, n]`` in place (``scan_each_sequence``'s CPU decode path)."""
+    x = x.float()
+    state.mul_(torch.exp(dt[:, None] * A.float())).addcmul_((dt * x)[:, None], B.float()[None, :])
+    return state @ C.float() + x * D.float()
+
+
 @torch.library.custom_op("autodeploy::torch_ssm_mamba1", mutates_args=())
 def torch_ssm_mamba1(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor) -> Tensor:
     """Mamba1 scan from a zero state: ``x [b, s, c]``, raw ``dt [b, s, c]`` (``dt_proj`` without its
@@ -270,10 +278,7 @@ def torch_cached_ssm_mamba1(
         return _mamba1_scan(x_, dt_, A, B_, C_, D, state)
 
     def step(token: Sequence[Tensor], state: Tensor) -> Tensor:
-        x_, dt_, B_, C_ = token
-        x_ = x_.float()
-        state.mul_(torch.exp(dt_[:, None] * A.float())).addcmul_((dt_ * x_)[:, None], B_.float()[None, :])
-        return state @ C_.float() + x_ * D.float()
+        return _mamba1_step_in_place(*token, A, D, state)
 
     return scan_each_sequence(scan, [x, dt, B, C], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
                               ssm_state, step=step if ssm_state.dtype == torch.float32 else None)

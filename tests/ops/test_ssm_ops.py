@@ -405,46 +405,6 @@ def test_one_token_per_sequence_step_with_fresh_prompt_and_padding(name):
     torch.testing.assert_close(torch.cat(prompt, dim=1), kind.full(seqs[1]), rtol=RTOL, atol=ATOL)
 
 
-def _driver_parts(name: str):
-    """(scan, step) closures of one op, as its cached variant builds them for ``scan_each_sequence``;
-    the tokens it passes (Mamba2's ``dt`` discretised first)."""
-    from autodeploy.ops.causal_conv import _conv_scan, _conv_step
-    from autodeploy.ops.ssm import _mamba2_dt, _mamba2_scan, _mamba2_step_in_place
-
-    if name == "ssm":
-        return ((lambda t, state: _mamba2_scan(t[0], t[1], _M2["A"], t[2], t[3], _M2["D"], state)),
-                (lambda t, state: _mamba2_step_in_place(*t, _M2["A"], _M2["D"], state)),
-                lambda t: [t[0], _mamba2_dt(t[1], _M2["dt_bias"], LIMIT), t[2], t[3]])
-    return ((lambda t, window: _conv_scan(t[0], window, _CONV_W, _CONV_B, "silu")),
-            (lambda t, window: _conv_step(t[0], window, _CONV_W, _CONV_B, "silu")), lambda t: t)
-
-
-@pytest.mark.parametrize("name", ["ssm", "causal_conv1d"])
-def test_cpu_in_place_decode_equals_the_batched_decode(name):
-    """``scan_each_sequence`` runs one-token sequences on CPU one by one on their own slots, in place
-    (``step``), and on other devices as one gathered batch scattered back (``scan``): on a step with a
-    prefill, two continuing decodes and a fresh one-token prompt over a NaN slot, both give the same
-    outputs and the same cache, and leave the other slots alone."""
-    from autodeploy.ops.causal_conv import scan_each_sequence
-
-    kind = KINDS[name]
-    scan, step, prepare = _driver_parts(name)
-    seqs = [kind.make(5), kind.make(1), kind.make(1), kind.make(1)]
-    meta = _step_metadata([(5, 0, 1, False), (1, 7, 3, True), (1, 0, 0, False), (1, 4, 5, True)], num_prefill=1)
-    tokens = prepare([torch.cat([s[j] for s in seqs], dim=1) for j in range(len(seqs[0]))])
-    cache = _garbage_cache(kind, 6)
-    cache[0] = float("nan")
-    results = []
-    for use_step in (None, step):
-        mine = cache.clone()
-        out = scan_each_sequence(scan, tokens, *meta, mine, step=use_step)
-        results.append((out, mine))
-    (batched, batched_cache), (in_place, in_place_cache) = results
-    torch.testing.assert_close(in_place, batched, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(in_place_cache, batched_cache, rtol=1e-5, atol=1e-6)
-    assert torch.equal(in_place_cache[[2, 4]], cache[[2, 4]])
-
-
 def test_bf16_state_cache_only_costs_precision():
     """The state cache's dtype is the caller's choice; a bf16 cache only costs precision."""
     kind = KINDS["ssm"]
