@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One decode step of a cached state op at batch 1, by the two paths of ``scan_each_sequence``.
+"""One decode step of a cached state op, by the two paths of ``scan_each_sequence``.
 
     python benchmarks/bench_state_step.py            # one layer of each op at real model sizes
     python benchmarks/bench_state_step.py --smoke    # tiny sizes, a few calls: seconds, no files
@@ -8,7 +8,9 @@
 as one batch gathered from the state cache and scattered back (``scan``: what every device did
 before, and what CUDA still does: no host reads) or, on CPU, one by one on their own slots, in
 place (``step``). This times both for one layer of each op that has a ``step``, at the sizes of a
-real model, on the same inputs, interleaved over rounds (median and min-max of the per-call mean):
+real model, at batch sizes 1, 8 and 32 (one-token sequences in as many slots), on the same inputs,
+interleaved over rounds (median and min-max of the per-call mean); the driver's rule for when the
+CPU takes the in-place path (``IN_PLACE_ANY_STATE``, ``IN_PLACE_MIN_BYTES``) comes from it:
 
 - Mamba2 scan: Mamba2-130m's layer, 24 heads of 64, one group, state 128 (a 768 KiB state);
 - causal conv: its window, 1792 channels, kernel 4;
@@ -38,12 +40,15 @@ from autodeploy.ops import causal_conv, delta_rule, linear_attention, ssm  # noq
 Case = Tuple[List[torch.Tensor], Callable, Callable, Tuple[int, ...]]
 
 
-def _cases(scale: int) -> Dict[str, Case]:
-    """name -> (one token's inputs [1, 1, ...], scan, step, state shape), sizes divided by ``scale``."""
+def _cases(scale: int, batch: int) -> Dict[str, Case]:
+    """name -> (``batch`` tokens' inputs [1, batch, ...], scan, step, state shape), sizes divided by ``scale``."""
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g)
+
+    def tok(*shape: int) -> torch.Tensor:  # one token per sequence, [1, batch, *shape]
+        return rand(1, batch, *shape)
 
     h2, p2, n2 = 24 // scale, 64 // scale, 128 // scale
     A2, D2 = -rand(h2).abs(), rand(h2)
@@ -54,31 +59,42 @@ def _cases(scale: int) -> Dict[str, Case]:
     hk, hv, d = 16 // scale, 32 // scale, 128 // scale
     hl, dl = 64 // scale, 128 // scale
     return {
-        "mamba2 scan": ([rand(1, 1, h2, p2), rand(1, 1, h2).abs(), rand(1, 1, 1, n2), rand(1, 1, 1, n2)],
+        "mamba2 scan": ([tok(h2, p2), tok(h2).abs(), tok(1, n2), tok(1, n2)],
                         lambda t, s: ssm._mamba2_scan(t[0], t[1], A2, t[2], t[3], D2, s),
                         lambda t, s: ssm._mamba2_step_in_place(*t, A2, D2, s), (h2, p2, n2)),
-        "causal conv": ([rand(1, 1, cc)], lambda t, s: causal_conv._conv_scan(t[0], s, w, b, "silu"),
+        "causal conv": ([tok(cc)], lambda t, s: causal_conv._conv_scan(t[0], s, w, b, "silu"),
                         lambda t, s: causal_conv._conv_step(t[0], s, w, b, "silu"), (cc, 3)),
-        "mamba scan": ([rand(1, 1, c1), rand(1, 1, c1).abs(), rand(1, 1, n1), rand(1, 1, n1)],
+        "mamba scan": ([tok(c1), tok(c1).abs(), tok(n1), tok(n1)],
                        lambda t, s: ssm._mamba1_scan(t[0], t[1], A1, t[2], t[3], D1, s),
                        lambda t, s: ssm._mamba1_step_in_place(*t, A1, D1, s), (c1, n1)),
-        "gated delta rule": ([rand(1, 1, hv, d), rand(1, 1, hk, d), rand(1, 1, hk, d), rand(1, 1, hv).sigmoid(),
-                              -rand(1, 1, hv, 1).abs()],
+        "gated delta rule": ([tok(hv, d), tok(hk, d), tok(hk, d), tok(hv).sigmoid(), -tok(hv, 1).abs()],
                              lambda t, s: delta_rule._recurrence(t[1], t[2], t[0], t[4], t[3], s, None, True),
                              lambda t, s: delta_rule._step_in_place(t[1], t[2], t[0], t[4], t[3], s, None, True),
                              (hv, d, d)),
-        "linear attention": ([rand(1, 1, hl, dl), rand(1, 1, hl, dl), rand(1, 1, hl, dl), -rand(1, 1, hl).abs()],
+        "linear attention": ([tok(hl, dl), tok(hl, dl), tok(hl, dl), -tok(hl).abs()],
                              lambda t, s: linear_attention._scan(t[1], t[2], t[0], t[3], s, None),
                              lambda t, s: linear_attention._step_in_place(t[1], t[2], t[0], t[3], s, None),
                              (hl, dl, dl)),
     }
 
 
-def _metadata() -> List[torch.Tensor]:
-    """One decode: a sequence continuing in slot 3 of 8."""
+def _metadata(batch: int) -> List[torch.Tensor]:
+    """``batch`` decodes, sequence i continuing in slot i + 1."""
     i32 = dict(dtype=torch.int32)
-    return [torch.tensor([0, 0, 1], **i32), torch.tensor([1], **i32), torch.tensor([0, 1], **i32),
-            torch.tensor([3], **i32), torch.tensor([True])]
+    return [torch.tensor([0, 0, batch], **i32), torch.ones(batch, **i32), torch.arange(batch + 1, **i32),
+            torch.arange(batch, **i32) + 1, torch.ones(batch, dtype=torch.bool)]
+
+
+def _drive(scan: Callable, tokens: List[torch.Tensor], meta: List[torch.Tensor], cache: torch.Tensor,
+           step: Any) -> None:
+    """One step through the driver: ``step`` None forces the batched path; given, the in-place one
+    (its size rule lifted, so both paths are timed at every batch size)."""
+    saved = causal_conv.IN_PLACE_ANY_STATE
+    causal_conv.IN_PLACE_ANY_STATE = 1 << 30
+    try:
+        causal_conv.scan_each_sequence(scan, tokens, *meta, cache, step=step)
+    finally:
+        causal_conv.IN_PLACE_ANY_STATE = saved
 
 
 def _mean_ms(fn: Callable[[], Any], calls: int) -> float:
@@ -96,24 +112,26 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=200, help="calls per path and round")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rounds, calls = (1, 3) if args.smoke else (args.rounds, args.calls)
-    meta, rows = _metadata(), []
-    for name, (tokens, scan, step, shape) in _cases(8 if args.smoke else 1).items():
-        cache = torch.zeros(8, *shape)
-        times: Dict[str, List[float]] = {"batched (gather, scan, scatter)": [], "in place (CPU)": []}
-        for _ in range(rounds):
-            for path, fn in zip(times, (None, step)):
-                times[path].append(_mean_ms(lambda: causal_conv.scan_each_sequence(
-                    scan, tokens, *meta, cache, step=fn), calls))
-        state_kib = cache[0].numel() * 4 / 1024
-        for path, ms in times.items():
-            rows.append({"op": name, "engine": path, "state_kib": state_kib, "ms": statistics.median(ms),
-                         "min_ms": min(ms), "max_ms": max(ms)})
-    lines = ["| op | state per sequence | batched ms | in place ms | speed-up |", "|---|---|---|---|---|"]
+    rows = []
+    for batch in [1] if args.smoke else args.batch_sizes:
+        meta = _metadata(batch)
+        for name, (tokens, scan, step, shape) in _cases(8 if args.smoke else 1, batch).items():
+            cache = torch.zeros(batch + 1, *shape)
+            times: Dict[str, List[float]] = {"batched (gather, scan, scatter)": [], "in place (CPU)": []}
+            for _ in range(rounds):
+                for path, fn in zip(times, (None, step)):
+                    times[path].append(_mean_ms(lambda: _drive(scan, tokens, meta, cache, fn), max(3, calls // batch)))
+            state_kib = cache[0].numel() * 4 / 1024
+            for path, ms in times.items():
+                rows.append({"op": name, "batch": batch, "engine": path, "state_kib": state_kib,
+                             "ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms)})
+    lines = ["| op | state per sequence | batch | batched ms | in place ms | speed-up |", "|---|---|---|---|---|---|"]
     for batched, in_place in zip(rows[::2], rows[1::2]):
-        lines.append(f"| {batched['op']} | {batched['state_kib']:.0f} KiB | {batched['ms']:.3f} "
+        lines.append(f"| {batched['op']} | {batched['state_kib']:.0f} KiB | {batched['batch']} | {batched['ms']:.3f} "
                      f"({batched['min_ms']:.3f}-{batched['max_ms']:.3f}) | {in_place['ms']:.3f} "
                      f"({in_place['min_ms']:.3f}-{in_place['max_ms']:.3f}) | {batched['ms'] / in_place['ms']:.2f}x |")
     table = "\n".join(lines)
@@ -125,9 +143,10 @@ def main() -> None:
         f.write(table + "\n")
     print(f"wrote {path} and .md", flush=True)
     ops = list(dict.fromkeys(r["op"] for r in rows))
-    grouped_bars(os.path.join(os.path.dirname(os.path.abspath(__file__)), "state-step.png"),
-                 [dict(r, group=ops.index(r["op"])) for r in rows], "group", "ms", ops,
-                 "ms per decode step, one layer, batch 1", "scan_each_sequence: batched vs in place (CPU)")
+    one = [dict(r, group=ops.index(r["op"])) for r in rows if r["batch"] == rows[0]["batch"]]
+    grouped_bars(os.path.join(os.path.dirname(os.path.abspath(__file__)), "state-step.png"), one, "group", "ms",
+                 ops, f"ms per decode step, one layer, batch {rows[0]['batch']}",
+                 "scan_each_sequence: batched vs in place (CPU)")
 
 
 if __name__ == "__main__":

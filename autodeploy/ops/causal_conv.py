@@ -40,6 +40,15 @@ ScanFn = Callable[[Sequence[Tensor], Tensor], Tuple[Tensor, Tensor]]
 # (one token's inputs [...], its sequence's state [*state_shape], updated in place) -> its output [...]
 StepFn = Callable[[Sequence[Tensor], Tensor], Tensor]
 
+# When the CPU decode runs one-token sequences one by one in place rather than as one gathered batch
+# (``benchmarks/bench_state_step.py``, batch sizes 1, 8, 32, on a 2-core Xeon): in place wins for up
+# to a few sequences whatever the state (1.5-4x at one), and at any batch for states of a few hundred
+# KiB (a Mamba2-130m layer's 768 KiB: 2.8x at 32); for small states (a conv window, a 64 KiB SSM) the
+# batch's one pass over all of them wins from about 8 sequences, where the per-sequence ops' overhead
+# adds up.
+IN_PLACE_ANY_STATE = 2  # sequences
+IN_PLACE_MIN_BYTES = 256 * 1024  # state bytes per sequence
+
 _ACTIVATIONS = {None: lambda t: t, "silu": F.silu, "swish": F.silu}
 
 
@@ -99,7 +108,8 @@ def scan_each_sequence(
     On CPU, where host reads cost nothing, an op that gives ``step`` (its math for one token, updating
     a state in place) has its one-token sequences run one by one on their own slots instead: no
     gathered copy of the states, no scatter back, no fresh state tensors per step (the gather and
-    the scatter alone cost as much as the recurrence for a Mamba2 layer's state at batch 1).
+    the scatter alone cost as much as the recurrence for a Mamba2 layer's state at batch 1), when
+    there are few of them or their states are large (``IN_PLACE_ANY_STATE``, ``IN_PLACE_MIN_BYTES``).
     """
     out = tokens[0].new_zeros(tokens[0].shape)
     num_seqs = seq_len.shape[0]
@@ -117,7 +127,9 @@ def scan_each_sequence(
         out[:, rows] = y.to(out.dtype)
         state_cache[slot].copy_(final[0])
     num_single = num_seqs - num_prefill
-    if num_single and step is not None and state_cache.device.type == "cpu":
+    state_bytes = state_cache[0].numel() * state_cache.element_size()
+    if num_single and step is not None and state_cache.device.type == "cpu" and (
+            num_single <= IN_PLACE_ANY_STATE or state_bytes >= IN_PLACE_MIN_BYTES):
         slots, carries = host_lists(slot_idx[num_prefill:], use_initial_state[num_prefill:])
         for row, slot, carry in zip(range(first_single, first_single + num_single), slots, carries):
             state = state_cache[slot]

@@ -5,8 +5,9 @@ and the same cache, for every op that gives a ``step``: the conv window, the Mam
 scans, the gated and channelwise delta rules, the decayed linear attention.
 
 Each case builds the op's two closures the way its cached variant does, from the op module's own
-functions, on a step with a 5-token prefill, two continuing decodes and a fresh one-token prompt
-over a slot of NaNs (as uninitialised memory may be); the slots no row names stay untouched.
+functions, on a step with a 5-token prefill, a continuing decode and a fresh one-token prompt over a
+slot of NaNs (as uninitialised memory may be); the slots no row names stay untouched. Two one-token
+rows: the CPU driver takes the in-place path for that many whatever the state's size (counted).
 """
 
 from typing import List, Sequence
@@ -66,18 +67,43 @@ def _metadata(lengths: Sequence[int], slots: Sequence[int], carries: Sequence[bo
                                   "linear_attention"])
 def test_the_cpu_in_place_decode_equals_the_batched_decode(name):
     make, scan, step, shape = _case(name)
-    parts = [make(5), make(1), make(1), make(1)]
+    parts = [make(5), make(1), make(1)]
     tokens = [torch.cat([p[j] for p in parts], dim=1) for j in range(len(parts[0]))]
-    meta = _metadata([5, 1, 1, 1], [1, 3, 0, 5], [False, True, False, True], 1)
+    meta = _metadata([5, 1, 1], [1, 3, 0], [False, True, False], 1)
     cache = torch.randn(6, *shape) * 3
     cache[0] = float("nan")
+    calls = []
+
+    def counted(t, state):
+        calls.append(1)
+        return step(t, state)
+
     results = []
-    for use_step in (None, step):
+    for use_step in (None, counted):
         mine = cache.clone()
         out = causal_conv.scan_each_sequence(scan, tokens, *meta, mine, step=use_step)
         results.append((out, mine))
     (batched, batched_cache), (in_place, in_place_cache) = results
-    assert not in_place.isnan().any()
+    assert len(calls) == 2 and not in_place.isnan().any()
     torch.testing.assert_close(in_place, batched, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(in_place_cache, batched_cache, rtol=1e-5, atol=1e-5)
-    assert torch.equal(in_place_cache[[2, 4]], cache[[2, 4]])
+    assert torch.equal(in_place_cache[[2, 4, 5]], cache[[2, 4, 5]])
+
+
+def test_many_sequences_take_the_in_place_path_only_for_large_states():
+    """Eight one-token sequences: a conv window (small) goes as one batch, a 512 KiB Mamba2 state
+    one by one in place (``IN_PLACE_MIN_BYTES``)."""
+    for shape, expected in (((H * P, 3), 0), ((8, 128, 128), 8)):
+        calls = []
+
+        def step(t, state):
+            calls.append(1)
+            return t[0].float().sum() + state.sum() * 0
+
+        def scan(t, state):
+            return t[0].float(), state
+
+        tokens = [torch.randn(1, 8, 2)]
+        causal_conv.scan_each_sequence(scan, tokens, *_metadata([1] * 8, list(range(8)), [True] * 8, 0),
+                                       torch.zeros(9, *shape), step=step)
+        assert len(calls) == expected
