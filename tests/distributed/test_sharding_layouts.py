@@ -448,6 +448,25 @@ def _layout_job(rank: int, model_type: str) -> Dict[str, Any]:
             "logprobs": [[step[t] for step, t in zip(o.logprobs, o.token_ids)] for o in outs]}
 
 
+def assert_two_ranks_match_hf(model_type: str) -> None:
+    """Two gloo ranks of ``model_type``'s coverage checkpoint through ``LLM``: no layer left whole on
+    any rank, greedy tokens equal to HF eager's (without its cache, which some of HF's state models
+    cannot run from a plain forward), log-probabilities within 1e-4."""
+    results = _run_ranks(partial(_layout_job, model_type=model_type), world=2, timeout=400)
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert r["whole"] == {}
+    lead = results[0]
+    model = hf_model(coverage_checkpoint(model_type)[0])
+    for prompt, tokens, logprobs in zip(lead["prompts"], lead["tokens"], lead["logprobs"]):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens]), use_cache=False).logits[0].float()
+        expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+        assert expected.argmax(-1).tolist() == tokens
+        want = expected.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(logprobs), want, atol=1e-4), (logprobs, want.tolist())
+
+
 @pytest.mark.slow  # ~30 s each on 2 cores: both ranks build the engine
 @pytest.mark.distributed
 @pytest.mark.parametrize("model_type", ["olmo2", "cohere", "llama4_text", "phi3", "dbrx", "gpt_neox", "laguna",
@@ -461,19 +480,7 @@ def test_two_ranks_of_each_layout_give_hfs_tokens_and_logprobs(model_type):
     Qwen3.5: Gated DeltaNet layers by heads (their state and convolution channels per rank).
     Every attention is split (none left whole), and the tokens and their log-probabilities equal HF
     eager's."""
-    results = _run_ranks(partial(_layout_job, model_type=model_type), world=2, timeout=400)
-    for r in results:
-        assert "error" not in r, r.get("error")
-        assert r["whole"] == {}
-    lead = results[0]
-    model = hf_model(coverage_checkpoint(model_type)[0])
-    for prompt, tokens, logprobs in zip(lead["prompts"], lead["tokens"], lead["logprobs"]):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + tokens])).logits[0].float()
-        expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
-        assert expected.argmax(-1).tolist() == tokens
-        want = expected.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-        assert torch.allclose(torch.tensor(logprobs), want, atol=1e-4), (logprobs, want.tolist())
+    assert_two_ranks_match_hf(model_type)
 
 
 def _gdn_plan(graph_module, rank: int = 1):

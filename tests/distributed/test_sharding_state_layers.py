@@ -12,7 +12,6 @@ job): greedy tokens and log-probabilities equal HF eager.
 """
 
 import operator
-from functools import partial
 
 import pytest
 import torch
@@ -26,9 +25,8 @@ from autodeploy.transform.library._sharding import ColumnShard, FeatureMeanShard
 from autodeploy.transform.library._sharding_state import LAYOUT
 from autodeploy.transform.library.detect_sharding import detect
 from autodeploy.transform.library.sharding_transform_executor import execute
-from helpers import _cached_checkpoint, build, coverage_checkpoint, export_gm, hf_model
-from test_collectives import _run_ranks
-from test_sharding_layouts import _layout_job, _sum_over_ranks
+from helpers import _cached_checkpoint, build, coverage_checkpoint, export_gm
+from test_sharding_layouts import _sum_over_ranks, assert_two_ranks_match_hf
 
 ad = torch.ops.autodeploy
 aten = torch.ops.aten
@@ -322,16 +320,4 @@ def test_two_ranks_of_each_state_layout_give_hfs_tokens_and_logprobs(model_type)
     LFM2: the gated short convolution; OLMo-Hybrid: Gated DeltaNet from separate q, k, v projections;
     Kimi-Linear: the per-channel decay; MiniMax: linear attention, its decay sliced per rank.
     Every state layer split (none whole), tokens and log-probabilities equal HF eager's."""
-    results = _run_ranks(partial(_layout_job, model_type=model_type), world=2, timeout=400)
-    for r in results:
-        assert "error" not in r, r.get("error")
-        assert r["whole"] == {}
-    lead = results[0]
-    model = hf_model(coverage_checkpoint(model_type)[0])
-    for prompt, tokens, logprobs in zip(lead["prompts"], lead["tokens"], lead["logprobs"]):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + tokens]), use_cache=False).logits[0].float()
-        expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
-        assert expected.argmax(-1).tolist() == tokens
-        want = expected.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-        assert torch.allclose(torch.tensor(logprobs), want, atol=1e-4), (logprobs, want.tolist())
+    assert_two_ranks_match_hf(model_type)
