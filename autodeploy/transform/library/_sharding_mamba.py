@@ -39,7 +39,7 @@ listed here) leaves the layer replicated on every rank: correct, only without th
 
 import operator
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import fx
@@ -305,6 +305,16 @@ def plan_mamba2(gm: fx.GraphModule, ssm: fx.Node, plan: ShardingPlan) -> Optiona
     return None
 
 
+def _channel_count(node: object, n: int) -> Union[int, str]:
+    """The channels of a ``[b, s, c]`` value (a Mamba scan's input, a short conv's output) when ``n``
+    ranks split them evenly, else why the layer stays whole."""
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() != 3:
+        return LAYOUT
+    channels = int(value.shape[-1])
+    return f"{channels} channels do not split over {n} ranks" if channels % n else channels
+
+
 def _conv_tensors(gm: fx.GraphModule, conv: fx.Node, channels: int) -> Optional[Tuple[str, Optional[str]]]:
     """``(weight, bias or None)`` targets of a short convolution over ``channels``, stored and read
     only by it; None when computed."""
@@ -327,12 +337,9 @@ def plan_mamba(gm: fx.GraphModule, ssm: fx.Node, plan: ShardingPlan) -> Optional
     why it stays whole (nothing added)."""
     n, rank = plan.world_size, plan.rank
     x, dt, A, B, C, D, dt_bias = ssm.args[:7]
-    xv = x.meta.get("val") if isinstance(x, fx.Node) else None
-    if not isinstance(xv, torch.Tensor) or xv.dim() != 3:
-        return LAYOUT
-    channels = int(xv.shape[-1])
-    if channels % n:
-        return f"{channels} channels do not split over {n} ranks"
+    channels = _channel_count(x, n)
+    if isinstance(channels, str):
+        return channels
     x_chain: List[fx.Node] = []
     step_chain: List[fx.Node] = []
     in_chain: List[fx.Node] = []
@@ -380,12 +387,9 @@ def plan_short_conv(gm: fx.GraphModule, conv: fx.Node, plan: ShardingPlan) -> Op
     all-reduce. None when planned, else why not (nothing added): another layout, such as the
     convolutions of Mamba and Gated DeltaNet, which their layers' planners split."""
     n, rank = plan.world_size, plan.rank
-    value = conv.meta.get("val")
-    if not isinstance(value, torch.Tensor) or value.dim() != 3:
-        return LAYOUT
-    channels = int(value.shape[-1])
-    if channels % n:
-        return f"{channels} channels do not split over {n} ranks"
+    channels = _channel_count(conv, n)
+    if isinstance(channels, str):
+        return channels
     chain: List[fx.Node] = []
     product = _back(conv.args[0], chain)
     if product is None or product.target != aten.mul.Tensor or len(product.users) != 1:
