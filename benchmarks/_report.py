@@ -29,8 +29,8 @@ def write_report(prefix: str, fields: Dict[str, Any]) -> str:
 def grouped_bars(path: str, rows: List[Dict[str, Any]], group: str, value: str, labels: Sequence[str], ylabel: str,
                  title: str, log: bool = False) -> None:
     """One bar per engine (``row["engine"]``, in first-seen order) in each group (``row[group]``,
-    sorted; ``labels`` names them in that order), its height ``row[value]``; a PNG at ``path``
-    (nothing, with a line, when matplotlib is missing)."""
+    sorted; ``labels`` names them in that order), its height ``row[value]`` (no bar where an engine
+    has no row in a group); a PNG at ``path`` (nothing, with a line, when matplotlib is missing)."""
     try:
         import matplotlib
 
@@ -44,7 +44,7 @@ def grouped_bars(path: str, rows: List[Dict[str, Any]], group: str, value: str, 
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(engines)
     for i, name in enumerate(engines):
-        vals = [next(r[value] for r in rows if r["engine"] == name and r[group] == g) for g in groups]
+        vals = [next((r[value] for r in rows if r["engine"] == name and r[group] == g), float("nan")) for g in groups]
         ax.bar([x + i * width for x in range(len(groups))], vals, width, label=name)
     ax.set_xticks([x + width * (len(engines) - 1) / 2 for x in range(len(groups))])
     ax.set_xticklabels(list(labels))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One decode step of a cached state op, by the two paths of ``scan_each_sequence``.
+"""One decode step of a cached state op, by the three paths of ``scan_each_sequence``.
 
     python benchmarks/bench_state_step.py            # one layer of each op at real model sizes
     python benchmarks/bench_state_step.py --smoke    # tiny sizes, a few calls: seconds, no files
@@ -7,10 +7,12 @@
 ``scan_each_sequence`` (``autodeploy/ops/causal_conv.py``) runs an op's one-token sequences either
 as one batch gathered from the state cache and scattered back (``scan``: what every device did
 before, and what CUDA still does: no host reads) or, on CPU, one by one on their own slots, in
-place (``step``). This times both for one layer of each op that has a ``step``, at the sizes of a
-real model, at batch sizes 1, 8 and 32 (one-token sequences in as many slots), on the same inputs,
-interleaved over rounds (median and min-max of the per-call mean); the driver's rule for when the
-CPU takes the in-place path (``IN_PLACE_ANY_STATE``, ``IN_PLACE_MIN_BYTES``) comes from it:
+place (``step``), or all of them in one C call (``step_all``, the kernels of
+``ops/csrc/state_step_f32.c``). This times the paths for one layer of each op that has a ``step``,
+at the sizes of a real model, at batch sizes 1, 8 and 32 (one-token sequences in as many slots), on
+the same inputs, interleaved over rounds (median and min-max of the per-call mean); the driver's
+rule for when the CPU takes the Python in-place path (``IN_PLACE_ANY_STATE``, ``IN_PLACE_MIN_BYTES``)
+comes from it:
 
 - Mamba2 scan: Mamba2-130m's layer, 24 heads of 64, one group, state 128 (a 768 KiB state);
 - causal conv: its window, 1792 channels, kernel 4;
@@ -29,19 +31,21 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import grouped_bars, write_report  # noqa: E402
-from autodeploy.ops import causal_conv, delta_rule, linear_attention, ssm  # noqa: E402
+from autodeploy.ops import causal_conv, delta_rule, linear_attention, native, native_state, ssm  # noqa: E402
 
-Case = Tuple[List[torch.Tensor], Callable, Callable, Tuple[int, ...]]
+# (inputs, scan, step, the C kernel's step_all given the cache or None, state shape)
+Case = Tuple[List[torch.Tensor], Callable, Callable, Optional[Callable], Tuple[int, ...]]
+PATHS = ("batched (gather, scan, scatter)", "in place (CPU)", "C kernel (CPU)")
 
 
 def _cases(scale: int, batch: int) -> Dict[str, Case]:
-    """name -> (``batch`` tokens' inputs [1, batch, ...], scan, step, state shape), sizes divided by ``scale``."""
+    """name -> ``Case`` for ``batch`` tokens (inputs [1, batch, ...]), sizes divided by ``scale``."""
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -61,19 +65,30 @@ def _cases(scale: int, batch: int) -> Dict[str, Case]:
     return {
         "mamba2 scan": ([tok(h2, p2), tok(h2).abs(), tok(1, n2), tok(1, n2)],
                         lambda t, s: ssm._mamba2_scan(t[0], t[1], A2, t[2], t[3], D2, s),
-                        lambda t, s: ssm._mamba2_step_in_place(*t, A2, D2, s), (h2, p2, n2)),
+                        lambda t, s: ssm._mamba2_step_in_place(*t, A2, D2, s),
+                        lambda cache: lambda t, slots, carry: native_state.mamba2_step(*t, A2, D2, cache, slots, carry),
+                        (h2, p2, n2)),
         "causal conv": ([tok(cc)], lambda t, s: causal_conv._conv_scan(t[0], s, w, b, "silu"),
-                        lambda t, s: causal_conv._conv_step(t[0], s, w, b, "silu"), (cc, 3)),
+                        lambda t, s: causal_conv._conv_step(t[0], s, w, b, "silu"),
+                        lambda cache: lambda t, slots, carry: native_state.conv_step(t[0], cache, w, b, "silu",
+                                                                                     slots, carry),
+                        (cc, 3)),
         "mamba scan": ([tok(c1), tok(c1).abs(), tok(n1), tok(n1)],
                        lambda t, s: ssm._mamba1_scan(t[0], t[1], A1, t[2], t[3], D1, s),
-                       lambda t, s: ssm._mamba1_step_in_place(*t, A1, D1, s), (c1, n1)),
+                       lambda t, s: ssm._mamba1_step_in_place(*t, A1, D1, s),
+                       lambda cache: lambda t, slots, carry: native_state.mamba_step(*t, A1, D1, cache, slots, carry),
+                       (c1, n1)),
         "gated delta rule": ([tok(hv, d), tok(hk, d), tok(hk, d), tok(hv).sigmoid(), -tok(hv, 1).abs()],
                              lambda t, s: delta_rule._recurrence(t[1], t[2], t[0], t[4], t[3], s, None, True),
                              lambda t, s: delta_rule._step_in_place(t[1], t[2], t[0], t[4], t[3], s, None, True),
+                             lambda cache: lambda t, slots, carry: native_state.fast_weight_step(
+                                 t[1], t[2], t[0], t[4], t[3], cache, slots, carry, None, True),
                              (hv, d, d)),
         "linear attention": ([tok(hl, dl), tok(hl, dl), tok(hl, dl), -tok(hl).abs()],
                              lambda t, s: linear_attention._scan(t[1], t[2], t[0], t[3], s, None),
                              lambda t, s: linear_attention._step_in_place(t[1], t[2], t[0], t[3], s, None),
+                             lambda cache: lambda t, slots, carry: native_state.fast_weight_step(
+                                 t[1], t[2], t[0], t[3], None, cache, slots, carry, None, False),
                              (hl, dl, dl)),
     }
 
@@ -86,13 +101,14 @@ def _metadata(batch: int) -> List[torch.Tensor]:
 
 
 def _drive(scan: Callable, tokens: List[torch.Tensor], meta: List[torch.Tensor], cache: torch.Tensor,
-           step: Any) -> None:
-    """One step through the driver: ``step`` None forces the batched path; given, the in-place one
-    (its size rule lifted, so both paths are timed at every batch size)."""
+           step: Any, step_all: Any = None) -> None:
+    """One step through the driver: neither ``step`` nor ``step_all`` forces the batched path;
+    ``step`` the in-place one (its size rule lifted, so the paths are timed at every batch size);
+    ``step_all`` the C kernel."""
     saved = causal_conv.IN_PLACE_ANY_STATE
     causal_conv.IN_PLACE_ANY_STATE = 1 << 30
     try:
-        causal_conv.scan_each_sequence(scan, tokens, *meta, cache, step=step)
+        causal_conv.scan_each_sequence(scan, tokens, *meta, cache, step=step, step_all=step_all)
     finally:
         causal_conv.IN_PLACE_ANY_STATE = saved
 
@@ -104,6 +120,24 @@ def _mean_ms(fn: Callable[[], Any], calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - start) / calls * 1e3
+
+
+def _table(rows: List[Dict[str, Any]]) -> str:
+    """One line per op and batch size: each path's ms (min-max) and its speed-up over the batched path."""
+    lines = ["| op | state per sequence | batch | batched ms | in place ms (speed-up) | C kernel ms (speed-up) |",
+             "|---|---|---|---|---|---|"]
+    groups: Dict[Tuple[str, int], Dict[str, Dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["op"], row["batch"]), {})[row["engine"]] = row
+    for (op, batch), paths in groups.items():
+        base = paths[PATHS[0]]
+        cells = [f"{base['ms']:.3f} ({base['min_ms']:.3f}-{base['max_ms']:.3f})"]
+        for path in PATHS[1:]:
+            row = paths.get(path)
+            cells.append("-" if row is None else f"{row['ms']:.3f} ({row['min_ms']:.3f}-{row['max_ms']:.3f}) "
+                                                 f"[{base['ms'] / row['ms']:.2f}x]")
+        lines.append(f"| {op} | {base['state_kib']:.0f} KiB | {batch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -119,22 +153,21 @@ def main() -> None:
     rows = []
     for batch in [1] if args.smoke else args.batch_sizes:
         meta = _metadata(batch)
-        for name, (tokens, scan, step, shape) in _cases(8 if args.smoke else 1, batch).items():
+        for name, (tokens, scan, step, step_all, shape) in _cases(8 if args.smoke else 1, batch).items():
             cache = torch.zeros(batch + 1, *shape)
-            times: Dict[str, List[float]] = {"batched (gather, scan, scatter)": [], "in place (CPU)": []}
+            drivers = [(None, None), (step, None)]
+            if step_all is not None and native.available():
+                drivers.append((None, step_all(cache)))
+            times: Dict[str, List[float]] = {path: [] for path in PATHS[:len(drivers)]}
             for _ in range(rounds):
-                for path, fn in zip(times, (None, step)):
-                    times[path].append(_mean_ms(lambda: _drive(scan, tokens, meta, cache, fn), max(3, calls // batch)))
+                for path, (fn, fn_all) in zip(times, drivers):
+                    times[path].append(_mean_ms(lambda: _drive(scan, tokens, meta, cache, fn, fn_all),
+                                                max(3, calls // batch)))
             state_kib = cache[0].numel() * 4 / 1024
             for path, ms in times.items():
                 rows.append({"op": name, "batch": batch, "engine": path, "state_kib": state_kib,
                              "ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms)})
-    lines = ["| op | state per sequence | batch | batched ms | in place ms | speed-up |", "|---|---|---|---|---|---|"]
-    for batched, in_place in zip(rows[::2], rows[1::2]):
-        lines.append(f"| {batched['op']} | {batched['state_kib']:.0f} KiB | {batched['batch']} | {batched['ms']:.3f} "
-                     f"({batched['min_ms']:.3f}-{batched['max_ms']:.3f}) | {in_place['ms']:.3f} "
-                     f"({in_place['min_ms']:.3f}-{in_place['max_ms']:.3f}) | {batched['ms'] / in_place['ms']:.2f}x |")
-    table = "\n".join(lines)
+    table = _table(rows)
     print(table, flush=True)
     if args.smoke:
         return
@@ -145,8 +178,8 @@ def main() -> None:
     ops = list(dict.fromkeys(r["op"] for r in rows))
     one = [dict(r, group=ops.index(r["op"])) for r in rows if r["batch"] == rows[0]["batch"]]
     grouped_bars(os.path.join(os.path.dirname(os.path.abspath(__file__)), "state-step.png"), one, "group", "ms",
-                 ops, f"ms per decode step, one layer, batch {rows[0]['batch']}",
-                 "scan_each_sequence: batched vs in place (CPU)")
+                 ops, f"ms per decode step, one layer, batch {rows[0]['batch']} (log scale)",
+                 "scan_each_sequence: batched vs in place vs C kernel (CPU)", log=True)
 
 
 if __name__ == "__main__":

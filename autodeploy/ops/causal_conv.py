@@ -21,10 +21,11 @@ convolved with the stored window in front, and the window is replaced by the las
 inputs seen. The state is stored in ``conv_state``'s dtype; the model's dtype is the natural
 choice (these are raw inputs, no accumulation happens in them).
 
-``scan_each_sequence`` is the step driver every cached state-space op shares (this conv and the
-SSMs in ``ssm.py``): given the op's math as "outputs and final state from an initial state", it
-runs prefill sequences one by one and all one-token sequences in one batch, and reads/writes
-the state slots.
+``scan_each_sequence`` is the step driver every cached state op shares (this conv, the SSMs in
+``ssm.py``, the delta rules, linear attention, ...): given the op's math as "outputs and final
+state from an initial state", it runs prefill sequences one by one and all one-token sequences in
+one batch, and reads/writes the state slots; on CPU an op's C kernel (``step_all``) or its
+one-token math (``step``) runs the one-token sequences in place on their slots instead.
 """
 
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -33,14 +34,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import native_state
 from .host_reads import host_lists
 
 # (per-token inputs [b, s, ...], initial state [b, *state_shape]) -> (outputs [b, s, ...], final state)
 ScanFn = Callable[[Sequence[Tensor], Tensor], Tuple[Tensor, Tensor]]
 # (one token's inputs [...], its sequence's state [*state_shape], updated in place) -> its output [...]
 StepFn = Callable[[Sequence[Tensor], Tensor], Tensor]
+# (every one-token sequence's inputs [n, ...], their slots, their carry flags) -> their outputs [n, ...],
+# each state updated in place in the cache; None (nothing written) when it cannot take these inputs
+StepAllFn = Callable[[Sequence[Tensor], Tensor, Tensor], Optional[Tensor]]
 
-# When the CPU decode runs one-token sequences one by one in place rather than as one gathered batch
+# When the CPU decode without a C kernel (``step_all``: none built, or inputs it declines) runs
+# one-token sequences one by one in place rather than as one gathered batch
 # (``benchmarks/bench_state_step.py``, batch sizes 1, 8, 32, on a 2-core Xeon): in place wins for up
 # to a few sequences whatever the state (1.5-4x at one), and at any batch for states of a few hundred
 # KiB (a Mamba2-130m layer's 768 KiB: 2.8x at 32); for small states (a conv window, a 64 KiB SSM) the
@@ -96,6 +102,7 @@ def scan_each_sequence(
     use_initial_state: Tensor,
     state_cache: Tensor,
     step: Optional[StepFn] = None,
+    step_all: Optional[StepAllFn] = None,
 ) -> Tensor:
     """Runs ``scan`` over a flattened step and updates ``state_cache [num_slots, *state_shape]``.
 
@@ -110,9 +117,16 @@ def scan_each_sequence(
     gathered copy of the states, no scatter back, no fresh state tensors per step (the gather and
     the scatter alone cost as much as the recurrence for a Mamba2 layer's state at batch 1), when
     there are few of them or their states are large (``IN_PLACE_ANY_STATE``, ``IN_PLACE_MIN_BYTES``).
+    ``step_all`` (a C kernel's wrapper, ``native_state.py``) does all of them in place in one call, at any
+    batch size, and is tried first on CPU; a decode-only step then needs no output buffer of its own.
     """
-    out = tokens[0].new_zeros(tokens[0].shape)
     num_seqs = seq_len.shape[0]
+    on_cpu = state_cache.device.type == "cpu"
+    if step_all is not None and on_cpu and tokens[0].shape[1] == num_seqs:  # decode only
+        y = step_all([t[0] for t in tokens], slot_idx, use_initial_state)
+        if y is not None:
+            return y.to(tokens[0].dtype).view(tokens[0].shape)
+    out = tokens[0].new_zeros(tokens[0].shape)
     num_prefill, first_single = 0, 0
     if out.shape[1] != num_seqs:  # not one new token per sequence: some prefill rows (host reads)
         info, starts, lengths, slots, carries = host_lists(batch_info, cu_seqlen, seq_len, slot_idx, use_initial_state)
@@ -127,8 +141,14 @@ def scan_each_sequence(
         out[:, rows] = y.to(out.dtype)
         state_cache[slot].copy_(final[0])
     num_single = num_seqs - num_prefill
+    rows = slice(first_single, first_single + num_single)
+    y = None
+    if num_single and step_all is not None and on_cpu:
+        y = step_all([t[0, rows] for t in tokens], slot_idx[num_prefill:], use_initial_state[num_prefill:])
     state_bytes = state_cache[0].numel() * state_cache.element_size()
-    if num_single and step is not None and state_cache.device.type == "cpu" and (
+    if y is not None:
+        out[0, rows] = y.to(out.dtype)
+    elif num_single and step is not None and on_cpu and (
             num_single <= IN_PLACE_ANY_STATE or state_bytes >= IN_PLACE_MIN_BYTES):
         slots, carries = host_lists(slot_idx[num_prefill:], use_initial_state[num_prefill:])
         for row, slot, carry in zip(range(first_single, first_single + num_single), slots, carries):
@@ -137,7 +157,6 @@ def scan_each_sequence(
                 state.zero_()
             out[0, row] = step([t[0, row] for t in tokens], state).to(out.dtype)
     elif num_single:
-        rows = slice(first_single, first_single + num_single)
         slots_t = slot_idx[num_prefill:].long()
         carry_t = use_initial_state[num_prefill:].to(torch.bool).reshape(-1, *([1] * (state_cache.dim() - 1)))
         initial = state_cache.index_select(0, slots_t).masked_fill_(~carry_t, 0)
@@ -172,8 +191,11 @@ def torch_cached_causal_conv1d(
     def step(inputs: Sequence[Tensor], window: Tensor) -> Tensor:
         return _conv_step(inputs[0], window, weight, bias, activation)
 
+    def step_all(inputs: Sequence[Tensor], slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+        return native_state.conv_step(inputs[0], conv_state, weight, bias, activation, slots, carry)
+
     return scan_each_sequence(scan, [x], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state, conv_state,
-                              step=step)
+                              step=step, step_all=step_all)
 
 
 def _conv_step(x: Tensor, window: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str]) -> Tensor:

@@ -40,6 +40,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from . import native_state
 from .causal_conv import scan_each_sequence
 
 # HF's kernels hard-code this eps for the in-kernel q/k normalisation.
@@ -238,10 +239,16 @@ def _cached(
         v_, q_, k_, beta_, *gate = token
         return _step_in_place(q_, k_, v_, gate[0] if gate else None, beta_, state, scale, use_qk_l2norm)
 
+    def step_all(token: Sequence[Tensor], slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+        v_, q_, k_, beta_, *gate = token
+        return native_state.fast_weight_step(q_, k_, v_, gate[0] if gate else None, beta_, state_cache, slots, carry,
+                                       scale, use_qk_l2norm)
+
     # The driver's output takes the first input's shape and dtype: v's shape in q's dtype, as HF.
     tokens = [v.to(q.dtype), q, k, beta] + ([] if log_decay is None else [log_decay])
+    in_place = state_cache.dtype == torch.float32
     return scan_each_sequence(scan, tokens, batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
-                              state_cache, step=step if state_cache.dtype == torch.float32 else None)
+                              state_cache, step=step if in_place else None, step_all=step_all if in_place else None)
 
 
 @torch.library.custom_op("autodeploy::torch_cached_gated_delta_rule", mutates_args=("state_cache",))

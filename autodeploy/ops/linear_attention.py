@@ -39,6 +39,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from . import native_state
 from .causal_conv import scan_each_sequence
 
 # tokens per chunk: the intra-chunk product is [C, C] per head; 64 keeps it in cache at any dk
@@ -133,9 +134,15 @@ def torch_cached_linear_attention(
         v_, q_, k_, g_ = token
         return _step_in_place(q_, k_, v_, g_, state, scale)
 
+    def step_all(token: Sequence[Tensor], slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+        v_, q_, k_, g_ = token
+        return native_state.fast_weight_step(q_, k_, v_, g_, None, state_cache, slots, carry, scale, False)
+
     # the driver's output takes the first input's shape and dtype: v's shape in q's dtype
+    in_place = state_cache.dtype == torch.float32
     return scan_each_sequence(scan, [v.to(q.dtype), q, k, g], batch_info, seq_len, cu_seqlen, slot_idx,
-                              use_initial_state, state_cache, step=step if state_cache.dtype == torch.float32 else None)
+                              use_initial_state, state_cache, step=step if in_place else None,
+                              step_all=step_all if in_place else None)
 
 
 @torch_cached_linear_attention.register_fake

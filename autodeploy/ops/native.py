@@ -124,6 +124,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ad_silu_and_mul_f32.restype = None
     lib.ad_rope_f32.argtypes = [p, i64, i64, i64, p, p, p, i64, i64, i64, i64, n]
     lib.ad_rope_f32.restype = None
+    lib.ad_mamba2_step_f32.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64,
+                                       n]
+    lib.ad_mamba2_step_f32.restype = ctypes.c_int
+    lib.ad_conv_step_f32.argtypes = [p, i64, p, i64, p, p, p, p, n, p, i64, i64, i64, n]
+    lib.ad_conv_step_f32.restype = ctypes.c_int
+    lib.ad_fast_weight_step_f32.argtypes = [p, i64, p, i64, p, i64, p, i64, p, i64, i64, p, i64, p, p, p, i64, i64,
+                                            i64, i64, i64, f32, n, n]
+    lib.ad_fast_weight_step_f32.restype = ctypes.c_int
+    lib.ad_mamba_step_f32.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, p, i64, p, p, p, i64, i64, i64, n]
+    lib.ad_mamba_step_f32.restype = ctypes.c_int
 
 
 def _load() -> Tuple[Optional[ctypes.CDLL], str]:
@@ -177,6 +187,11 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _state.off = before
+
+
+def loaded() -> Optional[ctypes.CDLL]:
+    """``load()`` without its lock once loaded: for wrappers called per layer of a decode step."""
+    return _state.lib if _state.loaded and not _state.off else load()
 
 
 def available() -> bool:
@@ -279,7 +294,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Optional[T
     inputs (not one row, not contiguous float32 CPU tensors, a packed weight). It runs once per
     linear of a batch-1 decode step (~50 times a step), so it checks with the cheapest tensor
     properties (``is_cpu``, not ``device.type``)."""
-    lib = _state.lib if _state.loaded and not _state.off else load()
+    lib = loaded()
     f32 = torch.float32
     if lib is None or x.dtype != f32 or weight.dtype != f32 or not x.is_cpu or weight.is_mkldnn:
         return None

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import native_state
 from .causal_conv import scan_each_sequence
 
 CHUNK_SIZE = 128  # tokens per SSD chunk; the result does not depend on it beyond rounding
@@ -205,8 +206,12 @@ def torch_cached_ssm(
     def step(token: Sequence[Tensor], state: Tensor) -> Tensor:
         return _mamba2_step_in_place(*token, A, D, state)
 
+    def step_all(tokens: Sequence[Tensor], slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+        return native_state.mamba2_step(*tokens, A, D, ssm_state, slots, carry)
+
+    in_place = ssm_state.dtype == torch.float32
     return scan_each_sequence(scan, [x, dt, B, C], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
-                              ssm_state, step=step if ssm_state.dtype == torch.float32 else None)
+                              ssm_state, step=step if in_place else None, step_all=step_all if in_place else None)
 
 
 @torch_cached_ssm.register_fake
@@ -280,8 +285,12 @@ def torch_cached_ssm_mamba1(
     def step(token: Sequence[Tensor], state: Tensor) -> Tensor:
         return _mamba1_step_in_place(*token, A, D, state)
 
+    def step_all(tokens: Sequence[Tensor], slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+        return native_state.mamba_step(*tokens, A, D, ssm_state, slots, carry)
+
+    in_place = ssm_state.dtype == torch.float32
     return scan_each_sequence(scan, [x, dt, B, C], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
-                              ssm_state, step=step if ssm_state.dtype == torch.float32 else None)
+                              ssm_state, step=step if in_place else None, step_all=step_all if in_place else None)
 
 
 @torch_cached_ssm_mamba1.register_fake

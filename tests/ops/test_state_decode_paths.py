@@ -8,6 +8,9 @@ Each case builds the op's two closures the way its cached variant does, from the
 functions, on a step with a 5-token prefill, a continuing decode and a fresh one-token prompt over a
 slot of NaNs (as uninitialised memory may be); the slots no row names stay untouched. Two one-token
 rows: the CPU driver takes the in-place path for that many whatever the state's size (counted).
+The C kernels that do every one-token sequence in one call (``step_all``: the conv, the Mamba2 and
+Mamba steps, the delta rules and linear attention) are held to the batched decode the same way,
+with inputs strided as the graph's splits of one projection are.
 """
 
 from typing import List, Sequence
@@ -15,7 +18,7 @@ from typing import List, Sequence
 import pytest
 import torch
 
-from autodeploy.ops import causal_conv, delta_rule, linear_attention, ssm
+from autodeploy.ops import causal_conv, delta_rule, linear_attention, native, native_state, ssm
 
 H, P, G, N, DK, DV = 4, 3, 2, 5, 6, 7
 torch.manual_seed(0)
@@ -107,3 +110,106 @@ def test_many_sequences_take_the_in_place_path_only_for_large_states():
         causal_conv.scan_each_sequence(scan, tokens, *_metadata([1] * 8, list(range(8)), [True] * 8, 0),
                                        torch.zeros(9, *shape), step=step)
         assert len(calls) == expected
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+
+
+def _native_case(name: str, groups: int = G):
+    """(tokens of s positions, scan, step_all over ``cache``, state shape): the C kernels of the
+    conv and the Mamba2 step (``native.py``), each token input a slice of a wider tensor as the
+    graph's splits of one projection are."""
+    def split(s: int, *shape: int) -> torch.Tensor:  # [1, s, *shape], rows strided (a split's view)
+        wide = torch.randn(1, s, *shape[:-1], shape[-1] + 3)
+        return wide[..., 1:shape[-1] + 1]
+
+    if name in ("gated_delta_rule", "channelwise_delta_rule", "delta_rule", "linear_attention"):
+        make, scan, _, shape = _case("gated_delta_rule" if name == "delta_rule" else name)
+        if name == "delta_rule":  # plain DeltaNet: no decay
+            base = make
+            make = lambda s: base(s)[:4]  # noqa: E731
+            scan = lambda t, st: delta_rule._recurrence(t[1], t[2], t[0], None, t[3], st, None, True)  # noqa: E731
+        if name == "linear_attention":
+            def step_all(cache):
+                return lambda t, slots, carry: native_state.fast_weight_step(
+                    t[1], t[2], t[0], t[3], None, cache, slots, carry, None, False)
+        else:
+            def step_all(cache):
+                return lambda t, slots, carry: native_state.fast_weight_step(
+                    t[1], t[2], t[0], t[4] if len(t) > 4 else None, t[3], cache, slots, carry, None, True)
+        return make, scan, step_all, shape
+    if name in ("conv", "conv-nobias"):
+        bias, act = (CONV_B, "silu") if name == "conv" else (None, None)
+        return (lambda s: [split(s, H * P)],
+                lambda t, w: causal_conv._conv_scan(t[0], w, CONV_W, bias, act),
+                lambda cache: lambda t, slots, carry: native_state.conv_step(t[0], cache, CONV_W, bias, act, slots,
+                                                                             carry),
+                (H * P, 3))
+    if name == "mamba1":
+        make, scan, _, shape = _case(name)
+        return (lambda s: [split(s, H * P), *make(s)[1:2], split(s, N), make(s)[3]], scan,
+                lambda cache: lambda t, slots, carry: native_state.mamba_step(*t, A1, D1, cache, slots, carry), shape)
+    return (lambda s: [torch.randn(1, s, H, P), ssm._mamba2_dt(torch.randn(1, s, H), DTB2, None),
+                       split(s, groups, N), split(s, groups, N)],
+            lambda t, st: ssm._mamba2_scan(t[0], t[1], A2, t[2], t[3], D2, st),
+            lambda cache: lambda t, slots, carry: native_state.mamba2_step(*t, A2, D2, cache, slots, carry), (H, P, N))
+
+
+@needs_native
+@pytest.mark.parametrize("name,groups", [("conv", G), ("conv-nobias", G), ("mamba2", G), ("mamba2", 1), ("mamba1", G),
+                                         ("gated_delta_rule", G), ("channelwise_delta_rule", G), ("delta_rule", G),
+                                         ("linear_attention", G)])
+@pytest.mark.parametrize("prefill", [True, False])
+def test_the_native_step_of_every_sequence_equals_the_batched_decode(name, groups, prefill):
+    """Three one-token rows (a continuing decode, a fresh prompt over a NaN slot, another decode),
+    after a 5-token prefill or alone (the decode-only step returns the kernel's rows directly)."""
+    make, scan, step_all, shape = _native_case(name, groups)
+    parts = ([make(5)] if prefill else []) + [make(1), make(1), make(1)]
+    tokens = [torch.cat([p[j] for p in parts], dim=1) for j in range(len(parts[0]))]
+    lengths, slots, carries = [1, 1, 1], [3, 0, 5], [True, False, True]
+    if prefill:
+        lengths, slots, carries = [5] + lengths, [1] + slots, [False] + carries
+    meta = _metadata(lengths, slots, carries, int(prefill))
+    cache = torch.randn(7, *shape) * 3
+    cache[0] = float("nan")
+    batched_cache, native_cache = cache.clone(), cache.clone()
+    batched = causal_conv.scan_each_sequence(scan, tokens, *meta, batched_cache)
+    calls = []
+
+    def counted(t, slots_t, carry_t):
+        calls.append(slots_t.tolist())
+        return step_all(native_cache)(t, slots_t, carry_t)
+
+    mine = causal_conv.scan_each_sequence(scan, tokens, *meta, native_cache, step_all=counted)
+    assert calls == [[3, 0, 5]] and not mine.isnan().any()
+    torch.testing.assert_close(mine, batched, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(native_cache, batched_cache, rtol=1e-5, atol=1e-5)
+    untouched = [2, 4, 6] + ([] if prefill else [1])
+    assert torch.equal(native_cache[untouched], cache[untouched])
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["conv", "mamba2", "mamba1", "gated_delta_rule", "linear_attention"])
+def test_a_native_step_names_a_slot_outside_the_cache_and_writes_nothing(name):
+    make, _, step_all, shape = _native_case(name)
+    cache = torch.randn(4, *shape)
+    before = cache.clone()
+    with pytest.raises(IndexError, match="outside"):
+        step_all(cache)([t[0] for t in make(2)], torch.tensor([1, 4], dtype=torch.int32),
+                        torch.tensor([True, True]))
+    assert torch.equal(cache, before)
+
+
+@needs_native
+def test_the_native_steps_decline_what_they_cannot_take():
+    """A bfloat16 input, an int64 slot list, an unknown activation: None, the caller's torch path."""
+    x, cache = torch.randn(2, H * P), torch.randn(3, H * P, 3)
+    slots, carry = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([True, True])
+    assert native_state.conv_step(x.bfloat16(), cache, CONV_W, None, None, slots, carry) is None
+    assert native_state.conv_step(x, cache, CONV_W, None, None, slots.long(), carry) is None
+    assert native_state.conv_step(x, cache, CONV_W, None, "gelu", slots, carry) is None
+    assert native_state.conv_step(x, cache, CONV_W, None, None, slots, carry) is not None
+    state = torch.randn(3, H, P, N)
+    args = (torch.randn(2, H, P), torch.rand(2, H), torch.randn(2, G, N), torch.randn(2, G, N), A2, D2)
+    assert native_state.mamba2_step(*args, state.bfloat16(), slots, carry) is None
+    assert native_state.mamba2_step(*args, state, slots, carry) is not None

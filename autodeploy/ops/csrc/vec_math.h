@@ -36,4 +36,11 @@ static inline float ad_exp_nonpos(float x) {
     return ad_exp_clamped(x < -87.0f ? -87.0f : x);
 }
 
+/* silu(g) = g / (1 + exp(-g)), with exp of a non-positive argument only (so no overflow):
+ * e = exp(-|g|); g >= 0: g / (1 + e); g < 0: g * e / (1 + e). */
+static inline float ad_silu(float g) {
+    const float e = ad_exp_nonpos(g >= 0.f ? -g : g);
+    return (g >= 0.f ? g : g * e) / (1.0f + e);
+}
+
 #endif
