@@ -66,29 +66,31 @@ def _cases(scale: int, batch: int) -> Dict[str, Case]:
         "mamba2 scan": ([tok(h2, p2), tok(h2).abs(), tok(1, n2), tok(1, n2)],
                         lambda t, s: ssm._mamba2_scan(t[0], t[1], A2, t[2], t[3], D2, s),
                         lambda t, s: ssm._mamba2_step_in_place(*t, A2, D2, s),
-                        lambda cache: lambda t, slots, carry: native_state.mamba2_step(*t, A2, D2, cache, slots, carry),
+                        lambda cache: lambda t, cu, slots, carry: native_state.mamba2_step(*t, A2, D2, cache, cu,
+                                                                                       slots, carry),
                         (h2, p2, n2)),
         "causal conv": ([tok(cc)], lambda t, s: causal_conv._conv_scan(t[0], s, w, b, "silu"),
                         lambda t, s: causal_conv._conv_step(t[0], s, w, b, "silu"),
-                        lambda cache: lambda t, slots, carry: native_state.conv_step(t[0], cache, w, b, "silu",
+                        lambda cache: lambda t, cu, slots, carry: native_state.conv_step(t[0], cache, w, b, "silu", cu,
                                                                                      slots, carry),
                         (cc, 3)),
         "mamba scan": ([tok(c1), tok(c1).abs(), tok(n1), tok(n1)],
                        lambda t, s: ssm._mamba1_scan(t[0], t[1], A1, t[2], t[3], D1, s),
                        lambda t, s: ssm._mamba1_step_in_place(*t, A1, D1, s),
-                       lambda cache: lambda t, slots, carry: native_state.mamba_step(*t, A1, D1, cache, slots, carry),
+                       lambda cache: lambda t, cu, slots, carry: native_state.mamba_step(*t, A1, D1, cache, cu,
+                                                                                     slots, carry),
                        (c1, n1)),
         "gated delta rule": ([tok(hv, d), tok(hk, d), tok(hk, d), tok(hv).sigmoid(), -tok(hv, 1).abs()],
                              lambda t, s: delta_rule._recurrence(t[1], t[2], t[0], t[4], t[3], s, None, True),
                              lambda t, s: delta_rule._step_in_place(t[1], t[2], t[0], t[4], t[3], s, None, True),
-                             lambda cache: lambda t, slots, carry: native_state.fast_weight_step(
-                                 t[1], t[2], t[0], t[4], t[3], cache, slots, carry, None, True),
+                             lambda cache: lambda t, cu, slots, carry: native_state.fast_weight_step(
+                                 t[1], t[2], t[0], t[4], t[3], cache, cu, slots, carry, None, True),
                              (hv, d, d)),
         "linear attention": ([tok(hl, dl), tok(hl, dl), tok(hl, dl), -tok(hl).abs()],
                              lambda t, s: linear_attention._scan(t[1], t[2], t[0], t[3], s, None),
                              lambda t, s: linear_attention._step_in_place(t[1], t[2], t[0], t[3], s, None),
-                             lambda cache: lambda t, slots, carry: native_state.fast_weight_step(
-                                 t[1], t[2], t[0], t[3], None, cache, slots, carry, None, False),
+                             lambda cache: lambda t, cu, slots, carry: native_state.fast_weight_step(
+                                 t[1], t[2], t[0], t[3], None, cache, cu, slots, carry, None, False),
                              (hl, dl, dl)),
     }
 

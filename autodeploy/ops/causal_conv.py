@@ -41,9 +41,10 @@ from .host_reads import host_lists
 ScanFn = Callable[[Sequence[Tensor], Tensor], Tuple[Tensor, Tensor]]
 # (one token's inputs [...], its sequence's state [*state_shape], updated in place) -> its output [...]
 StepFn = Callable[[Sequence[Tensor], Tensor], Tensor]
-# (every one-token sequence's inputs [n, ...], their slots, their carry flags) -> their outputs [n, ...],
-# each state updated in place in the cache; None (nothing written) when it cannot take these inputs
-StepAllFn = Callable[[Sequence[Tensor], Tensor, Tensor], Optional[Tensor]]
+# (the step's per-token inputs [T, ...], the sequences' row offsets [n + 1], slots [n], carry flags [n])
+# -> the outputs [T, ...], each sequence's state updated in place in its slot; None (nothing written)
+# when it cannot take these inputs
+StepAllFn = Callable[[Sequence[Tensor], Tensor, Tensor, Tensor], Optional[Tensor]]
 
 # When the CPU decode without a C kernel (``step_all``: none built, or inputs it declines) runs
 # one-token sequences one by one in place rather than as one gathered batch
@@ -103,6 +104,7 @@ def scan_each_sequence(
     state_cache: Tensor,
     step: Optional[StepFn] = None,
     step_all: Optional[StepAllFn] = None,
+    step_all_prefills: bool = True,
 ) -> Tensor:
     """Runs ``scan`` over a flattened step and updates ``state_cache [num_slots, *state_shape]``.
 
@@ -117,13 +119,16 @@ def scan_each_sequence(
     gathered copy of the states, no scatter back, no fresh state tensors per step (the gather and
     the scatter alone cost as much as the recurrence for a Mamba2 layer's state at batch 1), when
     there are few of them or their states are large (``IN_PLACE_ANY_STATE``, ``IN_PLACE_MIN_BYTES``).
-    ``step_all`` (a C kernel's wrapper, ``native_state.py``) does all of them in place in one call, at any
-    batch size, and is tried first on CPU; a decode-only step then needs no output buffer of its own.
+    ``step_all`` (a C kernel's wrapper, ``native_state.py``) does the whole step, prefills and decodes,
+    in place in one call, and is tried first on CPU; with ``step_all_prefills`` False it takes only
+    the one-token sequences, and prefills go through ``scan`` (an op whose chunked reference beats
+    its token-by-token kernel on long prompts).
     """
     num_seqs = seq_len.shape[0]
     on_cpu = state_cache.device.type == "cpu"
-    if step_all is not None and on_cpu and tokens[0].shape[1] == num_seqs:  # decode only
-        y = step_all([t[0] for t in tokens], slot_idx, use_initial_state)
+    if step_all is not None and on_cpu and (step_all_prefills or tokens[0].shape[1] == num_seqs):
+        y = step_all([t[0] for t in tokens], cu_seqlen[:num_seqs + 1], slot_idx[:num_seqs],
+                     use_initial_state[:num_seqs])
         if y is not None:
             return y.to(tokens[0].dtype).view(tokens[0].shape)
     out = tokens[0].new_zeros(tokens[0].shape)
@@ -143,8 +148,9 @@ def scan_each_sequence(
     num_single = num_seqs - num_prefill
     rows = slice(first_single, first_single + num_single)
     y = None
-    if num_single and step_all is not None and on_cpu:
-        y = step_all([t[0, rows] for t in tokens], slot_idx[num_prefill:], use_initial_state[num_prefill:])
+    if num_single and step_all is not None and on_cpu and not step_all_prefills:  # the decodes after prefills
+        y = step_all([t[0, rows] for t in tokens], torch.arange(num_single + 1, dtype=torch.int32),
+                     slot_idx[num_prefill:num_seqs], use_initial_state[num_prefill:num_seqs])
     state_bytes = state_cache[0].numel() * state_cache.element_size()
     if y is not None:
         out[0, rows] = y.to(out.dtype)
@@ -191,8 +197,8 @@ def torch_cached_causal_conv1d(
     def step(inputs: Sequence[Tensor], window: Tensor) -> Tensor:
         return _conv_step(inputs[0], window, weight, bias, activation)
 
-    def step_all(inputs: Sequence[Tensor], slots: Tensor, carry: Tensor) -> Optional[Tensor]:
-        return native_state.conv_step(inputs[0], conv_state, weight, bias, activation, slots, carry)
+    def step_all(inputs: Sequence[Tensor], cu: Tensor, slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+        return native_state.conv_step(inputs[0], conv_state, weight, bias, activation, cu, slots, carry)
 
     return scan_each_sequence(scan, [x], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state, conv_state,
                               step=step, step_all=step_all)

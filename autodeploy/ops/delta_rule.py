@@ -239,10 +239,10 @@ def _cached(
         v_, q_, k_, beta_, *gate = token
         return _step_in_place(q_, k_, v_, gate[0] if gate else None, beta_, state, scale, use_qk_l2norm)
 
-    def step_all(token: Sequence[Tensor], slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+    def step_all(token: Sequence[Tensor], cu: Tensor, slots: Tensor, carry: Tensor) -> Optional[Tensor]:
         v_, q_, k_, beta_, *gate = token
-        return native_state.fast_weight_step(q_, k_, v_, gate[0] if gate else None, beta_, state_cache, slots, carry,
-                                       scale, use_qk_l2norm)
+        return native_state.fast_weight_step(q_, k_, v_, gate[0] if gate else None, beta_, state_cache, cu, slots,
+                                             carry, scale, use_qk_l2norm)
 
     # The driver's output takes the first input's shape and dtype: v's shape in q's dtype, as HF.
     tokens = [v.to(q.dtype), q, k, beta] + ([] if log_decay is None else [log_decay])

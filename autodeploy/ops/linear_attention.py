@@ -134,15 +134,17 @@ def torch_cached_linear_attention(
         v_, q_, k_, g_ = token
         return _step_in_place(q_, k_, v_, g_, state, scale)
 
-    def step_all(token: Sequence[Tensor], slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+    def step_all(token: Sequence[Tensor], cu: Tensor, slots: Tensor, carry: Tensor) -> Optional[Tensor]:
         v_, q_, k_, g_ = token
-        return native_state.fast_weight_step(q_, k_, v_, g_, None, state_cache, slots, carry, scale, False)
+        return native_state.fast_weight_step(q_, k_, v_, g_, None, state_cache, cu, slots, carry, scale, False)
 
-    # the driver's output takes the first input's shape and dtype: v's shape in q's dtype
+    # the driver's output takes the first input's shape and dtype: v's shape in q's dtype. Prefills take
+    # the chunked scan: at MiniMax's [64, 128, 128] state its GEMMs beat the kernel's token-by-token walk
+    # from ~512 tokens (benchmarks/RESULTS.md), which wins only on short prompts.
     in_place = state_cache.dtype == torch.float32
     return scan_each_sequence(scan, [v.to(q.dtype), q, k, g], batch_info, seq_len, cu_seqlen, slot_idx,
                               use_initial_state, state_cache, step=step if in_place else None,
-                              step_all=step_all if in_place else None)
+                              step_all=step_all if in_place else None, step_all_prefills=False)
 
 
 @torch_cached_linear_attention.register_fake

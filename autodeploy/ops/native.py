@@ -124,16 +124,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ad_silu_and_mul_f32.restype = None
     lib.ad_rope_f32.argtypes = [p, i64, i64, i64, p, p, p, i64, i64, i64, i64, n]
     lib.ad_rope_f32.restype = None
-    lib.ad_mamba2_step_f32.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64,
-                                       n]
-    lib.ad_mamba2_step_f32.restype = ctypes.c_int
-    lib.ad_conv_step_f32.argtypes = [p, i64, p, i64, p, p, p, p, n, p, i64, i64, i64, n]
-    lib.ad_conv_step_f32.restype = ctypes.c_int
-    lib.ad_fast_weight_step_f32.argtypes = [p, i64, p, i64, p, i64, p, i64, p, i64, i64, p, i64, p, p, p, i64, i64,
-                                            i64, i64, i64, f32, n, n]
-    lib.ad_fast_weight_step_f32.restype = ctypes.c_int
-    lib.ad_mamba_step_f32.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, p, i64, p, p, p, i64, i64, i64, n]
-    lib.ad_mamba_step_f32.restype = ctypes.c_int
+    # state_step_f32.c: (..., state, num_slots, cu, rows, slots, carry, y, n, ...)
+    lib.ad_mamba2_step_f32.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, p, i64, p, i64, p, p, p, i64, i64, i64,
+                                       i64, i64, n]
+    lib.ad_mamba_step_f32.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, p, i64, p, i64, p, p, p, i64, i64, i64, n]
+    lib.ad_conv_step_f32.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, n, p, i64, i64, i64, n]
+    lib.ad_fast_weight_step_f32.argtypes = [p, i64, p, i64, p, i64, p, i64, p, i64, i64, p, i64, p, i64, p, p, p,
+                                            i64, i64, i64, i64, i64, f32, n, n]
+    for name in ("ad_mamba2_step_f32", "ad_mamba_step_f32", "ad_conv_step_f32", "ad_fast_weight_step_f32"):
+        getattr(lib, name).restype = ctypes.c_int
 
 
 def _load() -> Tuple[Optional[ctypes.CDLL], str]:

@@ -206,8 +206,8 @@ def torch_cached_ssm(
     def step(token: Sequence[Tensor], state: Tensor) -> Tensor:
         return _mamba2_step_in_place(*token, A, D, state)
 
-    def step_all(tokens: Sequence[Tensor], slots: Tensor, carry: Tensor) -> Optional[Tensor]:
-        return native_state.mamba2_step(*tokens, A, D, ssm_state, slots, carry)
+    def step_all(tokens: Sequence[Tensor], cu: Tensor, slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+        return native_state.mamba2_step(*tokens, A, D, ssm_state, cu, slots, carry)
 
     in_place = ssm_state.dtype == torch.float32
     return scan_each_sequence(scan, [x, dt, B, C], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
@@ -285,8 +285,8 @@ def torch_cached_ssm_mamba1(
     def step(token: Sequence[Tensor], state: Tensor) -> Tensor:
         return _mamba1_step_in_place(*token, A, D, state)
 
-    def step_all(tokens: Sequence[Tensor], slots: Tensor, carry: Tensor) -> Optional[Tensor]:
-        return native_state.mamba_step(*tokens, A, D, ssm_state, slots, carry)
+    def step_all(tokens: Sequence[Tensor], cu: Tensor, slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+        return native_state.mamba_step(*tokens, A, D, ssm_state, cu, slots, carry)
 
     in_place = ssm_state.dtype == torch.float32
     return scan_each_sequence(scan, [x, dt, B, C], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,

@@ -116,8 +116,8 @@ needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel
 
 
 def _native_case(name: str, groups: int = G):
-    """(tokens of s positions, scan, step_all over ``cache``, state shape): the C kernels of the
-    conv and the Mamba2 step (``native.py``), each token input a slice of a wider tensor as the
+    """(tokens of s positions, scan, step_all over ``cache``, state shape): the C kernels of a whole
+    step (``native_state.py``), the conv's and Mamba's token inputs a slice of a wider tensor as the
     graph's splits of one projection are."""
     def split(s: int, *shape: int) -> torch.Tensor:  # [1, s, *shape], rows strided (a split's view)
         wide = torch.randn(1, s, *shape[:-1], shape[-1] + 3)
@@ -131,85 +131,117 @@ def _native_case(name: str, groups: int = G):
             scan = lambda t, st: delta_rule._recurrence(t[1], t[2], t[0], None, t[3], st, None, True)  # noqa: E731
         if name == "linear_attention":
             def step_all(cache):
-                return lambda t, slots, carry: native_state.fast_weight_step(
-                    t[1], t[2], t[0], t[3], None, cache, slots, carry, None, False)
+                return lambda t, cu, slots, carry: native_state.fast_weight_step(
+                    t[1], t[2], t[0], t[3], None, cache, cu, slots, carry, None, False)
         else:
             def step_all(cache):
-                return lambda t, slots, carry: native_state.fast_weight_step(
-                    t[1], t[2], t[0], t[4] if len(t) > 4 else None, t[3], cache, slots, carry, None, True)
+                return lambda t, cu, slots, carry: native_state.fast_weight_step(
+                    t[1], t[2], t[0], t[4] if len(t) > 4 else None, t[3], cache, cu, slots, carry, None, True)
         return make, scan, step_all, shape
     if name in ("conv", "conv-nobias"):
         bias, act = (CONV_B, "silu") if name == "conv" else (None, None)
         return (lambda s: [split(s, H * P)],
                 lambda t, w: causal_conv._conv_scan(t[0], w, CONV_W, bias, act),
-                lambda cache: lambda t, slots, carry: native_state.conv_step(t[0], cache, CONV_W, bias, act, slots,
-                                                                             carry),
+                lambda cache: lambda t, cu, slots, carry: native_state.conv_step(t[0], cache, CONV_W, bias, act, cu,
+                                                                                 slots, carry),
                 (H * P, 3))
     if name == "mamba1":
         make, scan, _, shape = _case(name)
         return (lambda s: [split(s, H * P), *make(s)[1:2], split(s, N), make(s)[3]], scan,
-                lambda cache: lambda t, slots, carry: native_state.mamba_step(*t, A1, D1, cache, slots, carry), shape)
+                lambda cache: lambda t, cu, slots, carry: native_state.mamba_step(*t, A1, D1, cache, cu, slots, carry),
+                shape)
     return (lambda s: [torch.randn(1, s, H, P), ssm._mamba2_dt(torch.randn(1, s, H), DTB2, None),
                        split(s, groups, N), split(s, groups, N)],
             lambda t, st: ssm._mamba2_scan(t[0], t[1], A2, t[2], t[3], D2, st),
-            lambda cache: lambda t, slots, carry: native_state.mamba2_step(*t, A2, D2, cache, slots, carry), (H, P, N))
+            lambda cache: lambda t, cu, slots, carry: native_state.mamba2_step(*t, A2, D2, cache, cu, slots, carry),
+            (H, P, N))
+
+
+NATIVE_CASES = [("conv", G), ("conv-nobias", G), ("mamba2", G), ("mamba2", 1), ("mamba1", G), ("gated_delta_rule", G),
+                ("channelwise_delta_rule", G), ("delta_rule", G), ("linear_attention", G)]
 
 
 @needs_native
-@pytest.mark.parametrize("name,groups", [("conv", G), ("conv-nobias", G), ("mamba2", G), ("mamba2", 1), ("mamba1", G),
-                                         ("gated_delta_rule", G), ("channelwise_delta_rule", G), ("delta_rule", G),
-                                         ("linear_attention", G)])
+@pytest.mark.parametrize("name,groups", NATIVE_CASES)
 @pytest.mark.parametrize("prefill", [True, False])
-def test_the_native_step_of_every_sequence_equals_the_batched_decode(name, groups, prefill):
-    """Three one-token rows (a continuing decode, a fresh prompt over a NaN slot, another decode),
-    after a 5-token prefill or alone (the decode-only step returns the kernel's rows directly)."""
+def test_the_native_step_equals_the_torch_paths(name, groups, prefill):
+    """A step of three one-token rows (a continuing decode, a fresh prompt over a NaN slot, another
+    decode), alone or after two prefills (a fresh 5-token prompt, a 3-token chunk continuing its
+    slot): one kernel call for the whole step (for linear attention, for its decodes), equal to the
+    references' prefill scans and batched decode, its states written to the named slots only."""
     make, scan, step_all, shape = _native_case(name, groups)
-    parts = ([make(5)] if prefill else []) + [make(1), make(1), make(1)]
-    tokens = [torch.cat([p[j] for p in parts], dim=1) for j in range(len(parts[0]))]
     lengths, slots, carries = [1, 1, 1], [3, 0, 5], [True, False, True]
     if prefill:
-        lengths, slots, carries = [5] + lengths, [1] + slots, [False] + carries
-    meta = _metadata(lengths, slots, carries, int(prefill))
+        lengths, slots, carries = [5, 3] + lengths, [1, 6] + slots, [False, True] + carries
+    parts = [make(n) for n in lengths]
+    tokens = [torch.cat([p[j] for p in parts], dim=1) for j in range(len(parts[0]))]
+    meta = _metadata(lengths, slots, carries, 2 if prefill else 0)
     cache = torch.randn(7, *shape) * 3
     cache[0] = float("nan")
-    batched_cache, native_cache = cache.clone(), cache.clone()
-    batched = causal_conv.scan_each_sequence(scan, tokens, *meta, batched_cache)
+    reference_cache, native_cache = cache.clone(), cache.clone()
+    reference = causal_conv.scan_each_sequence(scan, tokens, *meta, reference_cache)
     calls = []
 
-    def counted(t, slots_t, carry_t):
-        calls.append(slots_t.tolist())
-        return step_all(native_cache)(t, slots_t, carry_t)
+    def counted(t, cu, slots_t, carry_t):
+        calls.append((cu.tolist(), slots_t.tolist()))
+        return step_all(native_cache)(t, cu, slots_t, carry_t)
 
-    mine = causal_conv.scan_each_sequence(scan, tokens, *meta, native_cache, step_all=counted)
-    assert calls == [[3, 0, 5]] and not mine.isnan().any()
-    torch.testing.assert_close(mine, batched, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(native_cache, batched_cache, rtol=1e-5, atol=1e-5)
-    untouched = [2, 4, 6] + ([] if prefill else [1])
+    whole = name != "linear_attention"  # its prefills take the chunked scan (``step_all_prefills``)
+    mine = causal_conv.scan_each_sequence(scan, tokens, *meta, native_cache, step_all=counted,
+                                          step_all_prefills=whole)
+    expected = (meta[2].tolist(), slots) if whole or not prefill else ([0, 1, 2, 3], slots[2:])
+    assert calls == [expected] and not mine.isnan().any()
+    torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(native_cache, reference_cache, rtol=1e-5, atol=1e-5)
+    untouched = sorted(set(range(7)) - set(slots))
     assert torch.equal(native_cache[untouched], cache[untouched])
+
+
+def _two_decodes(make, slots=(1, 2), cu=(0, 1, 2)):
+    i32 = dict(dtype=torch.int32)
+    return [t[0] for t in make(2)], torch.tensor(cu, **i32), torch.tensor(slots, **i32), torch.tensor([True, True])
 
 
 @needs_native
 @pytest.mark.parametrize("name", ["conv", "mamba2", "mamba1", "gated_delta_rule", "linear_attention"])
-def test_a_native_step_names_a_slot_outside_the_cache_and_writes_nothing(name):
+def test_a_native_step_rejects_bad_metadata_and_writes_nothing(name):
+    """A slot outside the cache; row offsets past the step's rows, or decreasing."""
     make, _, step_all, shape = _native_case(name)
     cache = torch.randn(4, *shape)
     before = cache.clone()
     with pytest.raises(IndexError, match="outside"):
-        step_all(cache)([t[0] for t in make(2)], torch.tensor([1, 4], dtype=torch.int32),
-                        torch.tensor([True, True]))
+        step_all(cache)(*_two_decodes(make, slots=(1, 4)))
+    for cu in ((0, 1, 3), (0, 2, 1)):
+        with pytest.raises(ValueError, match="do not fit"):
+            step_all(cache)(*_two_decodes(make, cu=cu))
     assert torch.equal(cache, before)
 
 
 @needs_native
 def test_the_native_steps_decline_what_they_cannot_take():
-    """A bfloat16 input, an int64 slot list, an unknown activation: None, the caller's torch path."""
+    """A bfloat16 input or state, an int64 slot list, an unknown activation: None, the caller's torch path."""
     x, cache = torch.randn(2, H * P), torch.randn(3, H * P, 3)
-    slots, carry = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([True, True])
-    assert native_state.conv_step(x.bfloat16(), cache, CONV_W, None, None, slots, carry) is None
-    assert native_state.conv_step(x, cache, CONV_W, None, None, slots.long(), carry) is None
-    assert native_state.conv_step(x, cache, CONV_W, None, "gelu", slots, carry) is None
-    assert native_state.conv_step(x, cache, CONV_W, None, None, slots, carry) is not None
+    cu, slots, carry = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), \
+        torch.tensor([True, True])
+    assert native_state.conv_step(x.bfloat16(), cache, CONV_W, None, None, cu, slots, carry) is None
+    assert native_state.conv_step(x, cache, CONV_W, None, None, cu, slots.long(), carry) is None
+    assert native_state.conv_step(x, cache, CONV_W, None, "gelu", cu, slots, carry) is None
+    assert native_state.conv_step(x, cache, CONV_W, None, None, cu, slots, carry) is not None
     state = torch.randn(3, H, P, N)
     args = (torch.randn(2, H, P), torch.rand(2, H), torch.randn(2, G, N), torch.randn(2, G, N), A2, D2)
-    assert native_state.mamba2_step(*args, state.bfloat16(), slots, carry) is None
-    assert native_state.mamba2_step(*args, state, slots, carry) is not None
+    assert native_state.mamba2_step(*args, state.bfloat16(), cu, slots, carry) is None
+    assert native_state.mamba2_step(*args, state, cu, slots, carry) is not None
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["conv", "mamba2", "mamba1", "gated_delta_rule", "linear_attention"])
+def test_rows_of_no_sequence_come_back_zero(name):
+    """Three rows, two sequences of one token: the third row (padding) is zeros, not whatever the
+    output's memory held."""
+    make, _, step_all, shape = _native_case(name)
+    tokens = [t[0] for t in make(3)]
+    i32 = dict(dtype=torch.int32)
+    for _ in range(3):  # fresh output buffers may reuse freed memory: try a few
+        y = step_all(torch.randn(3, *shape))(tokens, torch.tensor([0, 1, 2], **i32), torch.tensor([0, 1], **i32),
+                                             torch.tensor([True, False]))
+        assert y.shape[0] == 3 and torch.equal(y[2], torch.zeros_like(y[2])) and y[:2].abs().sum() > 0
