@@ -20,6 +20,10 @@ comes from it:
 - gated delta rule: Qwen3-Next's layer, 16 key / 32 value heads of 128 (2 MiB);
 - linear attention: MiniMax-Text-01's layer, 64 heads of 128 (4 MiB).
 
+Then, with ``--prefill-lens``, one fresh sequence's prefill of 16 to 2048 tokens through each op's
+scan (its torch reference) and through the C kernel: the measurement behind linear attention keeping
+its chunked scan for prefills.
+
 One thread by default (``--threads``): the ops are small and the per-op overhead is what differs.
 Writes ``benchmarks/results/state-step-<time>.json`` (with the machine), a markdown table beside it
 and ``benchmarks/state-step.png``. End-to-end numbers with HF eager and HF + torch.compile in the
@@ -115,6 +119,41 @@ def _drive(scan: Callable, tokens: List[torch.Tensor], meta: List[torch.Tensor],
         causal_conv.IN_PLACE_ANY_STATE = saved
 
 
+def _prefill_metadata(length: int) -> List[torch.Tensor]:
+    """One fresh sequence of ``length`` tokens in slot 1."""
+    i32 = dict(dtype=torch.int32)
+    return [torch.tensor([1, length, 0], **i32), torch.tensor([length], **i32), torch.tensor([0, length], **i32),
+            torch.tensor([1], **i32), torch.tensor([False])]
+
+
+def _prefill_rows(lengths: List[int], scale: int, rounds: int) -> List[Dict[str, Any]]:
+    """One sequence's prefill of each length: the op's scan (its torch reference, chunked for Mamba2
+    and linear attention, token by token in Python for the delta rule and Mamba) vs the C kernel."""
+    rows = []
+    for length in lengths:
+        for name, (tokens, scan, _, step_all, shape) in _cases(scale, length).items():
+            cache = torch.zeros(2, *shape)
+            meta = _prefill_metadata(length)
+            times: Dict[str, List[float]] = {"scan (torch)": [], "C kernel (CPU)": []}
+            for _ in range(rounds):
+                for path, fn_all in zip(times, (None, step_all(cache))):
+                    times[path].append(_mean_ms(lambda: _drive(scan, tokens, meta, cache, None, fn_all),
+                                                max(1, 256 // length)))
+            for path, ms in times.items():
+                rows.append({"op": name, "tokens": length, "engine": path, "ms": statistics.median(ms),
+                             "min_ms": min(ms), "max_ms": max(ms)})
+    return rows
+
+
+def _prefill_table(rows: List[Dict[str, Any]]) -> str:
+    lines = ["| op | prompt tokens | scan (torch) ms | C kernel ms (speed-up) |", "|---|---|---|---|"]
+    for torch_row, c_row in zip(rows[::2], rows[1::2]):
+        lines.append(f"| {torch_row['op']} | {torch_row['tokens']} | {torch_row['ms']:.3f} "
+                     f"({torch_row['min_ms']:.3f}-{torch_row['max_ms']:.3f}) | {c_row['ms']:.3f} "
+                     f"({c_row['min_ms']:.3f}-{c_row['max_ms']:.3f}) [{torch_row['ms'] / c_row['ms']:.2f}x] |")
+    return "\n".join(lines)
+
+
 def _mean_ms(fn: Callable[[], Any], calls: int) -> float:
     for _ in range(3):
         fn()
@@ -149,6 +188,8 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200, help="calls per path and round")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prefill-lens", type=int, nargs="*", default=[16, 128, 512, 2048],
+                   help="also time one sequence's prefill of these lengths, scan vs C kernel (none: skip)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rounds, calls = (1, 3) if args.smoke else (args.rounds, args.calls)
@@ -171,9 +212,14 @@ def main() -> None:
                              "ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms)})
     table = _table(rows)
     print(table, flush=True)
+    prefill = []
+    if native.available() and args.prefill_lens:
+        prefill = _prefill_rows([16] if args.smoke else args.prefill_lens, 8 if args.smoke else 1, rounds)
+        table += "\n\nPrefill of one sequence:\n\n" + _prefill_table(prefill)
+        print("\n" + _prefill_table(prefill), flush=True)
     if args.smoke:
         return
-    path = write_report("state-step", {"rounds": rounds, "calls": calls, "rows": rows})
+    path = write_report("state-step", {"rounds": rounds, "calls": calls, "rows": rows, "prefill": prefill})
     with open(path[:-5] + ".md", "w") as f:
         f.write(table + "\n")
     print(f"wrote {path} and .md", flush=True)
