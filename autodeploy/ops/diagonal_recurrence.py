@@ -11,7 +11,8 @@ in the graph; only the scan over the sequence is the op. This is HF's ``_rnn_sca
 accumulation, the output rounded to the input's dtype at every token).
 
 The references are the token loop itself: prefill over ``s`` tokens costs ``s`` element-wise
-steps on ``[b, w]``, a decode step one.
+steps on ``[b, w]``, a decode step one. On CPU the cached variant runs a C kernel instead
+(``native_state.diagonal_recurrence_step``: the same loop per channel block, fused multiply-adds).
 
 The cached variant runs on the flattened-token graph (x/a ``[1, T, w]``) with the metadata
 ``batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state`` and a state cache
@@ -20,11 +21,12 @@ The cached variant runs on the flattened-token graph (x/a ``[1, T, w]``) with th
 when ``use_initial_state[i]``, else from zeros, and its final state is stored back there.
 """
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from . import native_state
 from .causal_conv import scan_each_sequence
 
 
@@ -79,8 +81,11 @@ def torch_cached_diagonal_recurrence(
     def scan(tokens: Sequence[Tensor], initial: Tensor) -> Tuple[Tensor, Tensor]:
         return _scan(tokens[0], tokens[1], initial)
 
+    def step_all(tokens: Sequence[Tensor], cu: Tensor, slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+        return native_state.diagonal_recurrence_step(tokens[0], tokens[1], state_cache, cu, slots, carry)
+
     return scan_each_sequence(scan, [x, a], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
-                              state_cache)
+                              state_cache, step_all=step_all)
 
 
 @torch_cached_diagonal_recurrence.register_fake

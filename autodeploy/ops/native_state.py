@@ -178,3 +178,48 @@ def fast_weight_step(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor
         torch.get_num_threads())
     _raise_for(rc, "fast-weight step", cu, slots, state.shape[0], rows)
     return y
+
+
+def diagonal_recurrence_step(x: Tensor, a: Tensor, state: Tensor, cu: Tensor, slots: Tensor,
+                             carry: Tensor) -> Optional[Tensor]:
+    """RecurrentGemma's RG-LRU scan ``h = a h + x`` (``diagonal_recurrence.py``) over a step's
+    sequences, ``x``/``a [rows, w]``, updating ``state [num_slots, w]`` in place -> ``y [rows, w]``
+    float32; None, with nothing written, when the kernel cannot take these inputs."""
+    lib = loaded()
+    if lib is None or x.dim() != 2 or state.dtype != torch.float32 or not state.is_cpu:
+        return None
+    rows, w = x.shape
+    if state.shape[1:] != (w,) or not state.is_contiguous():
+        return None
+    x, a = _rows(x, (w,)), _rows(a, (w,))
+    if x is None or a is None or not _step_layout(cu, slots, carry):
+        return None
+    y = x.new_empty(rows, w)
+    rc = lib.ad_diagonal_recurrence_f32(x.data_ptr(), x.stride(0), a.data_ptr(), a.stride(0), state.data_ptr(),
+                                        state.shape[0], cu.data_ptr(), rows, slots.data_ptr(), carry.data_ptr(),
+                                        y.data_ptr(), slots.shape[0], w, torch.get_num_threads())
+    _raise_for(rc, "diagonal recurrence step", cu, slots, state.shape[0], rows)
+    return y
+
+
+def wkv_step(time_decay: Tensor, time_first: Tensor, k: Tensor, v: Tensor, state: Tensor, cu: Tensor,
+             slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+    """RWKV-4's WKV (``wkv.py``) over a step's sequences, ``k``/``v [rows, c]``, updating ``state
+    [num_slots, 3, c]`` (numerator, denominator, exponent) in place -> ``y [rows, c]`` float32;
+    None, with nothing written, when the kernel cannot take these inputs."""
+    lib = loaded()
+    if lib is None or k.dim() != 2 or state.dtype != torch.float32 or not state.is_cpu:
+        return None
+    rows, c = k.shape
+    if state.shape[1:] != (3, c) or not state.is_contiguous():
+        return None
+    k, v = _rows(k, (c,)), _rows(v, (c,))
+    time_decay, time_first = _vector(time_decay, c), _vector(time_first, c)
+    if k is None or v is None or time_decay is None or time_first is None or not _step_layout(cu, slots, carry):
+        return None
+    y = k.new_empty(rows, c)
+    rc = lib.ad_wkv_f32(time_decay.data_ptr(), time_first.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(),
+                        v.stride(0), state.data_ptr(), state.shape[0], cu.data_ptr(), rows, slots.data_ptr(),
+                        carry.data_ptr(), y.data_ptr(), slots.shape[0], c, torch.get_num_threads())
+    _raise_for(rc, "WKV step", cu, slots, state.shape[0], rows)
+    return y

@@ -21,14 +21,17 @@ exponent, and otherwise keeps ``b``) to mean "empty" and sets ``p`` to -1e38 the
 
 The cached variant runs on the flattened-token graph with the metadata ``batch_info, seq_len,
 cu_seqlen, slot_idx, use_initial_state`` and a state cache ``[num_slots, 3, c]`` (fp32: ``a``,
-``b``, ``p``), read and written in place through ``causal_conv.scan_each_sequence``.
+``b``, ``p``), read and written in place through ``causal_conv.scan_each_sequence``; on CPU by a C
+kernel (``native_state.wkv_step``: the same recurrence per channel block, its ``exp`` the kernels'
+polynomial, a few ulp from torch's).
 """
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from . import native_state
 from .causal_conv import scan_each_sequence
 
 # HF's initial exponent: -inf in effect, finite so that p + w stays finite
@@ -95,7 +98,11 @@ def torch_cached_wkv(
     def scan(tokens: Sequence[Tensor], initial: Tensor) -> Tuple[Tensor, Tensor]:
         return _scan(time_decay, time_first, tokens[0], tokens[1], initial)
 
-    return scan_each_sequence(scan, [k, v], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state, state_cache)
+    def step_all(tokens: Sequence[Tensor], cu: Tensor, slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+        return native_state.wkv_step(time_decay, time_first, tokens[0], tokens[1], state_cache, cu, slots, carry)
+
+    return scan_each_sequence(scan, [k, v], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state, state_cache,
+                              step_all=step_all)
 
 
 @torch_cached_wkv.register_fake

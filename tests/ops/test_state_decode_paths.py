@@ -8,9 +8,10 @@ Each case builds the op's two closures the way its cached variant does, from the
 functions, on a step with a 5-token prefill, a continuing decode and a fresh one-token prompt over a
 slot of NaNs (as uninitialised memory may be); the slots no row names stay untouched. Two one-token
 rows: the CPU driver takes the in-place path for that many whatever the state's size (counted).
-The C kernels that do every one-token sequence in one call (``step_all``: the conv, the Mamba2 and
-Mamba steps, the delta rules and linear attention) are held to the batched decode the same way,
-with inputs strided as the graph's splits of one projection are.
+The C kernels that run a whole step in one call (``step_all``: the conv, the Mamba2 and Mamba scans,
+the delta rules, linear attention, RecurrentGemma's RG-LRU and RWKV's WKV) are held to the torch
+paths the same way, on decode-only and mixed steps, with inputs strided as the graph's splits of one
+projection are.
 """
 
 from typing import List, Sequence
@@ -18,13 +19,15 @@ from typing import List, Sequence
 import pytest
 import torch
 
-from autodeploy.ops import causal_conv, delta_rule, linear_attention, native, native_state, ssm
+from autodeploy.ops import (causal_conv, delta_rule, diagonal_recurrence, linear_attention, native, native_state, ssm,
+                            wkv)
 
 H, P, G, N, DK, DV = 4, 3, 2, 5, 6, 7
 torch.manual_seed(0)
 A2, D2, DTB2 = -torch.rand(H) - 0.1, torch.randn(H), torch.randn(H)
 A1, D1 = -torch.rand(H * P, N) - 0.1, torch.randn(H * P)
 CONV_W, CONV_B = torch.randn(H * P, 1, 4), torch.randn(H * P)
+WKV_DECAY, WKV_FIRST = torch.randn(H * P), torch.randn(H * P)
 
 
 def _case(name: str):
@@ -138,6 +141,18 @@ def _native_case(name: str, groups: int = G):
                 return lambda t, cu, slots, carry: native_state.fast_weight_step(
                     t[1], t[2], t[0], t[4] if len(t) > 4 else None, t[3], cache, cu, slots, carry, None, True)
         return make, scan, step_all, shape
+    if name == "diagonal_recurrence":  # RecurrentGemma's RG-LRU: a in [0, 1]
+        return (lambda s: [split(s, H * P), torch.rand(1, s, H * P)],
+                lambda t, st: diagonal_recurrence._scan(t[0], t[1], st),
+                lambda cache: lambda t, cu, slots, carry: native_state.diagonal_recurrence_step(t[0], t[1], cache, cu,
+                                                                                                slots, carry),
+                (H * P,))
+    if name == "wkv":  # RWKV-4
+        return (lambda s: [split(s, H * P), torch.randn(1, s, H * P)],
+                lambda t, st: wkv._scan(WKV_DECAY, WKV_FIRST, t[0], t[1], st),
+                lambda cache: lambda t, cu, slots, carry: native_state.wkv_step(WKV_DECAY, WKV_FIRST, t[0], t[1],
+                                                                                cache, cu, slots, carry),
+                (3, H * P))
     if name in ("conv", "conv-nobias"):
         bias, act = (CONV_B, "silu") if name == "conv" else (None, None)
         return (lambda s: [split(s, H * P)],
@@ -158,7 +173,8 @@ def _native_case(name: str, groups: int = G):
 
 
 NATIVE_CASES = [("conv", G), ("conv-nobias", G), ("mamba2", G), ("mamba2", 1), ("mamba1", G), ("gated_delta_rule", G),
-                ("channelwise_delta_rule", G), ("delta_rule", G), ("linear_attention", G)]
+                ("channelwise_delta_rule", G), ("delta_rule", G), ("linear_attention", G), ("diagonal_recurrence", G),
+                ("wkv", G)]
 
 
 @needs_native
@@ -177,6 +193,8 @@ def test_the_native_step_equals_the_torch_paths(name, groups, prefill):
     tokens = [torch.cat([p[j] for p in parts], dim=1) for j in range(len(parts[0]))]
     meta = _metadata(lengths, slots, carries, 2 if prefill else 0)
     cache = torch.randn(7, *shape) * 3
+    if name == "wkv":  # a running numerator and denominator of positive weights
+        cache[:, :2] = cache[:, :2].abs()
     cache[0] = float("nan")
     reference_cache, native_cache = cache.clone(), cache.clone()
     reference = causal_conv.scan_each_sequence(scan, tokens, *meta, reference_cache)
@@ -203,7 +221,8 @@ def _two_decodes(make, slots=(1, 2), cu=(0, 1, 2)):
 
 
 @needs_native
-@pytest.mark.parametrize("name", ["conv", "mamba2", "mamba1", "gated_delta_rule", "linear_attention"])
+@pytest.mark.parametrize("name", ["conv", "mamba2", "mamba1", "gated_delta_rule", "linear_attention",
+                                  "diagonal_recurrence", "wkv"])
 def test_a_native_step_rejects_bad_metadata_and_writes_nothing(name):
     """A slot outside the cache; row offsets past the step's rows, or decreasing."""
     make, _, step_all, shape = _native_case(name)
@@ -234,7 +253,8 @@ def test_the_native_steps_decline_what_they_cannot_take():
 
 
 @needs_native
-@pytest.mark.parametrize("name", ["conv", "mamba2", "mamba1", "gated_delta_rule", "linear_attention"])
+@pytest.mark.parametrize("name", ["conv", "mamba2", "mamba1", "gated_delta_rule", "linear_attention",
+                                  "diagonal_recurrence", "wkv"])
 def test_rows_of_no_sequence_come_back_zero(name):
     """Three rows, two sequences of one token: the third row (padding) is zeros, not whatever the
     output's memory held."""

@@ -271,3 +271,90 @@ int ad_fast_weight_step_f32(const float* q, int64_t ldq, const float* k, int64_t
     zero_tail(y, cu[n], rows, h * dv);
     return 0;
 }
+
+/* RecurrentGemma's RG-LRU scan: per channel h = a h + x, y = h. x / a [rows, w] (row strides ldx /
+ * lda), state [num_slots, w] contiguous, y [rows, w] contiguous. Channels in blocks of 512 (the
+ * block's h in a local array, vectorised across channels), each block's tokens in order. */
+int ad_diagonal_recurrence_f32(const float* x, int64_t ldx, const float* a, int64_t lda, float* state,
+                               int64_t num_slots, const int32_t* cu, int64_t rows, const int32_t* slots,
+                               const uint8_t* carry, float* y, int64_t n, int64_t w, int nthreads) {
+    const int rc = check_step(cu, slots, n, rows, num_slots);
+    if (rc) return rc;
+    enum { BLOCK = 512 };
+    const int64_t blocks = (w + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static) if (cu[n] * w >= 65536) num_threads(nthreads)
+    for (int64_t i = 0; i < n * blocks; ++i) {
+        const int64_t s = i / blocks, lo = (i % blocks) * BLOCK, len = lo + BLOCK < w ? BLOCK : w - lo;
+        float* S = state + (int64_t)slots[s] * w + lo;
+        float h[BLOCK];
+        for (int64_t j = 0; j < len; ++j) h[j] = carry[s] ? S[j] : 0.f;
+        for (int64_t r = cu[s]; r < cu[s + 1]; ++r) {
+            const float* xr = x + r * ldx + lo;
+            const float* ar = a + r * lda + lo;
+            float* yr = y + r * w + lo;
+#pragma omp simd
+            for (int64_t j = 0; j < len; ++j) {
+                h[j] = ar[j] * h[j] + xr[j];
+                yr[j] = h[j];
+            }
+        }
+        if (cu[s + 1] > cu[s])
+            for (int64_t j = 0; j < len; ++j) S[j] = h[j];
+    }
+    zero_tail(y, cu[n], rows, w);
+    return 0;
+}
+
+/* RWKV-4's WKV (wkv.py), per channel with the running numerator a, denominator b and exponent p
+ * (state [num_slots, 3, c]: a, b, p rows; a zero denominator is the empty state, p = -1e38 there),
+ * w = -exp(time_decay), u = time_first:
+ *   q = max(p, u + k);  y = (e^{p-q} a + e^{u+k-q} v) / (e^{p-q} b + e^{u+k-q})
+ *   q = max(p + w, k);  a = e^{p+w-q} a + e^{k-q} v;  b = e^{p+w-q} b + e^{k-q};  p = q
+ * k / v [rows, c] (row strides ldk / ldv), time_decay / time_first [c], y [rows, c] contiguous. */
+int ad_wkv_f32(const float* time_decay, const float* time_first, const float* k, int64_t ldk, const float* v,
+               int64_t ldv, float* state, int64_t num_slots, const int32_t* cu, int64_t rows, const int32_t* slots,
+               const uint8_t* carry, float* y, int64_t n, int64_t c, int nthreads) {
+    const int rc = check_step(cu, slots, n, rows, num_slots);
+    if (rc) return rc;
+    enum { BLOCK = 256 };
+    const int64_t blocks = (c + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static) if (cu[n] * c >= 16384) num_threads(nthreads)
+    for (int64_t i = 0; i < n * blocks; ++i) {
+        const int64_t s = i / blocks, lo = (i % blocks) * BLOCK, len = lo + BLOCK < c ? BLOCK : c - lo;
+        float* S = state + (int64_t)slots[s] * 3 * c;
+        float num[BLOCK], den[BLOCK], p[BLOCK], wd[BLOCK];
+        for (int64_t j = 0; j < len; ++j) {
+            num[j] = carry[s] ? S[lo + j] : 0.f;
+            den[j] = carry[s] ? S[c + lo + j] : 0.f;
+            p[j] = den[j] == 0.f ? -1e38f : S[2 * c + lo + j];
+            wd[j] = -expf(time_decay[lo + j]);
+        }
+        for (int64_t r = cu[s]; r < cu[s + 1]; ++r) {
+            const float* kr = k + r * ldk + lo;
+            const float* vr = v + r * ldv + lo;
+            float* yr = y + r * c + lo;
+#pragma omp simd
+            for (int64_t j = 0; j < len; ++j) {
+                const float uk = time_first[lo + j] + kr[j];
+                float top = p[j] > uk ? p[j] : uk;
+                float e1 = ad_exp_nonpos(p[j] - top), e2 = ad_exp_nonpos(uk - top);
+                yr[j] = (e1 * num[j] + e2 * vr[j]) / (e1 * den[j] + e2);
+                const float pw = p[j] + wd[j];
+                top = pw > kr[j] ? pw : kr[j];
+                e1 = ad_exp_nonpos(pw - top);
+                e2 = ad_exp_nonpos(kr[j] - top);
+                num[j] = e1 * num[j] + e2 * vr[j];
+                den[j] = e1 * den[j] + e2;
+                p[j] = top;
+            }
+        }
+        if (cu[s + 1] > cu[s])
+            for (int64_t j = 0; j < len; ++j) {
+                S[lo + j] = num[j];
+                S[c + lo + j] = den[j];
+                S[2 * c + lo + j] = p[j];
+            }
+    }
+    zero_tail(y, cu[n], rows, c);
+    return 0;
+}
