@@ -18,7 +18,9 @@ comes from it:
 - causal conv: its window, 1792 channels, kernel 4;
 - Mamba scan: Mamba-130m's 1536 channels, state 16;
 - gated delta rule: Qwen3-Next's layer, 16 key / 32 value heads of 128 (2 MiB);
-- linear attention: MiniMax-Text-01's layer, 64 heads of 128 (4 MiB).
+- linear attention: MiniMax-Text-01's layer, 64 heads of 128 (4 MiB);
+- RG-LRU scan: RecurrentGemma-2B's lru width 2560 (10 KiB; no torch in-place step);
+- WKV: RWKV-4-430M's 1024 channels (12 KiB; no torch in-place step).
 
 Then, with ``--prefill-lens``, one fresh sequence's prefill of 16 to 2048 tokens through each op's
 scan (its torch reference) and through the C kernel: the measurement behind linear attention keeping
@@ -41,10 +43,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import grouped_bars, write_report  # noqa: E402
-from autodeploy.ops import causal_conv, delta_rule, linear_attention, native, native_state, ssm  # noqa: E402
+from autodeploy.ops import (causal_conv, delta_rule, diagonal_recurrence, linear_attention, native,  # noqa: E402
+                            native_state, ssm, wkv)
 
-# (inputs, scan, step, the C kernel's step_all given the cache or None, state shape)
-Case = Tuple[List[torch.Tensor], Callable, Callable, Optional[Callable], Tuple[int, ...]]
+# (inputs, scan, step or None, the C kernel's step_all given the cache or None, state shape)
+Case = Tuple[List[torch.Tensor], Callable, Optional[Callable], Optional[Callable], Tuple[int, ...]]
 PATHS = ("batched (gather, scan, scatter)", "in place (CPU)", "C kernel (CPU)")
 
 
@@ -66,6 +69,8 @@ def _cases(scale: int, batch: int) -> Dict[str, Case]:
     w, b = rand(cc, 1, 4), rand(cc)
     hk, hv, d = 16 // scale, 32 // scale, 128 // scale
     hl, dl = 64 // scale, 128 // scale
+    lru, rw = 2560 // scale, 1024 // scale
+    decay, first = rand(rw), rand(rw)
     return {
         "mamba2 scan": ([tok(h2, p2), tok(h2).abs(), tok(1, n2), tok(1, n2)],
                         lambda t, s: ssm._mamba2_scan(t[0], t[1], A2, t[2], t[3], D2, s),
@@ -96,6 +101,14 @@ def _cases(scale: int, batch: int) -> Dict[str, Case]:
                              lambda cache: lambda t, cu, slots, carry: native_state.fast_weight_step(
                                  t[1], t[2], t[0], t[3], None, cache, cu, slots, carry, None, False),
                              (hl, dl, dl)),
+        "RG-LRU scan": ([tok(lru), tok(lru).sigmoid()], lambda t, s: diagonal_recurrence._scan(t[0], t[1], s), None,
+                        lambda cache: lambda t, cu, slots, carry: native_state.diagonal_recurrence_step(
+                            t[0], t[1], cache, cu, slots, carry),
+                        (lru,)),
+        "WKV": ([tok(rw), tok(rw)], lambda t, s: wkv._scan(decay, first, t[0], t[1], s), None,
+                lambda cache: lambda t, cu, slots, carry: native_state.wkv_step(decay, first, t[0], t[1], cache, cu,
+                                                                                slots, carry),
+                (3, rw)),
     }
 
 
@@ -198,12 +211,14 @@ def main() -> None:
         meta = _metadata(batch)
         for name, (tokens, scan, step, step_all, shape) in _cases(8 if args.smoke else 1, batch).items():
             cache = torch.zeros(batch + 1, *shape)
-            drivers = [(None, None), (step, None)]
+            drivers = {PATHS[0]: (None, None)}
+            if step is not None:
+                drivers[PATHS[1]] = (step, None)
             if step_all is not None and native.available():
-                drivers.append((None, step_all(cache)))
-            times: Dict[str, List[float]] = {path: [] for path in PATHS[:len(drivers)]}
+                drivers[PATHS[2]] = (None, step_all(cache))
+            times: Dict[str, List[float]] = {path: [] for path in drivers}
             for _ in range(rounds):
-                for path, (fn, fn_all) in zip(times, drivers):
+                for path, (fn, fn_all) in drivers.items():
                     times[path].append(_mean_ms(lambda: _drive(scan, tokens, meta, cache, fn, fn_all),
                                                 max(3, calls // batch)))
             state_kib = cache[0].numel() * 4 / 1024
