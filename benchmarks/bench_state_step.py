@@ -20,7 +20,8 @@ comes from it:
 - gated delta rule: Qwen3-Next's layer, 16 key / 32 value heads of 128 (2 MiB);
 - linear attention: MiniMax-Text-01's layer, 64 heads of 128 (4 MiB);
 - RG-LRU scan: RecurrentGemma-2B's lru width 2560 (10 KiB; no torch in-place step);
-- WKV: RWKV-4-430M's 1024 channels (12 KiB; no torch in-place step).
+- WKV: RWKV-4-430M's 1024 channels (12 KiB; no torch in-place step);
+- mLSTM: xLSTM-7b's layer, 8 heads, q/k 256, v 512 (4.0 MiB; no torch in-place step).
 
 Then, with ``--prefill-lens``, one fresh sequence's prefill of 16 to 2048 tokens through each op's
 scan (its torch reference) and through the C kernel: the measurement behind linear attention keeping
@@ -43,8 +44,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import grouped_bars, write_report  # noqa: E402
-from autodeploy.ops import (causal_conv, delta_rule, diagonal_recurrence, linear_attention, native,  # noqa: E402
-                            native_state, ssm, wkv)
+from autodeploy.ops import (causal_conv, delta_rule, diagonal_recurrence, linear_attention, mlstm,  # noqa: E402
+                            native, native_state, ssm, wkv)
 
 # (inputs, scan, step or None, the C kernel's step_all given the cache or None, state shape)
 Case = Tuple[List[torch.Tensor], Callable, Optional[Callable], Optional[Callable], Tuple[int, ...]]
@@ -70,6 +71,7 @@ def _cases(scale: int, batch: int) -> Dict[str, Case]:
     hk, hv, d = 16 // scale, 32 // scale, 128 // scale
     hl, dl = 64 // scale, 128 // scale
     lru, rw = 2560 // scale, 1024 // scale
+    xh, xk, xv = 8 // scale if scale < 8 else 2, 256 // scale, 512 // scale
     decay, first = rand(rw), rand(rw)
     return {
         "mamba2 scan": ([tok(h2, p2), tok(h2).abs(), tok(1, n2), tok(1, n2)],
@@ -109,6 +111,11 @@ def _cases(scale: int, batch: int) -> Dict[str, Case]:
                 lambda cache: lambda t, cu, slots, carry: native_state.wkv_step(decay, first, t[0], t[1], cache, cu,
                                                                                 slots, carry),
                 (3, rw)),
+        "mLSTM": ([tok(xh, xv), tok(xh, xk), tok(xh, xk), tok(xh), tok(xh)],
+                  lambda t, s: mlstm._steps(t[1], t[2], t[0], t[3], t[4], s, 1e-6), None,
+                  lambda cache: lambda t, cu, slots, carry: native_state.mlstm_step(t[1], t[2], t[0], t[3], t[4], cache,
+                                                                                    cu, slots, carry, 1e-6),
+                  (xh, xk + 1, xv + 1)),
     }
 
 

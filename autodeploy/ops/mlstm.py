@@ -24,17 +24,19 @@ Two evaluations of the same recurrence:
   ``state_cache [num_slots, nh, dqk + 1, dv + 1]`` in fp32: ``C`` in ``[:, :dqk, :dv]``, ``n`` as the
   extra column ``[:, :dqk, dv]`` and ``m`` in the corner ``[:, dqk, dv]`` (one tensor, so one
   ``StateHandler``). Zeros are HF's initial state, so a new sequence needs nothing special.
-  The step driver is ``causal_conv.scan_each_sequence``.
+  The step driver is ``causal_conv.scan_each_sequence``; on CPU a C kernel
+  (``native_state.mlstm_step``) runs the same recurrence, one pass over ``C`` a token.
 
 The tests hold the two to each other and to HF's own mLSTM (through the coverage sweep's model).
 """
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import native_state
 from .causal_conv import scan_each_sequence
 
 
@@ -126,8 +128,12 @@ def torch_cached_mlstm(
         v_, q_, k_, i_, f_ = tokens
         return _steps(q_, k_, v_, i_, f_, initial, eps)
 
+    def step_all(tokens: Sequence[Tensor], cu: Tensor, slots: Tensor, carry: Tensor) -> Optional[Tensor]:
+        v_, q_, k_, i_, f_ = tokens
+        return native_state.mlstm_step(q_, k_, v_, i_, f_, state_cache, cu, slots, carry, eps)
+
     return scan_each_sequence(scan, [v, q, k, i, f], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
-                              state_cache)
+                              state_cache, step_all=step_all)
 
 
 @torch_cached_mlstm.register_fake

@@ -133,8 +133,10 @@ def _declare(lib: ctypes.CDLL) -> None:
                                             i64, i64, i64, i64, i64, f32, n, n]
     lib.ad_diagonal_recurrence_f32.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, p, i64, i64, n]
     lib.ad_wkv_f32.argtypes = [p, p, p, i64, p, i64, p, i64, p, i64, p, p, p, i64, i64, n]
+    lib.ad_mlstm_f32.argtypes = [p, i64, p, i64, p, i64, p, i64, p, i64, p, i64, p, i64, p, p, p, i64, i64, i64, i64,
+                                 f32, n]
     for name in ("ad_mamba2_step_f32", "ad_mamba_step_f32", "ad_conv_step_f32", "ad_fast_weight_step_f32",
-                 "ad_diagonal_recurrence_f32", "ad_wkv_f32"):
+                 "ad_diagonal_recurrence_f32", "ad_wkv_f32", "ad_mlstm_f32"):
         getattr(lib, name).restype = ctypes.c_int
 
 

@@ -223,3 +223,29 @@ def wkv_step(time_decay: Tensor, time_first: Tensor, k: Tensor, v: Tensor, state
                         carry.data_ptr(), y.data_ptr(), slots.shape[0], c, torch.get_num_threads())
     _raise_for(rc, "WKV step", cu, slots, state.shape[0], rows)
     return y
+
+
+def mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, state: Tensor, cu: Tensor, slots: Tensor,
+               carry: Tensor, eps: float) -> Optional[Tensor]:
+    """xLSTM's mLSTM (``mlstm.py``) over a step's sequences, q/k ``[rows, nh, dqk]``, v ``[rows, nh,
+    dv]``, the gates' pre-activations i/f ``[rows, nh]``, updating the packed ``state [num_slots, nh,
+    dqk + 1, dv + 1]`` in place -> ``y [rows, nh, dv]`` float32; None, with nothing written, when the
+    kernel cannot take these inputs."""
+    lib = loaded()
+    if lib is None or q.dim() != 3 or v.dim() != 3 or state.dtype != torch.float32 or not state.is_cpu:
+        return None
+    rows, nh, dqk = q.shape
+    dv = v.shape[2]
+    if state.shape[1:] != (nh, dqk + 1, dv + 1) or not state.is_contiguous():
+        return None
+    q, k, v = _rows(q, (nh, dqk)), _rows(k, (nh, dqk)), _rows(v, (nh, dv))
+    i, f = _rows(i, (nh,)), _rows(f, (nh,))
+    if any(t is None for t in (q, k, v, i, f)) or not _step_layout(cu, slots, carry):
+        return None
+    y = v.new_empty(rows, nh, dv)
+    rc = lib.ad_mlstm_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                          i.data_ptr(), i.stride(0), f.data_ptr(), f.stride(0), state.data_ptr(), state.shape[0],
+                          cu.data_ptr(), rows, slots.data_ptr(), carry.data_ptr(), y.data_ptr(), slots.shape[0], nh,
+                          dqk, dv, eps, torch.get_num_threads())
+    _raise_for(rc, "mLSTM step", cu, slots, state.shape[0], rows)
+    return y

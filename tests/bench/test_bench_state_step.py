@@ -16,10 +16,11 @@ def test_smoke_run():
     done = subprocess.run([sys.executable, SCRIPT, "--smoke"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "KiB" in line]
-    ops = ["mamba2 scan", "causal conv", "mamba scan", "gated delta rule", "linear attention", "RG-LRU scan", "WKV"]
+    ops = ["mamba2 scan", "causal conv", "mamba scan", "gated delta rule", "linear attention", "RG-LRU scan", "WKV",
+           "mLSTM"]
     assert [r.split(" | ")[0][2:] for r in rows] == ops
     # the torch in-place column for the ops that have a step, the C kernel's for all (when it builds)
-    assert [r.split(" | ")[4] == "-" for r in rows] == [False] * 5 + [True] * 2
+    assert [r.split(" | ")[4] == "-" for r in rows] == [False] * 5 + [True] * 3
     if native.available():
         assert all(r.split(" | ")[5].endswith("x] |") for r in rows)
         prefill = [line for line in done.stdout.splitlines() if line.startswith("| ") and " | 16 | " in line]

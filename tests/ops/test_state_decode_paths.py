@@ -9,7 +9,7 @@ functions, on a step with a 5-token prefill, a continuing decode and a fresh one
 slot of NaNs (as uninitialised memory may be); the slots no row names stay untouched. Two one-token
 rows: the CPU driver takes the in-place path for that many whatever the state's size (counted).
 The C kernels that run a whole step in one call (``step_all``: the conv, the Mamba2 and Mamba scans,
-the delta rules, linear attention, RecurrentGemma's RG-LRU and RWKV's WKV) are held to the torch
+the delta rules, linear attention, RecurrentGemma's RG-LRU, RWKV's WKV, xLSTM's mLSTM) are held to the torch
 paths the same way, on decode-only and mixed steps, with inputs strided as the graph's splits of one
 projection are.
 """
@@ -19,8 +19,8 @@ from typing import List, Sequence
 import pytest
 import torch
 
-from autodeploy.ops import (causal_conv, delta_rule, diagonal_recurrence, linear_attention, native, native_state, ssm,
-                            wkv)
+from autodeploy.ops import (causal_conv, delta_rule, diagonal_recurrence, linear_attention, mlstm, native, native_state,
+                            ssm, wkv)
 
 H, P, G, N, DK, DV = 4, 3, 2, 5, 6, 7
 torch.manual_seed(0)
@@ -147,6 +147,13 @@ def _native_case(name: str, groups: int = G):
                 lambda cache: lambda t, cu, slots, carry: native_state.diagonal_recurrence_step(t[0], t[1], cache, cu,
                                                                                                 slots, carry),
                 (H * P,))
+    if name == "mlstm":  # xLSTM: q/k [nh, dqk], v [nh, dv], gate pre-activations [nh]
+        return (lambda s: [torch.randn(1, s, H, DV), split(s, H, DK), split(s, H, DK), torch.randn(1, s, H) * 3,
+                           torch.randn(1, s, H) * 3],
+                lambda t, st: mlstm._steps(t[1], t[2], t[0], t[3], t[4], st, 1e-6),
+                lambda cache: lambda t, cu, slots, carry: native_state.mlstm_step(t[1], t[2], t[0], t[3], t[4], cache,
+                                                                                  cu, slots, carry, 1e-6),
+                (H, DK + 1, DV + 1))
     if name == "wkv":  # RWKV-4
         return (lambda s: [split(s, H * P), torch.randn(1, s, H * P)],
                 lambda t, st: wkv._scan(WKV_DECAY, WKV_FIRST, t[0], t[1], st),
@@ -174,7 +181,7 @@ def _native_case(name: str, groups: int = G):
 
 NATIVE_CASES = [("conv", G), ("conv-nobias", G), ("mamba2", G), ("mamba2", 1), ("mamba1", G), ("gated_delta_rule", G),
                 ("channelwise_delta_rule", G), ("delta_rule", G), ("linear_attention", G), ("diagonal_recurrence", G),
-                ("wkv", G)]
+                ("wkv", G), ("mlstm", G)]
 
 
 @needs_native
@@ -222,7 +229,7 @@ def _two_decodes(make, slots=(1, 2), cu=(0, 1, 2)):
 
 @needs_native
 @pytest.mark.parametrize("name", ["conv", "mamba2", "mamba1", "gated_delta_rule", "linear_attention",
-                                  "diagonal_recurrence", "wkv"])
+                                  "diagonal_recurrence", "wkv", "mlstm"])
 def test_a_native_step_rejects_bad_metadata_and_writes_nothing(name):
     """A slot outside the cache; row offsets past the step's rows, or decreasing."""
     make, _, step_all, shape = _native_case(name)
@@ -254,7 +261,7 @@ def test_the_native_steps_decline_what_they_cannot_take():
 
 @needs_native
 @pytest.mark.parametrize("name", ["conv", "mamba2", "mamba1", "gated_delta_rule", "linear_attention",
-                                  "diagonal_recurrence", "wkv"])
+                                  "diagonal_recurrence", "wkv", "mlstm"])
 def test_rows_of_no_sequence_come_back_zero(name):
     """Three rows, two sequences of one token: the third row (padding) is zeros, not whatever the
     output's memory held."""

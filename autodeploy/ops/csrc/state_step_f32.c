@@ -358,3 +358,61 @@ int ad_wkv_f32(const float* time_decay, const float* time_first, const float* k,
     zero_tail(y, cu[n], rows, c);
     return 0;
 }
+
+/* log(sigmoid(x)) = min(x, 0) - log1p(exp(-|x|)), no overflow either way */
+static inline float log_sigmoid(float x) {
+    return (x < 0.f ? x : 0.f) - log1pf(expf(-fabsf(x)));
+}
+
+/* xLSTM's mLSTM (mlstm.py), per sequence s and head h with the state packed as [dqk + 1, dv + 1]
+ * (C in [:dqk, :dv], n in column dv, m in the corner [dqk, dv]; zeros are the empty state):
+ *   m' = max(log sigmoid(f) + m, i);  a = exp(log sigmoid(f) + m - m');  b = exp(i - m')
+ *   C' = a C + b k v^T;  n' = a n + b k;  y = (q~ C') / (max(|q~ . n'|, exp(-m')) + eps),  q~ = q / sqrt(dqk)
+ * one pass over C per token. q / k [rows, nh, dqk] (row strides ldq / ldk), v [rows, nh, dv] (ldv),
+ * i / f [rows, nh] (ldi / ldf), state [num_slots, nh, dqk + 1, dv + 1] contiguous, y [rows, nh, dv]
+ * contiguous. */
+int ad_mlstm_f32(const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v, int64_t ldv,
+                 const float* ig, int64_t ldi, const float* fg, int64_t ldf, float* state, int64_t num_slots,
+                 const int32_t* cu, int64_t rows, const int32_t* slots, const uint8_t* carry, float* y, int64_t n,
+                 int64_t nh, int64_t dqk, int64_t dv, float eps, int nthreads) {
+    const int rc = check_step(cu, slots, n, rows, num_slots);
+    if (rc) return rc;
+    const int64_t width = dv + 1;
+    const float scale = 1.0f / sqrtf((float)dqk);
+#pragma omp parallel for schedule(dynamic, 1) if (cu[n] * nh * dqk * dv >= 65536) num_threads(nthreads)
+    for (int64_t i = 0; i < n * nh; ++i) {
+        const int64_t s = i / nh, h = i % nh;
+        float* S = state + ((int64_t)slots[s] * nh + h) * (dqk + 1) * width;
+        if (!carry[s] && cu[s + 1] > cu[s]) memset(S, 0, (size_t)((dqk + 1) * width) * sizeof(float));
+        for (int64_t r = cu[s]; r < cu[s + 1]; ++r) {
+            const float* qr = q + r * ldq + h * dqk;
+            const float* kr = k + r * ldk + h * dqk;
+            const float* vr = v + r * ldv + h * dv;
+            float* out = y + (r * nh + h) * dv;
+            const float m = S[dqk * width + dv], lf = log_sigmoid(fg[r * ldf + h]), in = ig[r * ldi + h];
+            const float m_new = lf + m > in ? lf + m : in;
+            const float a = expf(lf + m - m_new), b = expf(in - m_new);
+            float qn = 0.f;
+            for (int64_t j = 0; j < dv; ++j) out[j] = 0.f;
+            for (int64_t c = 0; c < dqk; ++c) {
+                float* row = S + c * width;
+                const float kc = b * kr[c], qc = qr[c] * scale;
+#pragma omp simd
+                for (int64_t j = 0; j < dv; ++j) {
+                    const float next = a * row[j] + kc * vr[j];
+                    row[j] = next;
+                    out[j] += qc * next;
+                }
+                row[dv] = a * row[dv] + kc;
+                qn += qc * row[dv];
+            }
+            S[dqk * width + dv] = m_new;
+            const float floor = expf(-m_new), denominator = (fabsf(qn) > floor ? fabsf(qn) : floor) + eps;
+            for (int64_t j = 0; j < dv; ++j) out[j] /= denominator;
+        }
+        /* the packing's unused entries [dqk, :dv] are zeros, as the torch path stores them */
+        if (cu[s + 1] > cu[s]) memset(S + dqk * width, 0, (size_t)dv * sizeof(float));
+    }
+    zero_tail(y, cu[n], rows, nh * dv);
+    return 0;
+}
