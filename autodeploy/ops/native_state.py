@@ -34,6 +34,12 @@ def _step_layout(cu: Tensor, slots: Tensor, carry: Tensor) -> bool:
             and slots.stride(0) == 1 and carry.stride(0) == 1 and cu.stride(0) == 1)
 
 
+def _cache_fits(state: Tensor, shape: Tuple[int, ...]) -> bool:
+    """A float32, contiguous CPU state cache of ``[num_slots, *shape]``."""
+    return (state.dtype == torch.float32 and state.is_cpu and tuple(state.shape[1:]) == shape
+            and state.is_contiguous())
+
+
 def _rows(t: Tensor, inner: Tuple[int, ...]) -> Optional[Tensor]:
     """``t [rows, *inner]`` (float32, CPU; ``inner`` one or two dims) itself when each row is laid
     out contiguously (any row stride: a split of a wider projection is), else a contiguous copy;
@@ -68,11 +74,11 @@ def mamba2_step(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tenso
     heads]``, ``B``/``C [rows, groups, dstate]``, ``A``/``D [heads]`` -> ``y [rows, heads, head_dim]``
     float32; None, with nothing written, when the kernel cannot take these inputs."""
     lib = loaded()
-    if lib is None or x.dim() != 3 or B.dim() != 3 or state.dtype != torch.float32 or not state.is_cpu:
+    if lib is None or x.dim() != 3 or B.dim() != 3:
         return None
     rows, heads, head_dim = x.shape
     groups, dstate = B.shape[1], B.shape[2]
-    if not groups or heads % groups or state.shape[1:] != (heads, head_dim, dstate) or not state.is_contiguous():
+    if not groups or heads % groups or not _cache_fits(state, (heads, head_dim, dstate)):
         return None
     x, dt = _rows(x, (heads, head_dim)), _rows(dt, (heads,))
     B, C = _rows(B, (groups, dstate)), _rows(C, (groups, dstate))
@@ -95,11 +101,11 @@ def mamba_step(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, A: Tensor, D: Tensor
     dstate]`` (all <= 0), ``D [c]`` -> ``y [rows, c]`` float32; None, with nothing written, when the
     kernel cannot take these inputs."""
     lib = loaded()
-    if lib is None or x.dim() != 2 or B.dim() != 2 or state.dtype != torch.float32 or not state.is_cpu:
+    if lib is None or x.dim() != 2 or B.dim() != 2:
         return None
     rows, c = x.shape
     dstate = B.shape[1]
-    if state.shape[1:] != (c, dstate) or not state.is_contiguous():
+    if not _cache_fits(state, (c, dstate)):
         return None
     x, dt, B, C = _rows(x, (c,)), _rows(dt, (c,)), _rows(B, (dstate,)), _rows(C, (dstate,))
     A, D = _vector(A, c * dstate), _vector(D, c)
@@ -128,8 +134,7 @@ def conv_step(x: Tensor, windows: Tensor, weight: Tensor, bias: Optional[Tensor]
         return None
     rows, c = x.shape
     k = weight.shape[-1]
-    if (windows.shape[1:] != (c, k - 1) or windows.dtype != torch.float32 or not windows.is_cpu
-            or not windows.is_contiguous()):
+    if not _cache_fits(windows, (c, k - 1)):
         return None
     x, weight, taken_bias = _rows(x, (c,)), _vector(weight, c * k), None if bias is None else _vector(bias, c)
     if x is None or weight is None or (bias is not None and taken_bias is None) or not _step_layout(cu, slots, carry):
@@ -152,12 +157,11 @@ def fast_weight_step(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor
     ``log_decay`` None, ``[rows, h]``, ``[rows, h, 1]`` or ``[rows, h, dk]`` -> ``y [rows, h, dv]``
     float32; None, with nothing written, when the kernel cannot take these inputs."""
     lib = loaded()
-    if lib is None or q.dim() != 3 or v.dim() != 3 or state.dtype != torch.float32 or not state.is_cpu:
+    if lib is None or q.dim() != 3 or v.dim() != 3:
         return None
     rows, h, dv = v.shape
     hk, dk = q.shape[1], q.shape[2]
-    if (not hk or h % hk or state.shape[1:] != (h, dk, dv) or not state.is_contiguous() or dk > 1024
-            or dv > 1024):
+    if not hk or h % hk or not _cache_fits(state, (h, dk, dv)) or dk > 1024 or dv > 1024:
         return None
     q, k, v = _rows(q, (hk, dk)), _rows(k, (hk, dk)), _rows(v, (h, dv))
     width = 0
@@ -186,11 +190,9 @@ def diagonal_recurrence_step(x: Tensor, a: Tensor, state: Tensor, cu: Tensor, sl
     sequences, ``x``/``a [rows, w]``, updating ``state [num_slots, w]`` in place -> ``y [rows, w]``
     float32; None, with nothing written, when the kernel cannot take these inputs."""
     lib = loaded()
-    if lib is None or x.dim() != 2 or state.dtype != torch.float32 or not state.is_cpu:
+    if lib is None or x.dim() != 2 or not _cache_fits(state, (x.shape[1],)):
         return None
     rows, w = x.shape
-    if state.shape[1:] != (w,) or not state.is_contiguous():
-        return None
     x, a = _rows(x, (w,)), _rows(a, (w,))
     if x is None or a is None or not _step_layout(cu, slots, carry):
         return None
@@ -208,11 +210,9 @@ def wkv_step(time_decay: Tensor, time_first: Tensor, k: Tensor, v: Tensor, state
     [num_slots, 3, c]`` (numerator, denominator, exponent) in place -> ``y [rows, c]`` float32;
     None, with nothing written, when the kernel cannot take these inputs."""
     lib = loaded()
-    if lib is None or k.dim() != 2 or state.dtype != torch.float32 or not state.is_cpu:
+    if lib is None or k.dim() != 2 or not _cache_fits(state, (3, k.shape[1])):
         return None
     rows, c = k.shape
-    if state.shape[1:] != (3, c) or not state.is_contiguous():
-        return None
     k, v = _rows(k, (c,)), _rows(v, (c,))
     time_decay, time_first = _vector(time_decay, c), _vector(time_first, c)
     if k is None or v is None or time_decay is None or time_first is None or not _step_layout(cu, slots, carry):
@@ -232,11 +232,11 @@ def mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, state: Ten
     dqk + 1, dv + 1]`` in place -> ``y [rows, nh, dv]`` float32; None, with nothing written, when the
     kernel cannot take these inputs."""
     lib = loaded()
-    if lib is None or q.dim() != 3 or v.dim() != 3 or state.dtype != torch.float32 or not state.is_cpu:
+    if lib is None or q.dim() != 3 or v.dim() != 3:
         return None
     rows, nh, dqk = q.shape
     dv = v.shape[2]
-    if state.shape[1:] != (nh, dqk + 1, dv + 1) or not state.is_contiguous():
+    if not _cache_fits(state, (nh, dqk + 1, dv + 1)):
         return None
     q, k, v = _rows(q, (nh, dqk)), _rows(k, (nh, dqk)), _rows(v, (nh, dv))
     i, f = _rows(i, (nh,)), _rows(f, (nh,))
