@@ -139,8 +139,8 @@ def torch_cached_linear_attention(
         return native_state.fast_weight_step(q_, k_, v_, g_, None, state_cache, cu, slots, carry, scale, False)
 
     # the driver's output takes the first input's shape and dtype: v's shape in q's dtype. Prefills take
-    # the chunked scan: at MiniMax's [64, 128, 128] state its GEMMs beat the kernel's token-by-token walk
-    # from ~512 tokens (benchmarks/RESULTS.md), which wins only on short prompts.
+    # the chunked scan: at MiniMax's [64, 128, 128] state its GEMMs match or beat the kernel's
+    # token-by-token walk from ~128 tokens (benchmarks/RESULTS.md); the kernel wins only short prompts.
     in_place = state_cache.dtype == torch.float32
     return scan_each_sequence(scan, [v.to(q.dtype), q, k, g], batch_info, seq_len, cu_seqlen, slot_idx,
                               use_initial_state, state_cache, step=step if in_place else None,
