@@ -8,8 +8,9 @@ attention. Each wrapper takes the step's per-token rows (``[rows, ...]``, possib
 graph's splits of one projection), the state cache, the sequences' row offsets ``cu [n + 1]`` and
 slots ``[n]`` (int32) and carry flags ``[n]`` (bool: False starts from a zero state whatever the
 slot holds), and returns the outputs ``[rows, ...]`` as float32, or None, having written nothing,
-when the kernel cannot take the inputs (not float32 on the CPU, a non-contiguous cache, no library:
-``native.load``); the caller then takes its torch path. A slot outside the cache raises
+when the kernel cannot take the inputs (not on the CPU, a cache not float32 or not contiguous, no
+library: ``native.load``); the caller then takes its torch path. Half-precision inputs are read as
+float32 (the references compute in float32 too). A slot outside the cache raises
 ``IndexError`` and offsets that do not fit the rows ``ValueError``, before anything is written.
 The wrappers run once per layer of every step, so they check with the cheap tensor properties.
 """
@@ -40,22 +41,30 @@ def _cache_fits(state: Tensor, shape: Tuple[int, ...]) -> bool:
             and state.is_contiguous())
 
 
+# Input dtypes the wrappers take: half-precision rows are read as float32 copies, which is what the
+# torch references do first (they compute in float32 and round only the output, as the driver does
+# with the kernel's float32 output).
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _rows(t: Tensor, inner: Tuple[int, ...]) -> Optional[Tensor]:
-    """``t [rows, *inner]`` (float32, CPU; ``inner`` one or two dims) itself when each row is laid
-    out contiguously (any row stride: a split of a wider projection is), else a contiguous copy;
-    None for another shape, dtype or device."""
-    if t.shape[1:] != inner or t.dtype != torch.float32 or not t.is_cpu:
+    """``t [rows, *inner]`` (CPU; ``inner`` one or two dims) as float32: itself when it is float32
+    and each row is laid out contiguously (any row stride: a split of a wider projection is), else a
+    contiguous float32 copy; None for another shape, dtype or device."""
+    if t.shape[1:] != inner or t.dtype not in _INPUT_DTYPES or not t.is_cpu:
         return None
+    if t.dtype != torch.float32:
+        return t.float().contiguous()
     if t.stride(-1) != 1 or (len(inner) == 2 and inner[0] > 1 and t.stride(1) != inner[1]):
         return t.contiguous()
     return t
 
 
 def _vector(t: Tensor, size: int) -> Optional[Tensor]:
-    """A float32 CPU vector of ``size`` (its view as one, made contiguous), or None."""
-    if t.numel() != size or t.dtype != torch.float32 or not t.is_cpu:
+    """A contiguous float32 CPU vector of ``size`` (``t`` viewed as one, converted), or None."""
+    if t.numel() != size or t.dtype not in _INPUT_DTYPES or not t.is_cpu:
         return None
-    return t.reshape(size).contiguous()
+    return t.reshape(size).float().contiguous()
 
 
 def _raise_for(rc: int, what: str, cu: Tensor, slots: Tensor, num_slots: int, rows: int) -> None:
@@ -130,7 +139,8 @@ def conv_step(x: Tensor, windows: Tensor, weight: Tensor, bias: Optional[Tensor]
     in place -> ``y [rows, c]`` float32, activation (None or ``'silu'``) applied; None, with nothing
     written, when the kernel cannot take these inputs."""
     lib = loaded()
-    if lib is None or activation not in _CONV_ACTIVATIONS or x.dim() != 2:
+    # the conv runs in the weight's dtype (``causal_conv.py``): the kernel's float32 only for float32 taps
+    if lib is None or activation not in _CONV_ACTIVATIONS or x.dim() != 2 or weight.dtype != torch.float32:
         return None
     rows, c = x.shape
     k = weight.shape[-1]

@@ -245,11 +245,13 @@ def test_a_native_step_rejects_bad_metadata_and_writes_nothing(name):
 
 @needs_native
 def test_the_native_steps_decline_what_they_cannot_take():
-    """A bfloat16 input or state, an int64 slot list, an unknown activation: None, the caller's torch path."""
+    """A bfloat16 state or conv weight, an int64 slot list, an unknown activation: None, the caller's
+    torch path."""
     x, cache = torch.randn(2, H * P), torch.randn(3, H * P, 3)
     cu, slots, carry = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), \
         torch.tensor([True, True])
-    assert native_state.conv_step(x.bfloat16(), cache, CONV_W, None, None, cu, slots, carry) is None
+    assert native_state.conv_step(x, cache.bfloat16(), CONV_W, None, None, cu, slots, carry) is None
+    assert native_state.conv_step(x, cache, CONV_W.bfloat16(), None, None, cu, slots, carry) is None
     assert native_state.conv_step(x, cache, CONV_W, None, None, cu, slots.long(), carry) is None
     assert native_state.conv_step(x, cache, CONV_W, None, "gelu", cu, slots, carry) is None
     assert native_state.conv_step(x, cache, CONV_W, None, None, cu, slots, carry) is not None
@@ -272,3 +274,31 @@ def test_rows_of_no_sequence_come_back_zero(name):
         y = step_all(torch.randn(3, *shape))(tokens, torch.tensor([0, 1, 2], **i32), torch.tensor([0, 1], **i32),
                                              torch.tensor([True, False]))
         assert y.shape[0] == 3 and torch.equal(y[2], torch.zeros_like(y[2])) and y[:2].abs().sum() > 0
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["mamba2", "mamba1", "gated_delta_rule", "linear_attention", "diagonal_recurrence",
+                                  "wkv", "mlstm", "conv"])
+def test_half_precision_inputs_take_the_kernel_as_the_references_compute(name):
+    """bfloat16 token inputs (a bf16 model's activations) over a float32 state: the kernel reads them
+    as float32, as the references do, and equals the torch paths (the driver rounds both outputs to
+    bf16); the conv with float32 taps too."""
+    make, scan, step_all, shape = _native_case(name)
+    lengths, slots, carries = [4, 1, 1], [1, 3, 0], [False, True, False]
+    parts = [make(n) for n in lengths]
+    tokens = [torch.cat([p[j] for p in parts], dim=1).bfloat16() for j in range(len(parts[0]))]
+    meta = _metadata(lengths, slots, carries, 1)
+    cache = torch.randn(5, *shape).abs()
+    reference_cache, native_cache = cache.clone(), cache.clone()
+    reference = causal_conv.scan_each_sequence(scan, tokens, *meta, reference_cache)
+    results = []
+
+    def kernel(*args):
+        results.append(step_all(native_cache)(*args))
+        return results[-1]
+
+    mine = causal_conv.scan_each_sequence(scan, tokens, *meta, native_cache, step_all=kernel)
+    assert len(results) == 1 and results[0] is not None and results[0].dtype == torch.float32
+    assert mine.dtype == torch.bfloat16 == reference.dtype
+    torch.testing.assert_close(mine.float(), reference.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(native_cache, reference_cache, rtol=1e-4, atol=1e-4)
