@@ -61,10 +61,14 @@ def _rows(t: Tensor, inner: Tuple[int, ...]) -> Optional[Tensor]:
 
 
 def _vector(t: Tensor, size: int) -> Optional[Tensor]:
-    """A contiguous float32 CPU vector of ``size`` (``t`` viewed as one, converted), or None."""
-    if t.numel() != size or t.dtype not in _INPUT_DTYPES or not t.is_cpu:
+    """``t`` (``size`` elements, CPU) as contiguous float32 memory: itself when it already is (the
+    kernels read the pointer, whatever the shape: a ``[c, 1, k]`` conv weight is ``[c * k]``), else a
+    converted copy; None for another size, dtype or device."""
+    if t.numel() != size or not t.is_cpu:
         return None
-    return t.reshape(size).float().contiguous()
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t
+    return t.reshape(size).float().contiguous() if t.dtype in _INPUT_DTYPES else None
 
 
 def _raise_for(rc: int, what: str, cu: Tensor, slots: Tensor, num_slots: int, rows: int) -> None:
