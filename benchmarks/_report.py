@@ -47,7 +47,10 @@ def grouped_bars(path: str, rows: List[Dict[str, Any]], group: str, value: str, 
         vals = [next((r[value] for r in rows if r["engine"] == name and r[group] == g), float("nan")) for g in groups]
         ax.bar([x + i * width for x in range(len(groups))], vals, width, label=name)
     ax.set_xticks([x + width * (len(engines) - 1) / 2 for x in range(len(groups))])
-    ax.set_xticklabels(list(labels))
+    if len(groups) > 5:  # long lists of labels: slanted, so that they do not run into each other
+        ax.set_xticklabels(list(labels), rotation=30, ha="right")
+    else:
+        ax.set_xticklabels(list(labels))
     ax.set_ylabel(ylabel)
     if log:
         ax.set_yscale("log")

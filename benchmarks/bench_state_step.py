@@ -248,7 +248,7 @@ def main() -> None:
     ops = list(dict.fromkeys(r["op"] for r in rows))
     one = [dict(r, group=ops.index(r["op"])) for r in rows if r["batch"] == rows[0]["batch"]]
     grouped_bars(os.path.join(os.path.dirname(os.path.abspath(__file__)), "state-step.png"), one, "group", "ms",
-                 ops, f"ms per decode step, one layer, batch {rows[0]['batch']} (log scale)",
+                 ops, f"ms a decode step, one layer, batch {rows[0]['batch']}",
                  "scan_each_sequence: batched vs in place vs C kernel (CPU)", log=True)
 
 
