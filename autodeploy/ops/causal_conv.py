@@ -145,31 +145,39 @@ def scan_each_sequence(
         y, final = scan([t[:, rows] for t in tokens], initial)
         out[:, rows] = y.to(out.dtype)
         state_cache[slot].copy_(final[0])
-    num_single = num_seqs - num_prefill
-    rows = slice(first_single, first_single + num_single)
-    y = None
-    if num_single and step_all is not None and on_cpu and not step_all_prefills:  # the decodes after prefills
-        y = step_all([t[0, rows] for t in tokens], torch.arange(num_single + 1, dtype=torch.int32),
-                     slot_idx[num_prefill:num_seqs], use_initial_state[num_prefill:num_seqs])
+    if num_seqs > num_prefill:
+        _one_token_rows(scan, step, step_all if on_cpu and not step_all_prefills else None, tokens, out, first_single,
+                        slot_idx[num_prefill:num_seqs], use_initial_state[num_prefill:num_seqs], state_cache)
+    return out
+
+
+def _one_token_rows(scan: ScanFn, step: Optional[StepFn], step_all: Optional[StepAllFn], tokens: Sequence[Tensor],
+                    out: Tensor, first: int, slots: Tensor, carry: Tensor, state_cache: Tensor) -> None:
+    """``scan_each_sequence``'s one-token sequences, rows ``first ..`` of ``out``: through ``step_all``
+    when given and it takes them; else on CPU one by one in place (``step``) when there are few or
+    their states are large; else as one batch gathered from the cache and scattered back."""
+    n = slots.shape[0]
+    rows = slice(first, first + n)
+    if step_all is not None:
+        y = step_all([t[0, rows] for t in tokens], torch.arange(n + 1, dtype=torch.int32), slots, carry)
+        if y is not None:
+            out[0, rows] = y.to(out.dtype)
+            return
     state_bytes = state_cache[0].numel() * state_cache.element_size()
-    if y is not None:
-        out[0, rows] = y.to(out.dtype)
-    elif num_single and step is not None and on_cpu and (
-            num_single <= IN_PLACE_ANY_STATE or state_bytes >= IN_PLACE_MIN_BYTES):
-        slots, carries = host_lists(slot_idx[num_prefill:], use_initial_state[num_prefill:])
-        for row, slot, carry in zip(range(first_single, first_single + num_single), slots, carries):
+    if step is not None and state_cache.device.type == "cpu" and (
+            n <= IN_PLACE_ANY_STATE or state_bytes >= IN_PLACE_MIN_BYTES):
+        for row, slot, keep in zip(range(first, first + n), *host_lists(slots, carry)):
             state = state_cache[slot]
-            if not carry:
+            if not keep:
                 state.zero_()
             out[0, row] = step([t[0, row] for t in tokens], state).to(out.dtype)
-    elif num_single:
-        slots_t = slot_idx[num_prefill:].long()
-        carry_t = use_initial_state[num_prefill:].to(torch.bool).reshape(-1, *([1] * (state_cache.dim() - 1)))
-        initial = state_cache.index_select(0, slots_t).masked_fill_(~carry_t, 0)
-        y, final = scan([t[0, rows].unsqueeze(1) for t in tokens], initial)  # row i = sequence i, 1 token
-        out[0, rows] = y[:, 0].to(out.dtype)
-        state_cache.index_copy_(0, slots_t, final.to(state_cache.dtype))
-    return out
+        return
+    slots_t = slots.long()
+    keep_t = carry.to(torch.bool).reshape(-1, *([1] * (state_cache.dim() - 1)))
+    initial = state_cache.index_select(0, slots_t).masked_fill_(~keep_t, 0)
+    y, final = scan([t[0, rows].unsqueeze(1) for t in tokens], initial)  # row i = sequence i, 1 token
+    out[0, rows] = y[:, 0].to(out.dtype)
+    state_cache.index_copy_(0, slots_t, final.to(state_cache.dtype))
 
 
 @torch.library.custom_op("autodeploy::torch_cached_causal_conv1d", mutates_args=("conv_state",))

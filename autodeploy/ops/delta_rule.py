@@ -246,9 +246,8 @@ def _cached(
 
     # The driver's output takes the first input's shape and dtype: v's shape in q's dtype, as HF.
     tokens = [v.to(q.dtype), q, k, beta] + ([] if log_decay is None else [log_decay])
-    in_place = state_cache.dtype == torch.float32
     return scan_each_sequence(scan, tokens, batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
-                              state_cache, step=step if in_place else None, step_all=step_all if in_place else None)
+                              state_cache, step=step if state_cache.dtype == torch.float32 else None, step_all=step_all)
 
 
 @torch.library.custom_op("autodeploy::torch_cached_gated_delta_rule", mutates_args=("state_cache",))

@@ -141,10 +141,9 @@ def torch_cached_linear_attention(
     # the driver's output takes the first input's shape and dtype: v's shape in q's dtype. Prefills take
     # the chunked scan: at MiniMax's [64, 128, 128] state its GEMMs match or beat the kernel's
     # token-by-token walk from ~128 tokens (benchmarks/RESULTS.md); the kernel wins only short prompts.
-    in_place = state_cache.dtype == torch.float32
     return scan_each_sequence(scan, [v.to(q.dtype), q, k, g], batch_info, seq_len, cu_seqlen, slot_idx,
-                              use_initial_state, state_cache, step=step if in_place else None,
-                              step_all=step_all if in_place else None, step_all_prefills=False)
+                              use_initial_state, state_cache, step=step if state_cache.dtype == torch.float32 else None,
+                              step_all=step_all, step_all_prefills=False)
 
 
 @torch_cached_linear_attention.register_fake

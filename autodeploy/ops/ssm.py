@@ -209,9 +209,8 @@ def torch_cached_ssm(
     def step_all(tokens: Sequence[Tensor], cu: Tensor, slots: Tensor, carry: Tensor) -> Optional[Tensor]:
         return native_state.mamba2_step(*tokens, A, D, ssm_state, cu, slots, carry)
 
-    in_place = ssm_state.dtype == torch.float32
     return scan_each_sequence(scan, [x, dt, B, C], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
-                              ssm_state, step=step if in_place else None, step_all=step_all if in_place else None)
+                              ssm_state, step=step if ssm_state.dtype == torch.float32 else None, step_all=step_all)
 
 
 @torch_cached_ssm.register_fake
@@ -288,9 +287,8 @@ def torch_cached_ssm_mamba1(
     def step_all(tokens: Sequence[Tensor], cu: Tensor, slots: Tensor, carry: Tensor) -> Optional[Tensor]:
         return native_state.mamba_step(*tokens, A, D, ssm_state, cu, slots, carry)
 
-    in_place = ssm_state.dtype == torch.float32
     return scan_each_sequence(scan, [x, dt, B, C], batch_info, seq_len, cu_seqlen, slot_idx, use_initial_state,
-                              ssm_state, step=step if in_place else None, step_all=step_all if in_place else None)
+                              ssm_state, step=step if ssm_state.dtype == torch.float32 else None, step_all=step_all)
 
 
 @torch_cached_ssm_mamba1.register_fake
